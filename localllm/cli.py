@@ -1,0 +1,237 @@
+"""The `localllm` command. It parses, calls the layers below and prints; nothing more.
+
+Exit codes (PRODUCT.md): 0 success, 1 user error (one plain line on stderr, no traceback),
+2 usage error, 130 interrupted. Heavy modules (torch, llama_cpp, textual) are imported inside the
+commands that need them, never at module level: `localllm --help` must start fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import click
+import typer
+
+from localllm import __version__
+from localllm.errors import LocalLLMError
+
+app = typer.Typer(
+    name="localllm",
+    help="Run language models on your own machine.",
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print stable JSON instead of text.")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"localllm {__version__}")
+        raise typer.Exit()
+
+
+@app.callback(invoke_without_command=True)
+def _root(
+    ctx: typer.Context,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")
+    ] = False,
+) -> None:
+    if ctx.invoked_subcommand is None:
+        # The terminal app opens here once it lands; until then, say what there is.
+        print(ctx.get_help())
+
+
+def _store():  # noqa: ANN202 - imported lazily to keep --help light
+    from localllm.models_registry.store import Store
+
+    return Store()
+
+
+def _emit_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True))
+
+
+@app.command("list")
+def list_models(json_out: JsonFlag = False) -> None:
+    """List local models: name, arch, params, quant, size, context."""
+    from localllm.model_info import human_bytes, human_params
+
+    records = _store().list()
+    if json_out:
+        _emit_json([_record_json(r) for r in records])
+        return
+    if not records:
+        print("No local models. Try `localllm pull smollm2` or `localllm import FILE.gguf`.")
+        return
+    rows = [("NAME", "ARCH", "PARAMS", "QUANT", "SIZE", "CONTEXT", "SOURCE")]
+    for r in records:
+        i = r.info
+        rows.append((r.name, i.architecture, human_params(i.parameters), i.quant,
+                     human_bytes(r.size), str(i.context_length), r.source))  # fmt: skip
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+
+
+def _record_json(r: Any) -> dict[str, Any]:
+    i = r.info
+    return {
+        "name": r.name,
+        "digest": f"sha256:{r.digest}",
+        "size": r.size,
+        "source": r.source,
+        "added": r.added,
+        "architecture": i.architecture,
+        "parameters": i.parameters,
+        "quant": i.quant,
+        "context_length": i.context_length,
+    }
+
+
+@app.command()
+def show(
+    model: Annotated[str, typer.Argument(help="Model name, e.g. smollm2 or smollm2:135m-instruct-q4_1.")],
+    ctx: Annotated[int | None, typer.Option("--ctx", help="Context length for the memory estimate.")] = None,
+    kv_cache: Annotated[
+        str, typer.Option("--kv-cache", help="KV cache type: f16, q8_0, q4_0, int8, int4, fp8 or k=..,v=..")
+    ] = "f16",
+    json_out: JsonFlag = False,
+) -> None:
+    """Show a model's metadata, chat template, memory estimate and whether it fits."""
+    from localllm.gguf_file import GGUFFile
+    from localllm.memory import estimate
+    from localllm.model_info import human_bytes, human_params, model_info
+    from localllm.models_registry.catalog import ensure_local
+
+    store = _store()
+    record = ensure_local(model, store)
+    path = store.path_of(record)
+    with GGUFFile(path) as gf:
+        info = model_info(gf)
+        template = gf.get("tokenizer.chat_template")
+    est = estimate(info, ctx=ctx, kv_cache=kv_cache)
+    if json_out:
+        _emit_json(
+            _record_json(record)
+            | {"path": str(path), "info": info.to_dict(), "chat_template": template,
+               "memory": est.to_dict()}  # fmt: skip
+        )
+        return
+    kv_heads = sorted(set(info.kv_heads))
+    facts = [
+        ("name", record.name),
+        ("model", info.name or "-"),
+        ("architecture", info.architecture),
+        ("parameters", f"{human_params(info.parameters)} ({info.parameters:,})"),
+        ("quantization", info.quant),
+        ("context length", f"{info.context_length:,}"),
+        ("layers", str(info.n_layers)),
+        ("embedding", str(info.n_embd)),
+        ("heads", f"{info.n_heads} (KV heads {', '.join(map(str, kv_heads))})"),
+        ("head dim", f"{info.head_dim_k}" + (f"/{info.head_dim_v}" if info.head_dim_v != info.head_dim_k else "")),
+        ("vocabulary", f"{info.vocab_size:,}"),
+        ("license", info.license or "-"),
+        ("size", f"{human_bytes(record.size)} ({record.size:,} bytes)"),
+        ("digest", f"sha256:{record.digest}"),
+        ("source", record.source),
+        ("file", str(path)),
+    ]
+    if info.sliding_window:
+        facts.insert(8, ("sliding window", f"{info.sliding_window:,}"))
+    for k, v in facts:
+        print(f"  {k:<15} {v}")
+    print()
+    kv = est.type_k if est.type_k == est.type_v else f"k={est.type_k},v={est.type_v}"
+    print(f"Memory at context {est.ctx:,}, KV cache {kv} (llama.cpp):")
+    for label, n in (("weights", est.weights_bytes), ("KV cache", est.kv_bytes),
+                     ("compute", est.compute_bytes)):  # fmt: skip
+        print(f"  {label:<15} {human_bytes(n):>11}")
+    verdict = "fits" if est.fits else "does NOT fit"
+    print(f"  {'total':<15} {human_bytes(est.total_bytes):>11}   "
+          f"{human_bytes(est.available_bytes)} available on {est.device}: {verdict}")  # fmt: skip
+    print()
+    if isinstance(template, str):
+        print("Chat template:")
+        print(template.rstrip())
+    else:
+        print("Chat template: none in the file (ChatML is used)")
+
+
+@app.command()
+def rm(
+    model: Annotated[str, typer.Argument(help="Model name.")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+) -> None:
+    """Remove a model from the store (its file goes when no other name uses it)."""
+    from localllm.errors import ModelNotFound
+    from localllm.models_registry.catalog import find_local
+
+    store = _store()
+    record = find_local(model, store)
+    if record is None:
+        raise ModelNotFound(f"model {model!r} is not in the store")
+    if not yes:
+        if not sys.stdin.isatty():
+            raise LocalLLMError(f"not removing {record.name} without --yes (no terminal to ask)")
+        if not typer.confirm(f"Remove {record.name}?", default=False):
+            raise typer.Exit(1)
+    store.remove(record.name)
+    print(f"removed {record.name}")
+
+
+_UNSAFE = re.compile(r"[^a-z0-9._-]+")
+
+
+def _name_from_file(path: Path) -> str:
+    stem = _UNSAFE.sub("-", path.stem.lower()).strip("-._") or "model"
+    return stem[:96]
+
+
+@app.command("import")
+def import_model(
+    path: Annotated[Path, typer.Argument(help="A GGUF file to register.", show_default=False)],
+    name: Annotated[str | None, typer.Option("--name", help="Name to register it under.")] = None,
+) -> None:
+    """Register a GGUF file (hard link, no copy where possible)."""
+    from localllm.model_info import human_bytes
+
+    src = path.expanduser()
+    record = _store().add_file(src, name or _name_from_file(src), source=f"file:{src.resolve()}")
+    print(f"imported {record.name} ({record.info.architecture}, {record.info.quant}, "
+          f"{human_bytes(record.size)})")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the command; errors become one line and an exit code."""
+    command = typer.main.get_command(app)
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        rc = command.main(args, prog_name="localllm", standalone_mode=False)
+    except LocalLLMError as e:
+        print(f"error: {e}", file=sys.stderr)
+        rc = 1
+    except click.exceptions.Exit as e:
+        rc = e.exit_code
+    except click.UsageError as e:
+        e.show()
+        rc = 2
+    except click.ClickException as e:
+        e.show()
+        rc = e.exit_code
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        print("interrupted", file=sys.stderr)
+        rc = 130
+    except BrokenPipeError:
+        # stdout closed early (`localllm list | head`): not an error worth a traceback
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        rc = 0
+    sys.exit(rc if isinstance(rc, int) else 0)

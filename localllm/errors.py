@@ -1,0 +1,38 @@
+"""Errors a user can meet. Each front door turns them into one plain line (and exit code 1)."""
+
+from __future__ import annotations
+
+import os
+
+
+class LocalLLMError(Exception):
+    """Base class: the message is the whole story, shown to the user as one line."""
+
+
+class GGUFFormatError(LocalLLMError):
+    """A file is not a GGUF we can trust: names the file and the reason."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+        self.path = os.fspath(path)
+        self.reason = reason
+        super().__init__(f"{os.path.basename(self.path)}: not a valid GGUF file: {reason}")
+
+
+class InvalidName(LocalLLMError):
+    """A model name that could become a path or is otherwise malformed."""
+
+
+class ModelNotFound(LocalLLMError):
+    """No local model and no catalog entry for a name."""
+
+
+class StoreError(LocalLLMError):
+    """The store cannot do what was asked (disk full, locked, inconsistent input)."""
+
+
+class DoesNotFit(LocalLLMError):
+    """A model with its context does not fit in the memory available."""
+
+
+class TemplateError(LocalLLMError):
+    """A chat template failed, escaped its sandbox, ran too long or produced too much."""

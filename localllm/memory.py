@@ -1,0 +1,174 @@
+"""Memory estimate: will this model, at this context and KV-cache type, fit?
+
+total = weights (the GGUF's tensor bytes)
+      + KV cache  (per layer: ctx × kv_heads × head_dim bytes, for K and for V, GQA aware)
+      + compute   (llama.cpp's scheduler buffer: dominated by f32 logits for one micro-batch)
+
+Checked against llama.cpp's own report for the same file, context and cache type (see
+tests/test_memory.py): KV bytes match exactly, compute within a few percent.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from localllm.errors import LocalLLMError
+from localllm.gguf_file import GGML_TYPE_BY_NAME
+from localllm.model_info import ModelInfo
+
+# Cache element types: llama.cpp's ggml types by name, plus the torch engine's own.
+# The torch types keep one f16 scale and one f16 zero point per group of 64 elements.
+_TORCH_GROUP = 64
+_TORCH_KV_BYTES = {"int8": 1 + 4 / _TORCH_GROUP, "int4": 0.5 + 4 / _TORCH_GROUP, "fp8": 1.0}
+_LLAMACPP_KV = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+KV_CACHE_TYPES: tuple[str, ...] = _LLAMACPP_KV + tuple(_TORCH_KV_BYTES)
+
+DEFAULT_CTX = 4096  # what `run` and `show` use unless --ctx says otherwise (capped by the model)
+LLAMACPP_CTX_PAD = 256  # llama.cpp rounds the context up to a multiple of this
+DEFAULT_UBATCH = 512  # llama.cpp's default micro-batch
+
+
+def parse_kv_cache(spec: str) -> tuple[str, str]:
+    """`f16` → (f16, f16); `k=q8_0,v=f16` → (q8_0, f16). Raises a one-line error otherwise."""
+    spec = spec.strip().lower()
+    if "=" not in spec:
+        k = v = spec
+    else:
+        parts = dict(p.split("=", 1) if "=" in p else ("", p) for p in spec.split(","))
+        if set(parts) != {"k", "v"}:
+            raise LocalLLMError(f"bad --kv-cache {spec!r}: use TYPE or k=TYPE,v=TYPE")
+        k, v = parts["k"].strip(), parts["v"].strip()
+    for t in (k, v):
+        if t not in KV_CACHE_TYPES:
+            raise LocalLLMError(
+                f"unknown KV cache type {t!r} (choose from {', '.join(KV_CACHE_TYPES)})"
+            )
+    return k, v
+
+
+def _row_bytes(cache_type: str, n: int) -> float:
+    """Bytes for one row of `n` elements, as ggml_row_size does for block types."""
+    if cache_type in _TORCH_KV_BYTES:
+        return n * _TORCH_KV_BYTES[cache_type]
+    t = GGML_TYPE_BY_NAME[cache_type.upper()]
+    return -(-n // t.block_size) * t.type_size
+
+
+def kv_cache_bytes(info: ModelInfo, ctx: int, type_k: str = "f16", type_v: str = "f16") -> int:
+    """Bytes of the KV cache for `ctx` positions (one sequence)."""
+    per_token = sum(
+        _row_bytes(type_k, h * info.head_dim_k) + _row_bytes(type_v, h * info.head_dim_v)
+        for h in info.kv_heads
+    )
+    return int(per_token * ctx)
+
+
+def compute_buffer_bytes(info: ModelInfo, n_ubatch: int = DEFAULT_UBATCH) -> int:
+    """llama.cpp's compute buffer: f32 logits for a micro-batch plus the widest activation."""
+    return n_ubatch * (info.vocab_size + max(info.n_ff, 4 * info.n_embd)) * 4
+
+
+@dataclass(frozen=True)
+class Available:
+    device: str  # "cpu" or "cuda:0"
+    bytes: int
+    total: int
+
+
+def available_memory(device: str = "auto") -> Available:
+    """Free memory on `device`: RAM for cpu/mps, the GPU's free memory for cuda.
+
+    Reads nvidia-smi rather than importing torch, so `show` stays fast.
+    """
+    if device in ("auto", "cuda"):
+        gpu = _nvidia_free()
+        if gpu is not None:
+            return gpu
+        if device == "cuda":
+            raise LocalLLMError("no CUDA GPU found (nvidia-smi reports none)")
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return Available("cpu" if device != "mps" else "mps", int(vm.available), int(vm.total))
+
+
+def _nvidia_free() -> Available | None:
+    if "torch" in sys.modules:  # already paid for: ask torch directly
+        torch = sys.modules["torch"]
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info(0)
+            return Available("cuda:0", int(free), int(total))
+        return None
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=memory.free,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=5, check=True,
+        ).stdout.splitlines()  # fmt: skip
+        free, total = (int(x) * 1024 * 1024 for x in out[0].split(","))
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+    return Available("cuda:0", free, total)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    ctx: int
+    type_k: str
+    type_v: str
+    weights_bytes: int
+    kv_bytes: int
+    compute_bytes: int
+    device: str
+    available_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.compute_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.available_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"total_bytes": self.total_bytes, "fits": self.fits}
+
+
+def resolve_ctx(info: ModelInfo, ctx: int | None) -> int:
+    """The context a run will use: asked for, else DEFAULT_CTX capped by the model's own."""
+    if ctx is None:
+        return min(DEFAULT_CTX, info.context_length or DEFAULT_CTX)
+    if ctx <= 0:
+        raise LocalLLMError(f"--ctx must be positive, got {ctx}")
+    return ctx
+
+
+def estimate(
+    info: ModelInfo,
+    *,
+    ctx: int | None = None,
+    kv_cache: str = "f16",
+    device: str = "auto",
+    available: Available | None = None,
+) -> MemoryEstimate:
+    """Estimate what loading `info` with the llama.cpp backend needs, and what is free."""
+    n = resolve_ctx(info, ctx)
+    padded = -(-n // LLAMACPP_CTX_PAD) * LLAMACPP_CTX_PAD
+    type_k, type_v = parse_kv_cache(kv_cache)
+    avail = available or available_memory(device)
+    return MemoryEstimate(
+        ctx=n,
+        type_k=type_k,
+        type_v=type_v,
+        weights_bytes=info.weights_bytes,
+        kv_bytes=kv_cache_bytes(info, padded, type_k, type_v),
+        compute_bytes=compute_buffer_bytes(info),
+        device=avail.device,
+        available_bytes=avail.bytes,
+    )

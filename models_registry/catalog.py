@@ -1,0 +1,218 @@
+"""The built-in catalog (`catalog.toml`) and name resolution.
+
+`smollm2` → the family's default tag → `smollm2:135m-instruct-q4_1` → a repo, a file name and,
+where known, the file's size, sha256 and an installed Python package that ships it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import tomllib
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from localllm.errors import LocalLLMError, ModelNotFound
+from localllm.models_registry.names import ModelName, check_digest, parse_name
+from localllm.models_registry.store import ModelRecord, Store
+
+CATALOG_PATH = Path(__file__).with_name("catalog.toml")
+
+
+@dataclass(frozen=True)
+class KnownFile:
+    """What is known for certain about one file of a variant."""
+
+    size: int | None = None
+    sha256: str | None = None
+    package: str | None = None
+    package_file: str | None = None
+    package_parts: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Variant:
+    tag: str
+    params: str
+    context: int
+    repo: str
+    file: str  # with {QUANT} / {quant}
+    quants: tuple[str, ...]
+    default_quant: str
+    approx_size: int = 0
+    split: bool = False
+    files: dict[str, KnownFile] = field(default_factory=dict)
+
+    def filename(self, quant: str) -> str:
+        return self.file.replace("{QUANT}", quant.upper()).replace("{quant}", quant.lower())
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    description: str
+    license: str
+    default: str
+    variants: dict[str, Variant]
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """One resolved catalog file: `family:variant-quant`."""
+
+    family: Family
+    variant: Variant
+    quant: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.family.name}:{self.variant.tag}-{self.quant.lower()}"
+
+    @property
+    def filename(self) -> str:
+        return self.variant.filename(self.quant)
+
+    @property
+    def known(self) -> KnownFile:
+        return self.variant.files.get(self.quant, KnownFile())
+
+
+class Catalog:
+    def __init__(self, families: dict[str, Family]) -> None:
+        self.families = families
+
+    @classmethod
+    def load(cls, path: str | Path = CATALOG_PATH) -> Catalog:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+            return cls({name: _family(name, d) for name, d in data.items()})
+        except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as e:
+            raise LocalLLMError(f"the model catalog {path} is broken: {e}") from None
+
+    def default_tag(self, family: str) -> str | None:
+        f = self.families.get(family)
+        return f.default if f else None
+
+    def resolve(self, name: ModelName) -> CatalogEntry | None:
+        """The catalog file for `name`, or None when the catalog does not know it."""
+        fam = self.families.get(name.name)
+        if fam is None:
+            return None
+        tag = (name.tag or fam.default).lower()
+        for v in fam.variants.values():
+            if tag == v.tag.lower():
+                return CatalogEntry(fam, v, v.default_quant)
+            if tag.startswith(v.tag.lower() + "-"):
+                want = tag[len(v.tag) + 1 :]
+                for q in v.quants:
+                    if q.lower() == want:
+                        return CatalogEntry(fam, v, q)
+        return None
+
+    def tags(self, family: str) -> list[str]:
+        fam = self.families[family]
+        return [f"{v.tag}-{q.lower()}" for v in fam.variants.values() for q in v.quants]
+
+
+def _family(name: str, d: dict[str, Any]) -> Family:
+    parse_name(name)  # catalog names obey the same rules as user names
+    variants = {}
+    for tag, v in d["variants"].items():
+        files = {
+            q.upper(): KnownFile(
+                size=f.get("size"),
+                sha256=check_digest(f["sha256"]) if "sha256" in f else None,
+                package=f.get("package"),
+                package_file=f.get("package_file"),
+                package_parts=tuple((m, p) for m, p in f.get("package_parts", ())),
+            )
+            for q, f in v.get("files", {}).items()
+        }
+        variants[tag] = Variant(
+            tag=tag,
+            params=v["params"],
+            context=int(v["context"]),
+            repo=v["repo"],
+            file=v["file"],
+            quants=tuple(q.upper() for q in v["quants"]),
+            default_quant=v["default_quant"].upper(),
+            approx_size=int(v.get("approx_size", 0)),
+            split=bool(v.get("split", False)),
+            files=files,
+        )
+    return Family(name, d.get("description", ""), d.get("license", ""), d["default"], variants)
+
+
+@cache
+def default_catalog() -> Catalog:
+    return Catalog.load()
+
+
+def _package_dir(module: str) -> Path | None:
+    """Where an installed package lives, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
+
+
+def _inside(base: Path, rel: str) -> Path | None:
+    p = (base / rel).resolve()
+    return p if p.is_relative_to(base) and p.is_file() else None
+
+
+def packaged_files(known: KnownFile) -> tuple[list[Path], str] | None:
+    """The installed package files that hold this model (one file or parts), and their source."""
+    if known.package and known.package_file:
+        base = _package_dir(known.package)
+        p = _inside(base, known.package_file) if base else None
+        return ([p], f"package:{known.package}") if p else None
+    if known.package_parts:
+        parts = []
+        for module, rel in known.package_parts:
+            base = _package_dir(module)
+            p = _inside(base, rel) if base else None
+            if p is None:
+                return None
+            parts.append(p)
+        return parts, f"package:{known.package_parts[0][0].rsplit('_part', 1)[0]}"
+    return None
+
+
+def find_local(text: str, store: Store, catalog: Catalog | None = None) -> ModelRecord | None:
+    """The stored model a name means: exactly as given, else its catalog name."""
+    name = parse_name(text)
+    record = store.get(str(name))
+    if record is not None:
+        return record
+    entry = (catalog or default_catalog()).resolve(name)
+    return store.get(entry.name) if entry else None
+
+
+def ensure_local(text: str, store: Store, catalog: Catalog | None = None) -> ModelRecord:
+    """The stored model for a name, registering it from an installed package when one ships it.
+
+    Raises ModelNotFound with what to do when it is neither stored nor available offline.
+    """
+    catalog = catalog or default_catalog()
+    record = find_local(text, store, catalog)
+    if record is not None:
+        return record
+    name = parse_name(text)
+    entry = catalog.resolve(name)
+    if entry is None:
+        if name.name in catalog.families:
+            tags = ", ".join(catalog.tags(name.name)[:8])
+            raise ModelNotFound(f"{name.name} has no tag {name.tag!r} (try: {tags}, ...)")
+        if name.is_hf:
+            raise ModelNotFound(f"model {text!r} is not in the store; run `localllm pull {text}`")
+        raise ModelNotFound(f"unknown model {text!r}: not in the store nor in the catalog")
+    found = packaged_files(entry.known)
+    if found is None:
+        raise ModelNotFound(f"model {entry.name} is not in the store; run `localllm pull {entry.name}`")
+    paths, source = found
+    return store.add_file(paths, entry.name, source=source, expected_sha256=entry.known.sha256)

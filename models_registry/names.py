@@ -1,0 +1,79 @@
+"""Model names: `name[:tag]`, `hf.co/ORG/REPO[:QUANT]`, `hf.co/ORG/REPO/FILE.gguf`.
+
+Names come from users and from remote metadata, so they are checked before anything is built
+from them: no `..`, no absolute paths, no backslashes, no control or non-ASCII characters. The
+store never builds a path from a name anyway (blobs are named by digest), but a name that could
+become one is refused here, with one line saying why.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from localllm.errors import InvalidName
+
+HF_PREFIX = "hf.co/"
+DEFAULT_TAG = "latest"
+_SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
+_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class ModelName:
+    """A parsed name. `tag` is None when the user gave none (the catalog picks its default)."""
+
+    name: str  # `smollm2`, `library/foo`, or `hf.co/ORG/REPO[/FILE.gguf]`
+    tag: str | None = None
+
+    @property
+    def is_hf(self) -> bool:
+        return self.name.startswith(HF_PREFIX)
+
+    def with_tag(self, tag: str) -> ModelName:
+        return ModelName(self.name, tag)
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.tag}" if self.tag else self.name
+
+
+def parse_name(text: str) -> ModelName:
+    """Parse and validate a model name; raise InvalidName with the reason."""
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidName("empty model name")
+    raw = text.strip()
+    if len(raw) > 300:
+        raise InvalidName("model name is too long")
+    if not raw.isascii() or not raw.isprintable():
+        raise InvalidName(f"model name {raw!r} contains characters that are not allowed")
+    if raw.startswith(("/", "\\", "~")) or "\\" in raw or "//" in raw or ":/" in raw:
+        raise InvalidName(f"model name {raw!r} looks like a path; use `localllm import PATH`")
+    body, tag = raw, None
+    if ":" in raw:
+        body, tag = raw.rsplit(":", 1)
+        if not _TAG.fullmatch(tag):
+            raise InvalidName(f"bad tag {tag!r} in {raw!r} (letters, digits, '.', '_', '-')")
+    segments = body.split("/")
+    if any(s in ("", ".", "..") for s in segments):
+        raise InvalidName(f"model name {raw!r} has an empty or '..' part")
+    if body.startswith(HF_PREFIX):
+        parts = segments[1:]
+        if len(parts) not in (2, 3) or (len(parts) == 3 and not parts[2].endswith(".gguf")):
+            raise InvalidName(f"bad name {raw!r}: use hf.co/ORG/REPO[:QUANT] or hf.co/ORG/REPO/FILE.gguf")
+    elif len(segments) > 2:
+        raise InvalidName(f"model name {raw!r} has too many '/' parts")
+    else:
+        parts = segments
+    for s in parts:
+        if not _SEGMENT.fullmatch(s):
+            raise InvalidName(f"bad part {s!r} in model name {raw!r}")
+    return ModelName(body, tag)
+
+
+def check_digest(digest: str) -> str:
+    """A sha256 hex digest (optionally `sha256:`-prefixed) → the bare 64 lowercase hex chars."""
+    d = digest[7:] if digest.startswith("sha256:") else digest
+    if not _DIGEST.fullmatch(d):
+        raise InvalidName(f"bad sha256 digest {digest!r}")
+    return d

