@@ -98,10 +98,17 @@ def _record_json(r: Any) -> dict[str, Any]:
 
 @app.command()
 def show(
-    model: Annotated[str, typer.Argument(help="Model name, e.g. smollm2 or smollm2:135m-instruct-q4_1.")],
-    ctx: Annotated[int | None, typer.Option("--ctx", help="Context length for the memory estimate.")] = None,
+    model: Annotated[
+        str, typer.Argument(help="Model name, e.g. smollm2 or smollm2:135m-instruct-q4_1.")
+    ],
+    ctx: Annotated[
+        int | None, typer.Option("--ctx", help="Context length for the memory estimate.")
+    ] = None,
     kv_cache: Annotated[
-        str, typer.Option("--kv-cache", help="KV cache type: f16, q8_0, q4_0, int8, int4, fp8 or k=..,v=..")
+        str,
+        typer.Option(
+            "--kv-cache", help="KV cache type: f16, q8_0, q4_0, int8, int4, fp8 or k=..,v=.."
+        ),
     ] = "f16",
     json_out: JsonFlag = False,
 ) -> None:
@@ -121,8 +128,12 @@ def show(
     if json_out:
         _emit_json(
             _record_json(record)
-            | {"path": str(path), "info": info.to_dict(), "chat_template": template,
-               "memory": est.to_dict()}  # fmt: skip
+            | {
+                "path": str(path),
+                "info": info.to_dict(),
+                "chat_template": template,
+                "memory": est.to_dict(),
+            }  # fmt: skip
         )
         return
     kv_heads = sorted(set(info.kv_heads))
@@ -136,7 +147,11 @@ def show(
         ("layers", str(info.n_layers)),
         ("embedding", str(info.n_embd)),
         ("heads", f"{info.n_heads} (KV heads {', '.join(map(str, kv_heads))})"),
-        ("head dim", f"{info.head_dim_k}" + (f"/{info.head_dim_v}" if info.head_dim_v != info.head_dim_k else "")),
+        (
+            "head dim",
+            f"{info.head_dim_k}"
+            + (f"/{info.head_dim_v}" if info.head_dim_v != info.head_dim_k else ""),
+        ),
         ("vocabulary", f"{info.vocab_size:,}"),
         ("license", info.license or "-"),
         ("size", f"{human_bytes(record.size)} ({record.size:,} bytes)"),

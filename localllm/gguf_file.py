@@ -18,6 +18,7 @@ Layout (GGUF v2/v3, little- or big-endian):
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import stat
@@ -370,7 +371,9 @@ class GGUFFile:
         if n_kv > room // _MIN_KV_BYTES:
             raise c.fail(f"metadata count {n_kv} is impossible in a file of {self.file_size} bytes")
         if n_tensors > room // _MIN_TENSOR_INFO_BYTES:
-            raise c.fail(f"tensor count {n_tensors} is impossible in a file of {self.file_size} bytes")
+            raise c.fail(
+                f"tensor count {n_tensors} is impossible in a file of {self.file_size} bytes"
+            )
 
         metadata: dict[str, Any] = {}
         for i in range(n_kv):
@@ -467,10 +470,9 @@ class GGUFFile:
 
     def close(self) -> None:
         if self._map is not None:
-            try:
+            # a tensor view still alive keeps the map open until it dies
+            with contextlib.suppress(BufferError):
                 self._map.close()
-            except BufferError:  # a tensor view is still alive; the map closes when it dies
-                pass
             self._map = None
 
     def __enter__(self) -> GGUFFile:

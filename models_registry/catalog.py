@@ -213,6 +213,8 @@ def ensure_local(text: str, store: Store, catalog: Catalog | None = None) -> Mod
         raise ModelNotFound(f"unknown model {text!r}: not in the store nor in the catalog")
     found = packaged_files(entry.known)
     if found is None:
-        raise ModelNotFound(f"model {entry.name} is not in the store; run `localllm pull {entry.name}`")
+        raise ModelNotFound(
+            f"model {entry.name} is not in the store; run `localllm pull {entry.name}`"
+        )
     paths, source = found
     return store.add_file(paths, entry.name, source=source, expected_sha256=entry.known.sha256)

