@@ -321,12 +321,12 @@ class GGUFFile:
             fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
             raise LocalLLMError(f"no such file: {self.path}") from None
-        except IsADirectoryError:
-            raise LocalLLMError(f"{self.path} is a directory, not a GGUF file") from None
         except OSError as e:
             raise LocalLLMError(f"cannot open {self.path}: {e.strerror}") from None
         try:
             st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise LocalLLMError(f"{self.path} is a directory, not a GGUF file")
             if not stat.S_ISREG(st.st_mode):
                 raise GGUFFormatError(self.path, "not a regular file")
             self.file_size = st.st_size

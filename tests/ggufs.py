@@ -1,0 +1,199 @@
+"""GGUF files for tests: tiny random-weight Llama models that llama.cpp loads, and raw hostile bytes.
+
+`write_tiny_llama` writes real GGUF with `gguf`'s writer (an implementation we did not write), and
+borrows the default model's tokenizer so llama.cpp can tokenize and run it. `RawGGUF` assembles
+headers byte by byte, so a test can state any count or length, however impossible.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from localllm.gguf_file import GGUFFile, ValueType
+
+TOKENIZER_KEYS = (
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.pre",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.unknown_token_id",
+    "tokenizer.ggml.padding_token_id",
+    "tokenizer.ggml.add_bos_token",
+    "tokenizer.ggml.add_space_prefix",
+    "tokenizer.chat_template",
+)
+
+
+def tokenizer_metadata(model_path: Path) -> dict[str, Any]:
+    with GGUFFile(model_path) as gf:
+        return {k: gf.metadata[k] for k in TOKENIZER_KEYS if k in gf.metadata}
+
+
+def write_tiny_llama(
+    path: Path,
+    tokenizer: dict[str, Any],
+    *,
+    n_embd: int = 64,
+    n_layer: int = 2,
+    n_head: int = 4,
+    n_kv_head: int = 2,
+    n_ff: int = 128,
+    n_ctx: int = 256,
+    seed: int = 0,
+    dtype: type = np.float16,
+) -> Path:
+    """A Llama-architecture GGUF with random weights and the given tokenizer metadata."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    n_vocab = len(tokenizer["tokenizer.ggml.tokens"])
+    head_dim = n_embd // n_head
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_name("tiny-llama-test")
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv_head)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(1 if dtype == np.float16 else 0)
+    w.add_tokenizer_model(tokenizer["tokenizer.ggml.model"])
+    if "tokenizer.ggml.pre" in tokenizer:
+        w.add_tokenizer_pre(tokenizer["tokenizer.ggml.pre"])
+    w.add_token_list(list(tokenizer["tokenizer.ggml.tokens"]))
+    w.add_token_types(list(tokenizer["tokenizer.ggml.token_type"]))
+    if "tokenizer.ggml.merges" in tokenizer:
+        w.add_token_merges(list(tokenizer["tokenizer.ggml.merges"]))
+    for key, add in (
+        ("tokenizer.ggml.bos_token_id", w.add_bos_token_id),
+        ("tokenizer.ggml.eos_token_id", w.add_eos_token_id),
+        ("tokenizer.ggml.unknown_token_id", w.add_unk_token_id),
+        ("tokenizer.ggml.padding_token_id", w.add_pad_token_id),
+        ("tokenizer.ggml.add_bos_token", w.add_add_bos_token),
+        ("tokenizer.ggml.add_space_prefix", w.add_add_space_prefix),
+        ("tokenizer.chat_template", w.add_chat_template),
+    ):
+        if key in tokenizer:
+            add(tokenizer[key])
+
+    def t(*shape: int, scale: float = 0.02) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(dtype)
+
+    ones = np.ones(n_embd, dtype=np.float32)
+    w.add_tensor("token_embd.weight", t(n_vocab, n_embd))
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
+        w.add_tensor(f"blk.{i}.attn_q.weight", t(n_embd, n_embd))
+        w.add_tensor(f"blk.{i}.attn_k.weight", t(n_kv_head * head_dim, n_embd))
+        w.add_tensor(f"blk.{i}.attn_v.weight", t(n_kv_head * head_dim, n_embd))
+        w.add_tensor(f"blk.{i}.attn_output.weight", t(n_embd, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", t(n_ff, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", t(n_ff, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", t(n_embd, n_ff))
+    w.add_tensor("output_norm.weight", ones)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_small(path: Path, *, big_endian: bool = False) -> Path:
+    """A small valid GGUF (~1 KB) with every value type and three tensors, for exhaustive fuzzing."""
+    import gguf
+
+    endian = gguf.GGUFEndian.BIG if big_endian else gguf.GGUFEndian.LITTLE
+    w = gguf.GGUFWriter(str(path), arch="llama", endianess=endian)
+    w.add_name("small")
+    w.add_uint8("test.u8", 7)
+    w.add_int16("test.i16", -3)
+    w.add_uint32("llama.block_count", 1)
+    w.add_uint32("llama.embedding_length", 32)
+    w.add_uint32("llama.attention.head_count", 2)
+    w.add_int64("test.i64", -(1 << 40))
+    w.add_float32("test.f32", 0.5)
+    w.add_float64("test.f64", 1.25)
+    w.add_bool("test.bool", True)
+    w.add_array("test.ints", [1, 2, 3, 4])
+    w.add_array("test.strings", ["a", "bc", "", "déjà"])
+    rng = np.random.default_rng(1)
+    w.add_tensor(
+        "a.weight", rng.standard_normal((2, 32)).astype(np.float32), tensor_endianess=endian
+    )
+    w.add_tensor("b.weight", rng.standard_normal(16).astype(np.float16), tensor_endianess=endian)
+    q = gguf.quants.quantize(
+        rng.standard_normal((2, 32)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0
+    )
+    w.add_tensor("c.weight", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@dataclass
+class RawGGUF:
+    """GGUF bytes assembled by hand: every count and length is whatever the test says."""
+
+    version: int = 3
+    magic: bytes = b"GGUF"
+    kvs: list[bytes] = field(default_factory=list)
+    tensors: list[bytes] = field(default_factory=list)
+    n_kv: int | None = None  # None: the true count
+    n_tensors: int | None = None
+    data: bytes = b""
+    alignment: int = 32
+
+    @staticmethod
+    def string(s: str | bytes, length: int | None = None) -> bytes:
+        b = s.encode() if isinstance(s, str) else s
+        return struct.pack("<Q", len(b) if length is None else length) + b
+
+    def kv(self, key: str, vtype: int, payload: bytes) -> RawGGUF:
+        self.kvs.append(self.string(key) + struct.pack("<I", vtype) + payload)
+        return self
+
+    def kv_u32(self, key: str, v: int) -> RawGGUF:
+        return self.kv(key, ValueType.UINT32, struct.pack("<I", v))
+
+    def kv_str(self, key: str, v: str) -> RawGGUF:
+        return self.kv(key, ValueType.STRING, self.string(v))
+
+    def tensor(
+        self, name: str, shape: tuple[int, ...], ggml_type: int = 0, offset: int = 0
+    ) -> RawGGUF:
+        self.tensors.append(
+            self.string(name)
+            + struct.pack("<I", len(shape))
+            + b"".join(struct.pack("<Q", d) for d in shape)
+            + struct.pack("<IQ", ggml_type, offset)
+        )
+        return self
+
+    def build(self) -> bytes:
+        head = self.magic + struct.pack(
+            "<IQQ",
+            self.version,
+            len(self.tensors) if self.n_tensors is None else self.n_tensors,
+            len(self.kvs) if self.n_kv is None else self.n_kv,
+        )
+        out = head + b"".join(self.kvs) + b"".join(self.tensors)
+        pad = -len(out) % self.alignment
+        return out + b"\0" * pad + self.data
+
+    def write(self, path: Path) -> Path:
+        path.write_bytes(self.build())
+        return path
