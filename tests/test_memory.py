@@ -1,0 +1,115 @@
+"""The memory estimate against llama.cpp's own report for the same file, context and cache type."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import need
+from localllm.errors import LocalLLMError
+from localllm.memory import (
+    KV_CACHE_TYPES,
+    Available,
+    estimate,
+    kv_cache_bytes,
+    parse_kv_cache,
+)
+from localllm.model_info import read_model_info
+
+MiB = 1024 * 1024
+_LLAMA_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8}
+
+
+def llamacpp_report(path: Path, n_ctx: int, cache_type: str) -> tuple[float, float]:
+    """(KV bytes, compute buffer bytes) as llama.cpp logs them when it creates a context."""
+    need("llama_cpp", "pip install -e '.[dev]' (llama-cpp-python is the oracle)")
+    import llama_cpp
+    import llama_cpp._logger as llama_logger
+
+    lines: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def capture(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        lines.append(text.decode("utf-8", "replace"))
+
+    llama_cpp.llama_log_set(capture, ctypes.c_void_p(0))
+    try:
+        t = _LLAMA_TYPES[cache_type]
+        llm = llama_cpp.Llama(
+            str(path), n_ctx=n_ctx, n_threads=2, verbose=True, type_k=t, type_v=t,
+            flash_attn=cache_type != "f16",  # a quantized V cache needs flash attention
+        )  # fmt: skip
+        llm.close()
+    finally:
+        llama_cpp.llama_log_set(llama_logger.llama_log_callback, ctypes.c_void_p(0))
+    log = "".join(lines)
+    kv = [float(m) for m in re.findall(r"llama_kv_cache: size =\s+([\d.]+) MiB", log)]
+    compute = [float(m) for m in re.findall(r"CPU compute buffer size =\s+([\d.]+) MiB", log)]
+    assert kv and compute, log[-2000:]
+    return sum(kv) * MiB, compute[-1] * MiB
+
+
+CASES = [
+    ("default_model_path", 1000, "f16"),  # llama.cpp pads the context to 1024
+    ("default_model_path", 4096, "f16"),
+    ("default_model_path", 4096, "q8_0"),
+    ("default_model_path", 2048, "q4_0"),
+    ("gemma_model_path", 1024, "f16"),  # head_dim 256, one KV head, sliding-window layers
+    ("gemma_model_path", 8192, "q8_0"),
+]
+
+
+@pytest.mark.parametrize(("which", "ctx", "cache_type"), CASES)
+def test_estimate_matches_llamacpp(which: str, ctx: int, cache_type: str, request: pytest.FixtureRequest) -> None:
+    path = request.getfixturevalue(which)
+    info = read_model_info(str(path))
+    est = estimate(info, ctx=ctx, kv_cache=cache_type, available=Available("cpu", 1 << 40, 1 << 40))
+    kv, compute = llamacpp_report(path, ctx, cache_type)
+    print(f"{path.name} ctx={ctx} {cache_type}: KV ours {est.kv_bytes / MiB:.2f} MiB, "
+          f"llama.cpp {kv / MiB:.2f} MiB; compute ours {est.compute_bytes / MiB:.2f}, "
+          f"llama.cpp {compute / MiB:.2f} MiB")  # fmt: skip
+    assert est.kv_bytes == pytest.approx(kv, rel=0.05)
+    assert est.compute_bytes == pytest.approx(compute, rel=0.10)
+    assert est.weights_bytes == info.weights_bytes <= path.stat().st_size
+
+
+def test_kv_formula_for_the_default_model(default_model_path: Path) -> None:
+    """REFERENCE.md: 2 · 30 layers · 3 KV heads · 64 = 11,520 elements per token, 22.5 KB in f16."""
+    info = read_model_info(str(default_model_path))
+    assert info.kv_elements_per_token == 11_520
+    assert kv_cache_bytes(info, 1) == 23_040
+    assert kv_cache_bytes(info, 1024, "q8_0", "q8_0") == 11_520 // 32 * 34 * 1024
+    assert kv_cache_bytes(info, 1024, "int4", "int4") < kv_cache_bytes(info, 1024, "int8", "int8")
+    assert kv_cache_bytes(info, 10, "q8_0", "f16") == (5_760 // 32 * 34 + 5_760 * 2) * 10
+
+
+def test_fits_and_does_not_fit(default_model_path: Path) -> None:
+    info = read_model_info(str(default_model_path))
+    small = estimate(info, ctx=2048, available=Available("cpu", 200 * MiB, 200 * MiB))
+    big = estimate(info, ctx=2048, available=Available("cpu", 1 << 34, 1 << 34))
+    assert not small.fits and big.fits
+    assert small.total_bytes == small.weights_bytes + small.kv_bytes + small.compute_bytes
+    assert estimate(info, available=Available("cpu", 1, 1)).ctx == 4096  # the default context
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [("f16", ("f16", "f16")), ("Q8_0", ("q8_0", "q8_0")), ("k=q8_0,v=f16", ("q8_0", "f16")), ("v=int4,k=int8", ("int8", "int4"))],
+)
+def test_parse_kv_cache(spec: str, expected: tuple[str, str]) -> None:
+    assert parse_kv_cache(spec) == expected
+
+
+@pytest.mark.parametrize("spec", ["q3", "k=q8_0", "k=f16,v=nope", "x=f16,v=f16", ""])
+def test_parse_kv_cache_rejects(spec: str) -> None:
+    with pytest.raises(LocalLLMError):
+        parse_kv_cache(spec)
+
+
+def test_every_cache_type_has_a_size(default_model_path: Path) -> None:
+    info = read_model_info(str(default_model_path))
+    sizes = {t: kv_cache_bytes(info, 256, t, t) for t in KV_CACHE_TYPES}
+    assert sizes["f32"] > sizes["f16"] > sizes["q8_0"] > sizes["q4_0"] > 0
