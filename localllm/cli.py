@@ -14,8 +14,12 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any
 
-import click
 import typer
+
+try:  # typer ≥ 0.26 carries its own copy of click
+    from typer._click import exceptions as click_exc
+except ImportError:  # pragma: no cover - older typer uses click itself
+    from click import exceptions as click_exc
 
 from localllm import __version__
 from localllm.errors import LocalLLMError
@@ -233,15 +237,15 @@ def main(argv: list[str] | None = None) -> None:
     except LocalLLMError as e:
         print(f"error: {e}", file=sys.stderr)
         rc = 1
-    except click.exceptions.Exit as e:
+    except typer.Exit as e:
         rc = e.exit_code
-    except click.UsageError as e:
+    except click_exc.UsageError as e:
         e.show()
         rc = 2
-    except click.ClickException as e:
+    except click_exc.ClickException as e:
         e.show()
         rc = e.exit_code
-    except (KeyboardInterrupt, click.exceptions.Abort):
+    except (KeyboardInterrupt, typer.Abort):
         print("interrupted", file=sys.stderr)
         rc = 130
     except BrokenPipeError:

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from ggufs import tokenizer_metadata, write_small, write_tiny_llama
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

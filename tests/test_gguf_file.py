@@ -10,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from ggufs import RawGGUF
 
 from localllm.errors import GGUFFormatError, LocalLLMError
 from localllm.gguf_file import (
@@ -21,6 +20,8 @@ from localllm.gguf_file import (
     ValueType,
     read_gguf,
 )
+
+from ggufs import RawGGUF
 
 U64_HUGE = 1 << 63
 

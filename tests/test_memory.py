@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import need
 from localllm.errors import LocalLLMError
 from localllm.memory import (
     KV_CACHE_TYPES,
@@ -18,6 +17,8 @@ from localllm.memory import (
     parse_kv_cache,
 )
 from localllm.model_info import read_model_info
+
+from conftest import need
 
 MiB = 1024 * 1024
 _LLAMA_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8}
@@ -63,7 +64,9 @@ CASES = [
 
 
 @pytest.mark.parametrize(("which", "ctx", "cache_type"), CASES)
-def test_estimate_matches_llamacpp(which: str, ctx: int, cache_type: str, request: pytest.FixtureRequest) -> None:
+def test_estimate_matches_llamacpp(
+    which: str, ctx: int, cache_type: str, request: pytest.FixtureRequest
+) -> None:
     path = request.getfixturevalue(which)
     info = read_model_info(str(path))
     est = estimate(info, ctx=ctx, kv_cache=cache_type, available=Available("cpu", 1 << 40, 1 << 40))
@@ -97,7 +100,12 @@ def test_fits_and_does_not_fit(default_model_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("spec", "expected"),
-    [("f16", ("f16", "f16")), ("Q8_0", ("q8_0", "q8_0")), ("k=q8_0,v=f16", ("q8_0", "f16")), ("v=int4,k=int8", ("int8", "int4"))],
+    [
+        ("f16", ("f16", "f16")),
+        ("Q8_0", ("q8_0", "q8_0")),
+        ("k=q8_0,v=f16", ("q8_0", "f16")),
+        ("v=int4,k=int8", ("int8", "int4")),
+    ],
 )
 def test_parse_kv_cache(spec: str, expected: tuple[str, str]) -> None:
     assert parse_kv_cache(spec) == expected

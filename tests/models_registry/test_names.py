@@ -15,7 +15,10 @@ from localllm.models_registry.names import ModelName, check_digest, parse_name
         ("smollm2:135m-instruct-q4_1", ModelName("smollm2", "135m-instruct-q4_1")),
         ("qwen2.5:0.5b", ModelName("qwen2.5", "0.5b")),
         ("library/foo:latest", ModelName("library/foo", "latest")),
-        ("hf.co/Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M", ModelName("hf.co/Qwen/Qwen2.5-0.5B-Instruct-GGUF", "Q4_K_M")),
+        (
+            "hf.co/Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M",
+            ModelName("hf.co/Qwen/Qwen2.5-0.5B-Instruct-GGUF", "Q4_K_M"),
+        ),
         ("hf.co/org/repo/model-q8_0.gguf", ModelName("hf.co/org/repo/model-q8_0.gguf")),
     ],
 )

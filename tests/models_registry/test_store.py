@@ -57,7 +57,9 @@ def test_import_links_and_lists(tiny_llama: Path) -> None:
     assert_consistent(store)
 
 
-def test_import_copies_across_filesystems(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_import_copies_across_filesystems(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def cross_device(src: object, dst: object) -> None:
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
@@ -100,7 +102,17 @@ def test_hostile_file_registers_nothing(tmp_path: Path) -> None:
 
 def test_names_that_could_be_paths_are_refused(tiny_llama: Path, localllm_home: Path) -> None:
     store = Store()
-    for name in ("../evil", "/etc/passwd", "a/../../b", "a\\b", "x:../y", "na me", "nul\0l", "ünï", ""):
+    for name in (
+        "../evil",
+        "/etc/passwd",
+        "a/../../b",
+        "a\\b",
+        "x:../y",
+        "na me",
+        "nul\0l",
+        "ünï",
+        "",
+    ):
         with pytest.raises(InvalidName):
             store.add_file(tiny_llama, name, source="x")
     assert not localllm_home.exists() or store.list() == []
@@ -237,7 +249,9 @@ _SLOW_COPY = textwrap.dedent(
 def test_kill_mid_import_leaves_store_consistent(tiny_llama: Path) -> None:
     store = Store()
     store.add_file(tiny_llama, "kept", source="x")
-    p = subprocess.Popen([sys.executable, "-c", _SLOW_COPY, str(tiny_llama)], stdout=subprocess.PIPE)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_COPY, str(tiny_llama)], stdout=subprocess.PIPE
+    )
     for _ in range(5):
         assert p.stdout.readline() == b"progress\n"
     p.send_signal(signal.SIGKILL)

@@ -1,0 +1,179 @@
+"""The `localllm` command: outputs, exit codes, one-line errors, and a light start."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from localllm.cli import main
+from localllm.models_registry.store import Store
+
+HEAVY = ("torch", "llama_cpp", "textual", "fastapi", "transformers")
+
+
+def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+def run_process(args: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "localllm", *args], capture_output=True, text=True, timeout=120, **kw
+    )
+
+
+def assert_one_line_error(rc: int, out: str, err: str, text: str) -> None:
+    assert rc == 1, (out, err)
+    assert err.startswith("error: ") and err.count("\n") == 1 and text in err, err
+    assert "Traceback" not in err + out
+
+
+@pytest.mark.parametrize("args", [["--help"], ["list"], ["--version"]])
+def test_light_start_imports_nothing_heavy(args: list[str], tiny_llama: Path) -> None:
+    """`localllm --help` and `list` import neither torch, llama_cpp nor textual."""
+    Store().add_file(tiny_llama, "tiny", source="x")
+    code = (
+        "import sys\n"
+        f"sys.argv = ['localllm', *{args!r}]\n"
+        "from localllm.cli import main\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+        f"print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "HEAVY []" in p.stdout, p.stdout[-500:]
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from localllm import __version__
+
+    assert run(["--version"], capsys) == (0, f"localllm {__version__}\n", "")
+
+
+def test_list_empty_and_json(capsys: pytest.CaptureFixture[str], tiny_llama: Path) -> None:
+    rc, out, _ = run(["list"], capsys)
+    assert rc == 0 and "No local models" in out
+    assert run(["list", "--json"], capsys)[1] == "[]\n"
+    Store().add_file(tiny_llama, "tiny", source="file:/somewhere")
+    rc, out, _ = run(["list"], capsys)
+    header, row = out.splitlines()
+    assert header.split() == ["NAME", "ARCH", "PARAMS", "QUANT", "SIZE", "CONTEXT", "SOURCE"]
+    assert row.split()[:4] == ["tiny:latest", "llama", "3.2M", "F16"]
+    [entry] = json.loads(run(["list", "--json"], capsys)[1])
+    assert entry["name"] == "tiny:latest" and entry["architecture"] == "llama"
+    assert entry["digest"].startswith("sha256:") and entry["context_length"] == 256
+    assert set(entry) == {"name", "digest", "size", "source", "added", "architecture",
+                          "parameters", "quant", "context_length"}  # fmt: skip
+
+
+def test_show_default_model_offline(
+    capsys: pytest.CaptureFixture[str], default_model_path: Path
+) -> None:
+    rc, out, err = run(["show", "smollm2"], capsys)
+    assert rc == 0, err
+    assert "smollm2:135m-instruct-q4_1" in out and "Q4_1" in out and "llama" in out
+    assert "Memory at context 4,096, KV cache f16" in out and "fits" in out
+    assert "<|im_start|>" in out  # the chat template
+    data = json.loads(
+        run(["show", "smollm2", "--json", "--ctx", "2048", "--kv-cache", "q8_0"], capsys)[1]
+    )
+    mem = data["memory"]
+    assert (mem["ctx"], mem["type_k"], mem["type_v"]) == (2048, "q8_0", "q8_0")
+    assert mem["total_bytes"] == mem["weights_bytes"] + mem["kv_bytes"] + mem["compute_bytes"]
+    assert data["info"]["n_layers"] == 30 and data["chat_template"].startswith("{% for message")
+    huge = json.loads(run(["show", "smollm2", "--json", "--ctx", str(1 << 40)], capsys)[1])
+    assert huge["memory"]["fits"] is False
+    rc, out, _ = run(["show", "smollm2", "--ctx", str(1 << 40)], capsys)
+    assert "does NOT fit" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "text"),
+    [
+        (["show", "nosuchmodel"], "not in the store nor in the catalog"),
+        (["show", "../etc/passwd"], "model name"),
+        (["show", "smollm2", "--kv-cache", "q3"], "unknown KV cache type"),
+        (["show", "smollm2", "--ctx", "0"], "--ctx must be positive"),
+        (["rm", "nosuchmodel", "--yes"], "not in the store"),
+        (["import", "/nonexistent/file.gguf"], "no such file"),
+    ],
+)
+def test_user_errors_are_one_line(args: list[str], text: str, capsys: pytest.CaptureFixture[str],
+                                  default_model_path: Path) -> None:  # fmt: skip
+    assert_one_line_error(*run(args, capsys), text)
+
+
+@pytest.mark.parametrize(
+    "args", [["show"], ["nosuchcommand"], ["list", "--bogus"], ["show", "x", "--ctx", "many"]]
+)
+def test_usage_errors_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(args, capsys)
+    assert rc == 2 and "Traceback" not in err and err.strip()
+
+
+def test_import_hostile_file_changes_nothing(tmp_path: Path, tiny_llama: Path, localllm_home: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    Store().add_file(tiny_llama, "kept", source="x")
+    index = (localllm_home / "index.json").read_bytes()
+    blobs = sorted(os.listdir(localllm_home / "blobs"))
+    data = bytearray(tiny_llama.read_bytes())
+    data[20:28] = (1 << 63).to_bytes(8, "little")  # metadata count 2^63
+    bad = tmp_path / "evil.gguf"
+    bad.write_bytes(bytes(data))
+    assert_one_line_error(*run(["import", str(bad)], capsys), "evil.gguf: not a valid GGUF file")
+    assert (localllm_home / "index.json").read_bytes() == index
+    assert sorted(os.listdir(localllm_home / "blobs")) == blobs
+
+
+def test_import_show_rm(
+    tmp_path: Path, tiny_llama: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "My Model.Q8_0.gguf"
+    os.link(tiny_llama, src)
+    rc, out, err = run(["import", str(src)], capsys)
+    assert rc == 0 and out.startswith("imported my-model.q8_0:latest"), err
+    rc, out, err = run(["import", str(src), "--name", "other:v2"], capsys)
+    assert rc == 0 and "other:v2" in out
+    assert_one_line_error(*run(["import", str(src), "--name", "../x"], capsys), "model name")
+    rc, out, _ = run(["show", "other:v2"], capsys)
+    assert rc == 0 and "tiny-llama-test" in out and "none in the file" not in out
+    # without --yes and without a terminal, rm refuses rather than guessing
+    assert_one_line_error(*run(["rm", "other:v2"], capsys), "--yes")
+    assert run(["rm", "other:v2", "--yes"], capsys)[:2] == (0, "removed other:v2\n")
+    assert src.exists()  # the user's own file is never touched
+    assert [r.name for r in Store().list()] == ["my-model.q8_0:latest"]
+
+
+def test_rm_resolves_catalog_names(
+    capsys: pytest.CaptureFixture[str], default_model_path: Path
+) -> None:
+    assert run(["show", "smollm2", "--json"], capsys)[0] == 0
+    assert run(["rm", "smollm2", "-y"], capsys)[:2] == (0, "removed smollm2:135m-instruct-q4_1\n")
+    assert Store().list() == []
+    assert default_model_path.exists()
+
+
+def test_interrupt_exits_130(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupted(self: Store) -> list:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Store, "list", interrupted)
+    rc, out, err = run(["list"], capsys)
+    assert rc == 130 and "Traceback" not in err
+
+
+def test_console_script_end_to_end(default_model_path: Path) -> None:
+    p = run_process(["show", "smollm2", "--json"])
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["name"] == "smollm2:135m-instruct-q4_1"
+    p = run_process(["show", "nosuchmodel"])
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
