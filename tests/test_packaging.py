@@ -1,5 +1,6 @@
-"""The wheel holds every package folder on disk (setuptools drops unlisted remapped subpackages
-silently), and ruff refuses the bare folder names `tui`, `quant`, `models_registry`."""
+"""The wheel holds every package folder and module on disk (setuptools drops unlisted remapped
+subpackages silently; packaging/check_wheel.py checks), and ruff refuses the bare folder names
+`tui`, `quant`, `models_registry`."""
 
 from __future__ import annotations
 
@@ -14,25 +15,21 @@ import pytest
 from conftest import need
 
 ROOT = Path(__file__).resolve().parents[1]
-# folder on disk → the package name it installs as
-FOLDERS = {"localllm": "localllm", "tui": "localllm.tui", "quant": "localllm.quant",
-           "models_registry": "localllm.models_registry"}  # fmt: skip
+CHECK = ROOT / "packaging" / "check_wheel.py"
+SOURCES = ("pyproject.toml", "README.md", "localllm", "tui", "quant", "models_registry")
 
 
-def packages_on_disk() -> set[str]:
-    found = set()
-    for folder, package in FOLDERS.items():
-        for init in (ROOT / folder).rglob("__init__.py"):
-            rel = init.parent.relative_to(ROOT / folder).parts
-            found.add(".".join((package, *rel)))
-    return found
+def check(wheel: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(CHECK), str(wheel)], capture_output=True, text=True, timeout=60
+    )
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     need("setuptools", "pip install -e '.[dev]'")
     src = tmp_path_factory.mktemp("src")
-    for name in ("pyproject.toml", "README.md", *FOLDERS):
+    for name in SOURCES:
         p = ROOT / name
         if p.is_dir():
             shutil.copytree(p, src / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -44,34 +41,29 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     [whl] = out.glob("localllm-*.whl")
-    return zipfile.ZipFile(whl)
+    return whl
 
 
-def test_every_package_folder_is_in_the_wheel(wheel: zipfile.ZipFile) -> None:
-    in_wheel = {
-        n.rsplit("/", 1)[0].replace("/", ".")
-        for n in wheel.namelist()
-        if n.endswith("/__init__.py")
-    }
-    missing = packages_on_disk() - in_wheel
-    assert not missing, (
-        f"add these to [tool.setuptools] packages in pyproject.toml: {sorted(missing)}"
-    )
-    assert {"localllm.tui", "localllm.quant", "localllm.models_registry"} <= in_wheel
-
-
-def test_data_files_are_in_the_wheel(wheel: zipfile.ZipFile) -> None:
-    names = set(wheel.namelist())
+def test_every_package_folder_and_module_is_in_the_wheel(wheel: Path) -> None:
+    p = check(wheel)
+    assert p.returncode == 0, p.stdout + p.stderr
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+    for package in ("localllm/tui", "localllm/quant", "localllm/models_registry"):
+        assert f"{package}/__init__.py" in names
     assert "localllm/models_registry/catalog.toml" in names
     assert not any(n.startswith(("tui/", "quant/", "models_registry/", "tests/")) for n in names)
 
 
-def test_every_module_is_in_the_wheel(wheel: zipfile.ZipFile) -> None:
-    names = set(wheel.namelist())
-    for folder, package in FOLDERS.items():
-        for py in (ROOT / folder).rglob("*.py"):
-            rel = py.relative_to(ROOT / folder).as_posix()
-            assert f"{package.replace('.', '/')}/{rel}" in names, rel
+def test_check_wheel_catches_a_dropped_subpackage(wheel: Path, tmp_path: Path) -> None:
+    """The checker itself can fail: a wheel without localllm/quant/ is refused."""
+    broken = tmp_path / wheel.name
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(broken, "w") as dst:
+        for item in src.infolist():
+            if not item.filename.startswith("localllm/quant/"):
+                dst.writestr(item, src.read(item))
+    p = check(broken)
+    assert p.returncode == 1 and "localllm/quant/__init__.py" in p.stdout
 
 
 @pytest.mark.parametrize(

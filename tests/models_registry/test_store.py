@@ -275,3 +275,20 @@ def test_index_is_json_with_version(tiny_llama: Path) -> None:
 def test_missing_source_file(tmp_path: Path) -> None:
     with pytest.raises(LocalLLMError, match="no such file"):
         Store().add_file(tmp_path / "absent.gguf", "x", source="x")
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"GGU", b"GGML" + bytes(60), b"GGUF\x03\x00\x00\x00" + (1 << 63).to_bytes(8, "little") * 2],
+    ids=["empty", "3 bytes", "wrong magic", "counts 2^63"],
+)
+def test_hostile_imports_leave_the_store_unchanged(content: bytes, tmp_path: Path, tiny_llama: Path) -> None:
+    store = Store()
+    store.add_file(tiny_llama, "kept", source="x")
+    index = store.index_path.read_bytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(content)
+    with pytest.raises(GGUFFormatError, match="bad.gguf"):
+        store.add_file(bad, "bad", source="x")
+    assert store.index_path.read_bytes() == index
+    assert_consistent(store)
