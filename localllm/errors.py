@@ -36,3 +36,7 @@ class DoesNotFit(LocalLLMError):
 
 class TemplateError(LocalLLMError):
     """A chat template failed, escaped its sandbox, ran too long or produced too much."""
+
+
+class ContextOverflow(LocalLLMError):
+    """Prompt and generation do not fit the context and no shifting policy was chosen."""

@@ -279,10 +279,17 @@ def test_missing_source_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "content",
-    [b"", b"GGU", b"GGML" + bytes(60), b"GGUF\x03\x00\x00\x00" + (1 << 63).to_bytes(8, "little") * 2],
+    [
+        b"",
+        b"GGU",
+        b"GGML" + bytes(60),
+        b"GGUF\x03\x00\x00\x00" + (1 << 63).to_bytes(8, "little") * 2,
+    ],
     ids=["empty", "3 bytes", "wrong magic", "counts 2^63"],
 )
-def test_hostile_imports_leave_the_store_unchanged(content: bytes, tmp_path: Path, tiny_llama: Path) -> None:
+def test_hostile_imports_leave_the_store_unchanged(
+    content: bytes, tmp_path: Path, tiny_llama: Path
+) -> None:
     store = Store()
     store.add_file(tiny_llama, "kept", source="x")
     index = store.index_path.read_bytes()

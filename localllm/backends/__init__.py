@@ -1,0 +1,1 @@
+"""Inference backends. Each declares its capabilities; `localllm.engine` drives them."""

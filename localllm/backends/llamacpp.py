@@ -1,0 +1,237 @@
+"""The llama.cpp backend, through llama-cpp-python.
+
+`Llama` loads the model and context and evaluates batches; sampling is our own llama.cpp sampler
+chain (the C API, same samplers and order as llama-cpp-python uses), so the decode loop is ours:
+cancellation every token, and the StreamingLLM-style context shift when the cache fills.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from threading import Event
+
+from localllm.backends.base import Capabilities, Step
+from localllm.chat import CHATML, ChatTemplate
+from localllm.errors import LocalLLMError
+from localllm.memory import parse_kv_cache
+from localllm.types import ContextPolicy, SamplingParams
+
+_GGML_TYPE = {
+    "f32": 0,
+    "f16": 1,
+    "q4_0": 2,
+    "q4_1": 3,
+    "q5_0": 6,
+    "q5_1": 7,
+    "q8_0": 8,
+    "iq4_nl": 20,
+    "bf16": 30,
+}
+CAPABILITIES = Capabilities(
+    kv_cache_types=tuple(_GGML_TYPE),
+    streaming=True,
+    speculative=("off",),
+    batching=False,
+    embeddings=False,
+    grammar=False,
+)
+
+
+def default_threads() -> int:
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+class LlamaCppBackend:
+    name = "llama.cpp"
+    capabilities = CAPABILITIES
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        n_ctx: int,
+        kv_cache: str = "f16",
+        n_threads: int | None = None,
+        n_gpu_layers: int = -1,
+        flash_attn: bool | None = None,
+        seed: int | None = None,
+    ) -> None:
+        import llama_cpp
+
+        self._lib = llama_cpp
+        type_k, type_v = parse_kv_cache(kv_cache)
+        for t in (type_k, type_v):
+            if t not in _GGML_TYPE:
+                raise LocalLLMError(
+                    f"the llama.cpp backend has no {t} KV cache (it has {', '.join(_GGML_TYPE)})"
+                )
+        if type_v not in ("f32", "f16", "bf16"):
+            if flash_attn is False:
+                raise LocalLLMError("a quantized V cache needs flash attention")
+            flash_attn = True
+        self.llm = llama_cpp.Llama(
+            model_path=str(path),
+            n_ctx=n_ctx,
+            n_batch=min(512, n_ctx),
+            n_threads=n_threads or default_threads(),
+            n_gpu_layers=n_gpu_layers,
+            flash_attn=bool(flash_attn),
+            type_k=_GGML_TYPE[type_k],
+            type_v=_GGML_TYPE[type_v],
+            seed=seed if seed is not None else llama_cpp.LLAMA_DEFAULT_SEED,
+            verbose=False,
+        )
+        self.n_ctx = self.llm.n_ctx()
+        self._vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
+        meta = self.llm.metadata
+        bos, eos = self.llm.token_bos(), self.llm.token_eos()
+        self.chat_template = ChatTemplate(
+            meta.get("tokenizer.chat_template") or CHATML,
+            bos_token=self._piece(bos) if bos >= 0 else "",
+            eos_token=self._piece(eos) if eos >= 0 else "",
+        )
+        self.has_template = "tokenizer.chat_template" in meta
+
+    # -- tokens --------------------------------------------------------------------------------
+
+    def _piece(self, token: int) -> str:
+        return self.llm.detokenize([token], special=True).decode("utf-8", "replace")
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
+
+    def token_bytes(self, token: int, prev: Sequence[int]) -> bytes:
+        return self.llm.detokenize([token], prev_tokens=list(prev[-8:]) or None)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self.llm.detokenize(list(tokens)).decode("utf-8", "replace")
+
+    def is_end(self, token: int) -> bool:
+        return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
+
+    def bos_text(self) -> str:
+        return self.chat_template.bos_token
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def _sampler(self, s: SamplingParams):  # noqa: ANN202
+        lib = self._lib
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        add = lambda smpl: lib.llama_sampler_chain_add(chain, smpl)  # noqa: E731
+        if s.repeat_penalty != 1.0 or s.frequency_penalty or s.presence_penalty:
+            add(lib.llama_sampler_init_penalties(s.repeat_last_n, s.repeat_penalty,
+                                                 s.frequency_penalty, s.presence_penalty))  # fmt: skip
+        if s.temperature == 0:
+            add(lib.llama_sampler_init_greedy())
+        else:
+            if s.top_k > 0:
+                add(lib.llama_sampler_init_top_k(s.top_k))
+            add(lib.llama_sampler_init_top_p(s.top_p, 1))
+            add(lib.llama_sampler_init_min_p(s.min_p, 1))
+            add(lib.llama_sampler_init_temp(s.temperature))
+            seed = s.seed if s.seed is not None else lib.LLAMA_DEFAULT_SEED
+            add(lib.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+        return chain
+
+    def _reuse_prefix(self, ids: Sequence[int]) -> int:
+        """Keep the cached prefix shared with the new prompt; drop the rest of the cache."""
+        llm = self.llm
+        n = 0
+        limit = min(llm.n_tokens, len(ids) - 1)  # always evaluate at least one token for logits
+        cached = llm.input_ids
+        while n < limit and cached[n] == ids[n]:
+            n += 1
+        llm.n_tokens = n
+        return n
+
+    def _shift(self, policy: ContextPolicy, need: int) -> int:
+        """Drop the oldest tokens after the sinks so `need` more fit; returns how many went."""
+        llm = self.llm
+        lib = self._lib
+        keep = policy.sinks or 0
+        capacity = min(self.n_ctx, keep + policy.window)
+        n_past = llm.n_tokens
+        if n_past + need <= capacity:
+            return 0
+        discard = max(n_past + need - capacity, policy.window // 4)
+        discard = min(discard, n_past - keep)
+        if discard <= 0:
+            raise LocalLLMError(
+                "the context cannot hold the sinks and one batch; use a larger --ctx"
+            )
+        mem = lib.llama_get_memory(llm.ctx)
+        if not lib.llama_memory_can_shift(mem):
+            raise LocalLLMError("this model's cache cannot be shifted; use a larger --ctx instead")
+        lib.llama_memory_seq_rm(mem, 0, keep, keep + discard)
+        lib.llama_memory_seq_add(mem, 0, keep + discard, n_past, -discard)
+        ids = llm.input_ids
+        ids[keep : n_past - discard] = ids[keep + discard : n_past].copy()
+        llm.n_tokens = n_past - discard
+        return discard
+
+    def _eval(self, tokens: Sequence[int], policy: ContextPolicy, shifted: list[int]) -> None:
+        """Evaluate `tokens`, shifting the cache between batches when the policy allows."""
+        step = self.llm.n_batch
+        if policy.enabled:
+            step = max(1, min(step, policy.window // 2))
+        for i in range(0, len(tokens), step):
+            batch = tokens[i : i + step]
+            if policy.enabled:
+                gone = self._shift(policy, len(batch))
+                if gone:
+                    shifted.append(gone)
+            self.llm.eval(batch)
+
+    def steps(
+        self, ids: Sequence[int], sampling: SamplingParams, policy: ContextPolicy, cancel: Event
+    ) -> Iterator[Step]:
+        """Process the prompt, then yield one sampled token at a time until the caller stops."""
+        lib = self._lib
+        cached = self._reuse_prefix(ids)
+        shifted: list[int] = []
+        chain = self._sampler(sampling)
+        try:
+            self._eval(ids[cached:], policy, shifted)
+            first = True
+            while not cancel.is_set():
+                token = lib.llama_sampler_sample(chain, self.llm.ctx, -1)
+                logprob, top = (
+                    self._logprobs(token, sampling.logprobs)
+                    if sampling.logprobs is not None
+                    else (None, ())
+                )
+                yield Step(
+                    token,
+                    cached=cached if first else 0,
+                    shifted=tuple(shifted),
+                    logprob=logprob,
+                    top=top,
+                )
+                first = False
+                shifted = []
+                if not policy.enabled and self.llm.n_tokens + 1 > self.n_ctx:
+                    return  # the engine reports `length`; it never asks past the context
+                self._eval([token], policy, shifted)
+        finally:
+            lib.llama_sampler_free(chain)
+
+    def _logprobs(self, token: int, n_top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+        import numpy as np
+
+        ptr = self._lib.llama_get_logits_ith(self.llm.ctx, -1)
+        logits = np.ctypeslib.as_array(ptr, shape=(self.llm.n_vocab(),)).astype(np.float64)
+        m = logits.max()
+        logz = m + math.log(float(np.exp(logits - m).sum()))
+        top = np.argsort(-logits)[:n_top] if n_top else []
+        return float(logits[token] - logz), tuple((int(i), float(logits[i] - logz)) for i in top)
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        raise LocalLLMError(
+            "embeddings need a model loaded for embeddings (not in this backend yet)"
+        )
+
+    def close(self) -> None:
+        self.llm.close()

@@ -1,0 +1,250 @@
+"""One request/result vocabulary for every front door (CLI, server, app, Python API) and backend.
+
+A front door builds a `Request`, submits it, and reads a stream of `Chunk`s; the last chunk
+carries the `Result`. Nothing here imports a backend.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal
+
+from localllm.errors import LocalLLMError
+
+FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "error"]
+Message = dict[str, Any]  # OpenAI-shaped: {"role": ..., "content": ..., "tool_calls": ...}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 is greedy; the rest are llama.cpp's usual knobs."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    max_tokens: int | None = None  # None: until the model stops or the context is full
+    logprobs: int | None = None  # top alternatives to report per token (0: just the chosen)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        checks = [
+            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be >= 0"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (
+                math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0,
+                "repeat_penalty must be > 0",
+            ),
+            (self.max_tokens is None or self.max_tokens >= 0, "max_tokens must be >= 0"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
+            (len(self.stop) <= 16, "at most 16 stop strings"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise LocalLLMError(message)
+
+    @classmethod
+    def from_kwargs(cls, **kw: Any) -> SamplingParams:
+        """Build from keyword options, ignoring None values; unknown names are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(kw) - known
+        if unknown:
+            raise LocalLLMError(f"unknown sampling option(s): {', '.join(sorted(unknown))}")
+        return cls(**{k: v for k, v in kw.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class ContextPolicy:
+    """What to do when prompt + generation outgrow the context.
+
+    `sinks` None: refuse with the numbers (never truncate silently). Otherwise StreamingLLM-style:
+    keep the first `sinks` tokens and the most recent `window`, discarding the oldest in between.
+    """
+
+    sinks: int | None = None
+    window: int = 0
+
+    @classmethod
+    def parse(cls, spec: str | tuple[int, int] | None) -> ContextPolicy:
+        if spec is None or spec == "off":
+            return cls()
+        if isinstance(spec, str):
+            try:
+                a, b = spec.split(":")
+                spec = (int(a), int(b))
+            except ValueError:
+                raise LocalLLMError(
+                    f"bad --streaming {spec!r}: use SINKS:WINDOW, e.g. 4:1020"
+                ) from None
+        sinks, window = spec
+        if sinks < 0 or window < 8:
+            raise LocalLLMError(f"bad streaming {sinks}:{window}: sinks >= 0 and window >= 8")
+        return cls(sinks, window)
+
+    @property
+    def enabled(self) -> bool:
+        return self.sinks is not None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    """One generation. Exactly one of `prompt` (raw text) or `messages` (chat) is set."""
+
+    prompt: str | None = None
+    messages: tuple[Message, ...] | None = None
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    context: ContextPolicy = field(default_factory=ContextPolicy)
+    speculative: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise LocalLLMError("a request needs a prompt or messages (one of them)")
+        if self.messages is not None:
+            object.__setattr__(self, "messages", tuple(self.messages))
+            for m in self.messages:
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                    raise LocalLLMError("each message needs a 'role'")
+        object.__setattr__(self, "tools", tuple(self.tools))
+
+    def with_sampling(self, **kw: Any) -> Request:
+        return replace(self, sampling=replace(self.sampling, **kw))
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV was reused from the previous request
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Timings:
+    load_s: float = 0.0
+    prompt_s: float = 0.0  # prompt processing
+    ttft_s: float = 0.0  # submit → first token
+    decode_s: float = 0.0  # first token → last token
+    total_s: float = 0.0
+
+    def tpot_s(self, completion_tokens: int) -> float:
+        """Time per output token after the first."""
+        return self.decode_s / (completion_tokens - 1) if completion_tokens > 1 else 0.0
+
+    def tokens_per_s(self, completion_tokens: int) -> float:
+        t = self.tpot_s(completion_tokens)
+        return 1.0 / t if t > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as the OpenAI API carries it
+
+    def to_openai(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(frozen=True)
+class SpeculativeStats:
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    token_id: int
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Result:
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    tool_calls: tuple[ToolCall, ...] = ()
+    context_shifts: int = 0  # times the cache dropped old tokens (ContextPolicy streaming)
+    discarded_tokens: int = 0
+    speculative: SpeculativeStats | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        n = self.usage.completion_tokens
+        return {
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "tool_calls": [t.to_openai() for t in self.tool_calls],
+            "usage": {
+                "prompt_tokens": self.usage.prompt_tokens,
+                "cached_tokens": self.usage.cached_tokens,
+                "completion_tokens": n,
+                "total_tokens": self.usage.total_tokens,
+            },
+            "timings": {
+                "load_s": self.timings.load_s,
+                "prompt_s": self.timings.prompt_s,
+                "ttft_s": self.timings.ttft_s,
+                "tpot_s": self.timings.tpot_s(n),
+                "tokens_per_s": self.timings.tokens_per_s(n),
+                "prompt_tokens_per_s": (
+                    self.usage.prompt_tokens / self.timings.prompt_s
+                    if self.timings.prompt_s
+                    else 0.0
+                ),
+                "total_s": self.timings.total_s,
+            },
+            "context_shifts": self.context_shifts,
+            "discarded_tokens": self.discarded_tokens,
+            "speculative": (
+                {
+                    "drafted": self.speculative.drafted,
+                    "accepted": self.speculative.accepted,
+                    "acceptance": self.speculative.acceptance,
+                }  # fmt: skip
+                if self.speculative
+                else None
+            ),
+            "error": self.error,
+        }
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of the stream: new text and the tokens behind it. The last one carries `result`."""
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    result: Result | None = None
