@@ -228,6 +228,162 @@ def import_model(
           f"{human_bytes(record.size)})")  # fmt: skip
 
 
+def _print_stats(result: Any) -> None:
+    t, n = result.timings, result.usage.completion_tokens
+    pps = result.usage.prompt_tokens / t.prompt_s if t.prompt_s else 0.0
+    print(
+        f"prompt {result.usage.prompt_tokens} tokens ({result.usage.cached_tokens} cached) at {pps:.1f} tokens/s; "
+        f"TTFT {t.ttft_s * 1000:.0f} ms; {n} tokens, TPOT {t.tpot_s(n) * 1000:.1f} ms, "
+        f"{t.tokens_per_s(n):.1f} tokens/s; finish {result.finish_reason}"
+        + (
+            f"; context shifted {result.context_shifts}x ({result.discarded_tokens} tokens dropped)"
+            if result.context_shifts
+            else ""
+        ),
+        file=sys.stderr,
+    )
+
+
+def _generate(llm: Any, request: Any, *, stream_out: bool) -> Any:
+    """Stream one request to stdout; Ctrl-C cancels it and re-raises after the result is in."""
+    stream = llm.submit(request)
+    try:
+        for chunk in stream:
+            if stream_out and chunk.text:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        stream.close()
+        if stream_out:
+            print(file=sys.stdout, flush=True)
+        raise
+    if stream_out:
+        print(flush=True)
+    return stream.result
+
+
+@app.command()
+def run(
+    model: Annotated[str, typer.Argument(help="Model name, e.g. smollm2.")],
+    prompt: Annotated[
+        str | None,
+        typer.Argument(help="The prompt; read from stdin when absent (REPL on a terminal)."),
+    ] = None,
+    backend: Annotated[str, typer.Option("--backend", help="auto, llama.cpp or torch.")] = "auto",
+    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or mps.")] = "auto",
+    max_tokens: Annotated[
+        int | None, typer.Option("--max-tokens", help="Most tokens to generate.")
+    ] = None,
+    temperature: Annotated[float | None, typer.Option("--temperature", help="0 is greedy.")] = None,
+    top_p: Annotated[float | None, typer.Option("--top-p")] = None,
+    top_k: Annotated[int | None, typer.Option("--top-k")] = None,
+    min_p: Annotated[float | None, typer.Option("--min-p")] = None,
+    seed: Annotated[int | None, typer.Option("--seed")] = None,
+    system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
+    ctx: Annotated[int | None, typer.Option("--ctx", help="Context length.")] = None,
+    kv_cache: Annotated[
+        str, typer.Option("--kv-cache", help="KV cache type (f16, q8_0, q4_0, ... or k=..,v=..).")
+    ] = "f16",
+    streaming: Annotated[
+        str | None,
+        typer.Option("--streaming", help="SINKS:WINDOW: shift the context instead of refusing."),
+    ] = None,
+    evict: Annotated[
+        str | None, typer.Option("--evict", help="h2o:BUDGET (torch backend).")
+    ] = None,
+    speculative: Annotated[
+        str | None, typer.Option("--speculative", help="off, lookup, self or draft:MODEL.")
+    ] = None,
+    json_schema: Annotated[
+        Path | None, typer.Option("--json-schema", help="Constrain output to a JSON schema.")
+    ] = None,
+    raw: Annotated[
+        bool, typer.Option("--raw", help="Send the prompt as-is, without the chat template.")
+    ] = False,
+    stats: Annotated[
+        bool, typer.Option("--stats", help="Print TTFT, TPOT and tokens/s to stderr.")
+    ] = False,
+    json_out: JsonFlag = False,
+) -> None:
+    """Chat with a model: the prompt is a user message rendered with the model's chat template."""
+    from localllm.engine import load
+    from localllm.types import ContextPolicy, Request, SamplingParams
+
+    if evict is not None:
+        raise LocalLLMError(
+            "--evict needs a backend with H2O eviction; the llama.cpp backend has none"
+        )
+    if json_schema is not None:
+        raise LocalLLMError(
+            "--json-schema needs constrained decoding, which this build's backends lack"
+        )
+    sampling = SamplingParams.from_kwargs(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                          seed=seed, max_tokens=max_tokens)  # fmt: skip
+    policy = ContextPolicy.parse(streaming)
+    interactive = prompt is None and sys.stdin.isatty()
+    if prompt is None and not interactive:
+        prompt = sys.stdin.read()
+    llm = load(model, backend=backend, device=device, ctx=ctx, kv_cache=kv_cache, streaming=None,
+               speculative=speculative)  # fmt: skip
+    try:
+        history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+
+        def ask(text: str) -> Any:
+            if raw:
+                request = Request(prompt=(system or "") + text, sampling=sampling, context=policy)
+            else:
+                request = Request(messages=(*history, {"role": "user", "content": text}),
+                                  sampling=sampling, context=policy)  # fmt: skip
+            result = _generate(llm, request, stream_out=not json_out)
+            if stats:
+                _print_stats(result)
+            return result
+
+        if not interactive:
+            result = ask(prompt or "")
+            if json_out:
+                _emit_json(result.to_dict() | {"model": llm.name})
+            return
+        _repl(llm, history, ask, raw)
+    finally:
+        llm.close()
+
+
+def _repl(llm: Any, history: list[dict[str, str]], ask: Any, raw: bool) -> None:
+    """Read prompts until EOF or /bye; Ctrl-C stops the current answer, not the REPL."""
+    import contextlib
+
+    with contextlib.suppress(ImportError):
+        import readline  # noqa: F401 - line editing and history for input()
+    print(f"{llm.name} (context {llm.n_ctx}). /bye or Ctrl-D to leave, Ctrl-C stops an answer.",
+          file=sys.stderr)  # fmt: skip
+    while True:
+        try:
+            text = input(">>> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            continue
+        if text.strip() in ("/bye", "/exit", "/quit"):
+            return
+        if not text.strip():
+            continue
+        try:
+            result = ask(text)
+        except KeyboardInterrupt:
+            continue
+        except LocalLLMError as e:
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        if not raw:
+            history += [
+                {"role": "user", "content": text},
+                {"role": "assistant", "content": result.text},
+            ]
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the command; errors become one line and an exit code."""
     command = typer.main.get_command(app)
