@@ -65,6 +65,10 @@ def _environment():  # noqa: ANN202 - jinja2 is imported only where templates re
                 raise SecurityError("format width too large")
             return super().call_binop(context, operator, left, right)
 
+        def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
+            # the stock sandbox renders unsafe attributes as empty; say no out loud instead
+            raise SecurityError(f"access to {attribute!r} of a {type(obj).__name__} is not allowed")
+
         def format_string(self, s: str, args: Any, kwargs: Any, format_func: Any = None) -> str:
             if re.search(r"\d{7,}", s):
                 raise SecurityError("format width too large")
