@@ -135,7 +135,7 @@ def generate(
                 finish = "stop"
                 break
             out.append(step.token)
-            piece = decoder.decode(backend.token_bytes(step.token, ids + out[:-1]))
+            piece = decoder.decode(backend.token_bytes(step.token))
             lp: tuple[TokenLogprob, ...] = ()
             if step.logprob is not None:
                 lp = (TokenLogprob(piece, step.token, step.logprob,

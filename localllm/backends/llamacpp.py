@@ -7,6 +7,7 @@ cancellation every token, and the StreamingLLM-style context shift when the cach
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -86,6 +87,7 @@ class LlamaCppBackend:
         )
         self.n_ctx = self.llm.n_ctx()
         self._vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
+        self._piece_buf = ctypes.create_string_buffer(256)
         meta = self.llm.metadata
         bos, eos = self.llm.token_bos(), self.llm.token_eos()
         self.chat_template = ChatTemplate(
@@ -103,8 +105,15 @@ class LlamaCppBackend:
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
         return self.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
 
-    def token_bytes(self, token: int, prev: Sequence[int]) -> bytes:
-        return self.llm.detokenize([token], prev_tokens=list(prev[-8:]) or None)
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of one generated token (no leading-space stripping: it follows the prompt)."""
+        n = self._lib.llama_token_to_piece(
+            self._vocab, token, self._piece_buf, len(self._piece_buf), 0, False
+        )
+        if n < 0:  # the buffer is too small: grow it to what llama.cpp asked for
+            self._piece_buf = ctypes.create_string_buffer(-n)
+            n = self._lib.llama_token_to_piece(self._vocab, token, self._piece_buf, -n, 0, False)
+        return self._piece_buf.raw[:n]
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self.llm.detokenize(list(tokens)).decode("utf-8", "replace")

@@ -1,0 +1,113 @@
+"""Our overhead over raw llama-cpp-python on the default model, side by side in one run.
+
+    .venv/bin/python bench/llamacpp_overhead.py [--rounds 3] [--gen 128]
+
+Decode: greedy generation of --gen tokens from the same raw prompt, (a) a raw llama-cpp-python
+loop (`Llama.generate`, tokens only) and (b) localllm's engine (`Model.submit`, worker thread,
+incremental detokenization, stop handling, Chunk stream) — tokens/s after the first token.
+TTFT: a 512-token prompt, prompt cache cleared each time: (a) `Llama.generate` until the first
+token, (b) localllm submit → first chunk. Same file, same n_ctx, threads and batch size.
+Rounds alternate a/b to share machine noise. Writes bench/results/llamacpp_overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--gen", type=int, default=128)
+    args = ap.parse_args()
+    os.environ.setdefault("LOCALLLM_HOME", tempfile.mkdtemp(prefix="localllm-bench-"))
+    import llama_cpp
+
+    from localllm.backends.llamacpp import default_threads
+    from localllm.engine import load
+    from localllm.types import Request, SamplingParams
+
+    ours = load("smollm2", ctx=2048)
+    path = ours.backend.llm.model_path
+    raw = llama_cpp.Llama(path, n_ctx=2048, n_batch=512, n_threads=default_threads(), verbose=False)
+    corpus = Path(
+        os.environ.get(
+            "LOCALLLM_CORPUS", Path(__file__).resolve().parents[2] / "shared/data/corpus"
+        )
+    )
+    text = (corpus / "moby_dick_part.txt").read_text()[50_000:]
+    long_ids = raw.tokenize(text.encode())[:512]
+    long_prompt = raw.detokenize(long_ids).decode()
+    short = "Once upon a time"
+
+    def raw_decode() -> float:
+        raw.reset()
+        ids = raw.tokenize(short.encode())
+        t_first = None
+        n = 0
+        for _tok in raw.generate(ids, temp=0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0):
+            n += 1
+            if n == 1:
+                t_first = time.perf_counter()
+            if n == args.gen:
+                break
+        return (n - 1) / (time.perf_counter() - t_first)
+
+    def our_decode() -> float:
+        ours.backend.llm.reset()
+        r = ours.submit(
+            Request(prompt=short, sampling=SamplingParams(temperature=0, max_tokens=args.gen))
+        ).wait()
+        assert r.usage.completion_tokens == args.gen, r.finish_reason
+        return r.timings.tokens_per_s(r.usage.completion_tokens)
+
+    def raw_ttft() -> float:
+        raw.reset()
+        t0 = time.perf_counter()
+        next(iter(raw.generate(raw.tokenize(long_prompt.encode()), temp=0)))
+        return time.perf_counter() - t0
+
+    def our_ttft() -> float:
+        ours.backend.llm.reset()
+        s = ours.submit(
+            Request(prompt=long_prompt, sampling=SamplingParams(temperature=0, max_tokens=1))
+        )
+        r = s.wait()
+        return r.timings.ttft_s
+
+    samples: dict[str, list[float]] = {
+        k: [] for k in ("raw_decode", "our_decode", "raw_ttft", "our_ttft")
+    }
+    raw_decode(), our_decode()  # warm up
+    for _ in range(args.rounds):
+        samples["raw_decode"].append(raw_decode())
+        samples["our_decode"].append(our_decode())
+        samples["raw_ttft"].append(raw_ttft())
+        samples["our_ttft"].append(our_ttft())
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    out = {
+        "model": "smollm2:135m-instruct-q4_1", "threads": default_threads(), "gen_tokens": args.gen,
+        "ttft_prompt_tokens": len(long_ids), "rounds": args.rounds, "samples": samples, "median": med,
+        "decode_overhead": 1 - med["our_decode"] / med["raw_decode"],
+        "ttft_overhead": med["our_ttft"] / med["raw_ttft"] - 1,
+    }  # fmt: skip
+    print(f"decode tokens/s  raw {med['raw_decode']:.1f}   localllm {med['our_decode']:.1f}   "
+          f"overhead {out['decode_overhead'] * 100:+.1f}%")  # fmt: skip
+    print(f"TTFT ({len(long_ids)} tokens)  raw {med['raw_ttft'] * 1000:.0f} ms   localllm "
+          f"{med['our_ttft'] * 1000:.0f} ms   overhead {out['ttft_overhead'] * 100:+.1f}%")  # fmt: skip
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "llamacpp_overhead.json").write_text(json.dumps(out, indent=2) + "\n")
+    ours.close()
+    raw.close()
+
+
+if __name__ == "__main__":
+    main()
