@@ -318,6 +318,12 @@ class Model:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self.backend.detokenize(tokens)
 
+    def embed(self, texts: str | Sequence[str]) -> list[list[float]]:
+        """One normalised vector per text (a separate context: generation is not disturbed)."""
+        if not self.capabilities.embeddings:
+            raise LocalLLMError(f"the {self.backend.name} backend has no embeddings")
+        return self.backend.embed([texts] if isinstance(texts, str) else list(texts))
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True

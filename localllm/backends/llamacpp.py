@@ -10,13 +10,14 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from threading import Event
 
 from localllm.backends.base import Capabilities, Step
 from localllm.chat import CHATML, ChatTemplate
-from localllm.errors import LocalLLMError
+from localllm.errors import ContextOverflow, LocalLLMError
 from localllm.memory import parse_kv_cache
 from localllm.types import ContextPolicy, SamplingParams
 
@@ -36,7 +37,7 @@ CAPABILITIES = Capabilities(
     streaming=True,
     speculative=("off",),
     batching=False,
-    embeddings=False,
+    embeddings=True,
     grammar=False,
 )
 
@@ -88,6 +89,8 @@ class LlamaCppBackend:
         self.n_ctx = self.llm.n_ctx()
         self._vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
         self._piece_buf = ctypes.create_string_buffer(256)
+        self._embedder = None
+        self._embed_lock = threading.Lock()
         meta = self.llm.metadata
         bos, eos = self.llm.token_bos(), self.llm.token_eos()
         self.chat_template = ChatTemplate(
@@ -238,9 +241,24 @@ class LlamaCppBackend:
         return float(logits[token] - logz), tuple((int(i), float(logits[i] - logz)) for i in top)
 
     def embed(self, texts: Sequence[str]) -> list[list[float]]:
-        raise LocalLLMError(
-            "embeddings need a model loaded for embeddings (not in this backend yet)"
-        )
+        """Mean-pooled, L2-normalised embeddings from a second context made for embedding."""
+        with self._embed_lock:
+            if self._embedder is None:
+                self._embedder = self._lib.Llama(
+                    model_path=self.llm.model_path, n_ctx=self.n_ctx, n_batch=self.n_ctx,
+                    n_ubatch=self.n_ctx, n_threads=self.llm.n_threads, embedding=True,
+                    pooling_type=self._lib.LLAMA_POOLING_TYPE_MEAN, verbose=False,
+                )  # fmt: skip
+            for t in texts:
+                n = len(self._embedder.tokenize(t.encode("utf-8"), special=True))
+                if n > self.n_ctx:
+                    raise ContextOverflow(
+                        f"an input has {n} tokens but the context holds {self.n_ctx}"
+                    )
+            vectors = self._embedder.embed(list(texts), normalize=True, truncate=False)
+        return [[float(x) for x in v] for v in vectors]
 
     def close(self) -> None:
+        if self._embedder is not None:
+            self._embedder.close()
         self.llm.close()

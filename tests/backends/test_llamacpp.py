@@ -188,3 +188,17 @@ def test_capabilities_refuse_clearly() -> None:
         load("smollm2", kv_cache="int4")
     with pytest.raises(LocalLLMError, match="bad --streaming"):
         ContextPolicy.parse("4")
+
+
+def test_embeddings(model: Model) -> None:
+    import math
+
+    a, b, c = model.embed(
+        ["The cat sat on the mat.", "A cat is sitting on a mat.", "Quarterly tax filing deadlines"]
+    )
+    assert len(a) == 576 and math.isclose(sum(x * x for x in a), 1.0, rel_tol=1e-4)
+    dot = lambda u, v: sum(x * y for x, y in zip(u, v))  # noqa: E731
+    assert dot(a, b) > dot(a, c)
+    assert model.embed("The cat sat on the mat.")[0] == pytest.approx(a, abs=1e-5)
+    with pytest.raises(ContextOverflow):
+        model.embed(["word " * 5000])
