@@ -395,6 +395,8 @@ def main(argv: list[str] | None = None) -> None:
         rc = 1
     except typer.Exit as e:
         rc = e.exit_code
+        if rc == 130:  # typer turns Ctrl-C into Exit(130), silently
+            print("interrupted", file=sys.stderr)
     except click_exc.UsageError as e:
         e.show()
         rc = 2

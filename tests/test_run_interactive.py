@@ -1,0 +1,62 @@
+"""`localllm run` as a person uses it: Ctrl-C mid-answer exits 130 cleanly; the REPL on a terminal."""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def test_ctrl_c_stops_generation_with_exit_130(default_model_path: Path) -> None:
+    p = subprocess.Popen(
+        [sys.executable, "-m", "localllm", "run", "smollm2", "Write a very long story about the sea.",
+         "--max-tokens", "2000", "--temperature", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert p.stdout.read(20)  # it is streaming
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 130, err
+    assert b"Traceback" not in err and err.strip().endswith(b"interrupted")
+
+
+def _read_until(fd: int, needle: bytes, timeout: float = 60) -> bytes:
+    buf = b""
+    end = time.monotonic() + timeout
+    while needle not in buf:
+        left = end - time.monotonic()
+        assert left > 0, f"never saw {needle!r}; got {buf[-500:]!r}"
+        if select.select([fd], [], [], left)[0]:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            buf += chunk
+    return buf
+
+
+def test_repl_on_a_terminal(default_model_path: Path) -> None:
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execv(sys.executable, [sys.executable, "-m", "localllm", "run", "smollm2", "--temperature", "0",
+                                  "--max-tokens", "400"])  # fmt: skip
+    try:
+        _read_until(fd, b">>> ")
+        os.write(fd, b"Write a long poem about rain.\n")
+        _read_until(fd, b"rain", timeout=60)
+        os.write(fd, b"\x03")  # Ctrl-C stops this answer, not the REPL
+        _read_until(fd, b">>> ")
+        os.write(fd, b"What is 2+2?\n")
+        _read_until(fd, b">>> ")
+        os.write(fd, b"/bye\n")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        os.close(fd)
