@@ -390,13 +390,13 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     try:
         rc = command.main(args, prog_name="localllm", standalone_mode=False)
+        if rc == 130:  # typer turns Ctrl-C into a silent return of 130
+            print("interrupted", file=sys.stderr)
     except LocalLLMError as e:
         print(f"error: {e}", file=sys.stderr)
         rc = 1
     except typer.Exit as e:
         rc = e.exit_code
-        if rc == 130:  # typer turns Ctrl-C into Exit(130), silently
-            print("interrupted", file=sys.stderr)
     except click_exc.UsageError as e:
         e.show()
         rc = 2
