@@ -120,11 +120,10 @@ def generate(
     logprobs: list[TokenLogprob] = []
     cached = shifts = discarded = 0
     finish: FinishReason = "length"
+    stop_hit = False
     t_start = time.perf_counter()
     t_first = t_last = 0.0
-    if s.max_tokens == 0:
-        finish = "length"
-    else:
+    if s.max_tokens != 0:
         for i, step in enumerate(backend.steps(ids, s, policy, cancel)):
             t_last = time.perf_counter()
             if i == 0:
@@ -146,7 +145,7 @@ def generate(
                 texts.append(text)
                 yield Chunk(text, (step.token,), lp)
             if hit:
-                finish = "stop"
+                finish, stop_hit = "stop", True
                 break
             if s.max_tokens and len(out) >= s.max_tokens:
                 break
@@ -157,10 +156,8 @@ def generate(
                 break
         else:
             finish = "cancelled" if cancel.is_set() else "length"
-    if finish != "stop" or not stops.pending:
-        tail = stops.flush() + decoder.decode(b"", final=True)
-    else:
-        tail = ""
+    # text held back as a possible stop-string prefix belongs to the answer unless a stop string hit
+    tail = "" if stop_hit else stops.flush() + decoder.decode(b"", final=True)
     texts.append(tail)
     text = "".join(texts)
     tool_calls: tuple = ()
