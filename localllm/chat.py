@@ -321,7 +321,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     if stripped.startswith(_PYTHON_TAG):
         stripped = stripped[len(_PYTHON_TAG) :].strip()
     if stripped.startswith("{") and ('"name"' in stripped):
-        pieces = [p for p in re.split(r"\}\s*;\s*\{", stripped)]
+        pieces = re.split(r"\}\s*;\s*\{", stripped)
         if len(pieces) > 1:
             pieces = [pieces[0] + "}", *["{" + p + "}" for p in pieces[1:-1]], "{" + pieces[-1]]
         objs = [_json(p) for p in pieces]
