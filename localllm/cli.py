@@ -185,6 +185,91 @@ def show(
 
 
 @app.command()
+def pull(
+    model: Annotated[
+        str,
+        typer.Argument(help="smollm2[:TAG], hf.co/ORG/REPO[:QUANT] or hf.co/ORG/REPO/FILE.gguf."),
+    ],
+    revision: Annotated[
+        str | None,
+        typer.Option("--revision", help="Hugging Face branch, tag or commit (default: main)."),
+    ] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Download a model with a progress bar; resumes; verifies sha256."""
+    from localllm.model_info import human_bytes
+    from localllm.models_registry.pull import pull as do_pull
+
+    show = _PullProgress(quiet=json_out)
+    try:
+        with show:
+            record = do_pull(model, revision=revision, on_progress=show.update)
+    except KeyboardInterrupt:
+        done = show.last.done if show.last else 0
+        kept = f" ({human_bytes(done)} kept)" if done else ""
+        print(f"pull interrupted{kept}: run `localllm pull {model}` again to resume",
+              file=sys.stderr)  # fmt: skip
+        raise typer.Exit(130) from None
+    if json_out:
+        _emit_json(_record_json(record))
+    else:
+        print(f"pulled {record.name} ({record.info.architecture}, {record.info.quant}, "
+              f"{human_bytes(record.size)}) sha256:{record.digest}")  # fmt: skip
+
+
+class _PullProgress:
+    """A rich progress bar on a terminal; a few plain lines on stderr otherwise."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.tty = sys.stderr.isatty() and not quiet
+        self.last: Any = None
+        self.bar: Any = None
+        self.task: Any = None
+
+    def __enter__(self) -> _PullProgress:
+        if self.tty:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,  # fmt: skip
+                TransferSpeedColumn,
+            )
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                TransferSpeedColumn(), TimeRemainingColumn(),
+                                console=Console(stderr=True), transient=False)  # fmt: skip
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def update(self, e: Any) -> None:
+        phase_changed = self.last is None or self.last.phase != e.phase
+        self.last = e
+        if self.bar is not None:
+            if self.task is None and e.total:
+                self.task = self.bar.add_task(e.name, total=e.total)
+            if self.task is not None:
+                self.bar.update(self.task, completed=e.done, total=e.total or None,
+                                description=f"{e.name} {e.phase}")  # fmt: skip
+            if (
+                e.message
+                and e.phase in ("waiting", "retrying", "done")
+                or (e.message and e.phase == "downloading")
+            ):
+                self.bar.console.print(f"  {e.message}", style="dim")
+        elif not self.quiet and (phase_changed or e.message) and e.phase != "done":
+            text = f"{e.phase} {e.name}" + (f": {e.message}" if e.message else "")
+            print(text, file=sys.stderr, flush=True)
+
+
+@app.command()
 def rm(
     model: Annotated[str, typer.Argument(help="Model name.")],
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,

@@ -376,14 +376,18 @@ class GGUFFile:
             )
 
         metadata: dict[str, Any] = {}
+        spans: dict[str, tuple[int, int]] = {}
         for i in range(n_kv):
+            start = c.pos
             key = c.text(f"key #{i}", limit=1 << 16)
             if not key:
                 raise c.fail(f"key #{i} is empty")
             if key in metadata:
                 raise c.fail(f"duplicate key {key!r}")
             metadata[key] = c.value(c.u32(f"type of {key!r}"), key)
+            spans[key] = (start, c.pos)
         self.metadata = metadata
+        self.kv_spans = spans  # where each entry's bytes lie: to copy metadata verbatim
 
         alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         if (

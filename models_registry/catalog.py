@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from localllm.errors import LocalLLMError, ModelNotFound
-from localllm.models_registry.names import ModelName, check_digest, parse_name
+from localllm.models_registry.names import ModelName, check_digest, hf_store_name, parse_name
 from localllm.models_registry.store import ModelRecord, Store
 
 CATALOG_PATH = Path(__file__).with_name("catalog.toml")
@@ -186,6 +186,8 @@ def packaged_files(known: KnownFile) -> tuple[list[Path], str] | None:
 def find_local(text: str, store: Store, catalog: Catalog | None = None) -> ModelRecord | None:
     """The stored model a name means: exactly as given, else its catalog name."""
     name = parse_name(text)
+    if name.is_hf:  # `hf.co/ORG/REPO` means its Q4_K_M, and quant tags are upper case
+        return store.get(hf_store_name(name))
     record = store.get(str(name))
     if record is not None:
         return record

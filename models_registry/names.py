@@ -15,6 +15,7 @@ from localllm.errors import InvalidName
 
 HF_PREFIX = "hf.co/"
 DEFAULT_TAG = "latest"
+DEFAULT_QUANT = "Q4_K_M"  # what `hf.co/ORG/REPO` without a tag means
 _SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
 _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -79,3 +80,10 @@ def check_digest(digest: str) -> str:
     if not _DIGEST.fullmatch(d):
         raise InvalidName(f"bad sha256 digest {digest!r}")
     return d
+
+
+def hf_store_name(name: ModelName) -> str:
+    """The store name of a Hugging Face name: a repo takes its quant as the tag, in upper case."""
+    if name.name.count("/") == 2:  # hf.co/ORG/REPO
+        return f"{name.name}:{(name.tag or DEFAULT_QUANT).upper()}"
+    return f"{name.name}:{name.tag or DEFAULT_TAG}"

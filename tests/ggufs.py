@@ -49,14 +49,18 @@ def write_tiny_llama(
     n_ctx: int = 256,
     seed: int = 0,
     dtype: type = np.float16,
+    split_max_tensors: int = 0,
 ) -> Path:
-    """A Llama-architecture GGUF with random weights and the given tokenizer metadata."""
+    """A Llama-architecture GGUF with random weights and the given tokenizer metadata.
+
+    With `split_max_tensors`, written as `STEM-0000i-of-0000N.gguf` parts (returns the first).
+    """
     import gguf
 
     rng = np.random.default_rng(seed)
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"])
     head_dim = n_embd // n_head
-    w = gguf.GGUFWriter(str(path), arch="llama")
+    w = gguf.GGUFWriter(str(path), arch="llama", split_max_tensors=split_max_tensors)
     w.add_name("tiny-llama-test")
     w.add_context_length(n_ctx)
     w.add_embedding_length(n_embd)
@@ -107,6 +111,8 @@ def write_tiny_llama(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if split_max_tensors:
+        return sorted(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))[0]
     return path
 
 

