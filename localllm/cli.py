@@ -92,6 +92,7 @@ def _record_json(r: Any) -> dict[str, Any]:
         "digest": f"sha256:{r.digest}",
         "size": r.size,
         "source": r.source,
+        "reference": r.ref,  # a file another tool owns (registered by --scan), else null
         "added": r.added,
         "architecture": i.architecture,
         "parameters": i.parameters,
@@ -288,7 +289,10 @@ def rm(
         if not typer.confirm(f"Remove {record.name}?", default=False):
             raise typer.Exit(1)
     store.remove(record.name)
-    print(f"removed {record.name}")
+    if record.ref:
+        print(f"removed {record.name} (its file {record.ref} belongs to another tool: left in place)")
+    else:
+        print(f"removed {record.name}")
 
 
 _UNSAFE = re.compile(r"[^a-z0-9._-]+")
@@ -301,16 +305,50 @@ def _name_from_file(path: Path) -> str:
 
 @app.command("import")
 def import_model(
-    path: Annotated[Path, typer.Argument(help="A GGUF file to register.", show_default=False)],
+    path: Annotated[
+        Path | None, typer.Argument(help="A GGUF file to register.", show_default=False)
+    ] = None,
     name: Annotated[str | None, typer.Option("--name", help="Name to register it under.")] = None,
+    scan: Annotated[
+        bool,
+        typer.Option("--scan", help="Find models in the Hugging Face cache, Ollama and LM Studio."),
+    ] = False,
+    json_out: JsonFlag = False,
 ) -> None:
-    """Register a GGUF file (hard link, no copy where possible)."""
+    """Register a GGUF file (hard link, no copy where possible), or --scan for other tools' models."""
     from localllm.model_info import human_bytes
 
+    if scan == (path is not None):
+        raise click_exc.UsageError("give a PATH or --scan (not both)")
+    if scan:
+        if name is not None:
+            raise click_exc.UsageError("--name goes with PATH, not with --scan")
+        return _import_scan(json_out)
     src = path.expanduser()
     record = _store().add_file(src, name or _name_from_file(src), source=f"file:{src.resolve()}")
+    if json_out:
+        _emit_json(_record_json(record))
+        return
     print(f"imported {record.name} ({record.info.architecture}, {record.info.quant}, "
           f"{human_bytes(record.size)})")  # fmt: skip
+
+
+def _import_scan(json_out: bool) -> None:
+    from localllm.models_registry.scan import register_found, scan
+
+    results = register_found(_store(), scan())
+    if json_out:
+        _emit_json([r.to_dict() for r in results])
+        return
+    if not results:
+        print("No GGUF models found in the Hugging Face cache, Ollama or LM Studio folders.")
+        return
+    for r in results:
+        detail = f"  ({r.reason})" if r.reason else ""
+        print(f"{r.status:<10}  {r.origin:<11}  {r.name or '-'}  {r.path}{detail}")
+    counts = {s: sum(r.status == s for r in results) for s in ("registered", "already", "skipped")}
+    print(f"{counts['registered']} registered by reference (no copies), {counts['already']} "
+          f"already known, {counts['skipped']} skipped")  # fmt: skip
 
 
 def _print_stats(result: Any) -> None:

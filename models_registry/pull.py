@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
-from localllm.errors import InvalidName, LocalLLMError, ModelNotFound, StoreError
+from localllm.errors import GGUFFormatError, InvalidName, LocalLLMError, ModelNotFound, StoreError
 from localllm.models_registry.catalog import (
     Catalog,
     CatalogEntry,
@@ -407,12 +407,18 @@ class _Puller:
                         return reuse
                 self._check_space()
                 paths.append(self._fetch(f))
-            if len(paths) == 1:
-                self.emit(PullEvent(p.name, "registering", done=self.done, total=p.total))
-                record = store.add_file(paths[0], p.name, source=p.source,
-                                        expected_sha256=p.files[0].sha256)  # fmt: skip
-            else:
-                record = self._join(paths)
+            try:
+                if len(paths) == 1:
+                    self.emit(PullEvent(p.name, "registering", done=self.done, total=p.total))
+                    record = store.add_file(paths[0], p.name, source=p.source,
+                                            expected_sha256=p.files[0].sha256)  # fmt: skip
+                else:
+                    record = self._join(paths)
+            except GGUFFormatError as e:  # the hub's bytes, verified, but not a model we can use
+                for path in paths:
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+                raise GGUFFormatError(f"{p.files[0].repo}/{p.files[0].path}", e.reason) from None
             for path in paths:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()

@@ -1,4 +1,4 @@
-"""The model store: content-addressed blobs and a small JSON index of names.
+"""The model store: content-addressed blobs, references to other tools' files, a JSON index of names.
 
     $LOCALLLM_HOME/               (else the platformdirs user data dir)
       blobs/sha256-<hex>          model bytes, named by their sha256
@@ -11,6 +11,13 @@ sha256, and that it is a readable GGUF), fsynced and renamed into place; the ind
 the same way. A model is registered only after its bytes are complete and verified. A kill at any
 moment leaves either the old state or the new one, plus at most an unreferenced temporary file or
 blob that `gc()` removes later.
+
+References: a record with `ref` set names a GGUF owned by another tool (Ollama, LM Studio, the
+Hugging Face cache) by its absolute path instead of a blob, so nothing is copied. The store never
+writes, moves or deletes a referenced file; `remove` only drops the name. Its size and mtime are
+recorded, and `path_of` refuses to hand out a referenced file that is gone or has changed since.
+Referenced files live outside `blobs/`, so `gc()` never sees them, and a reference never keeps a
+blob alive: blob lifetime depends only on blob records.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -52,7 +60,7 @@ def default_home() -> Path:
 
 @dataclass(frozen=True)
 class ModelRecord:
-    """One registered name. Several names may share one blob."""
+    """One registered name. Several names may share one blob (or one referenced file)."""
 
     name: str  # always `name:tag`
     digest: str  # sha256 hex of the bytes
@@ -62,15 +70,22 @@ class ModelRecord:
     )
     info: ModelInfo
     added: float = field(default_factory=time.time)
+    ref: str | None = None  # absolute path of a file another tool owns; None: the bytes are a blob
+    ref_mtime_ns: int | None = None  # the referenced file's st_mtime_ns when it was registered
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "digest": self.digest,
             "size": self.size,
             "source": self.source,
             "added": self.added,
             "info": self.info.to_dict(),
         }
+        if self.ref is not None:
+            d["ref"] = self.ref
+        if self.ref_mtime_ns is not None:
+            d["ref_mtime_ns"] = self.ref_mtime_ns
+        return d
 
     @classmethod
     def from_dict(cls, name: str, d: dict[str, Any]) -> ModelRecord:
@@ -81,7 +96,14 @@ class ModelRecord:
             source=str(d.get("source", "")),
             info=ModelInfo.from_dict(d["info"]),
             added=float(d.get("added", 0)),
+            ref=str(d["ref"]) if d.get("ref") is not None else None,
+            ref_mtime_ns=int(d["ref_mtime_ns"]) if d.get("ref_mtime_ns") is not None else None,
         )
+
+
+def _is_blob_record(d: dict[str, Any]) -> bool:
+    """An index entry whose bytes are a blob (not a reference to another tool's file)."""
+    return d.get("ref") is None
 
 
 def full_name(text: str) -> str:
@@ -136,7 +158,26 @@ class Store:
         return p
 
     def path_of(self, record: ModelRecord) -> Path:
-        return self.blob_path(record.digest)
+        """The file holding `record`'s bytes: its blob, or the referenced file if still unchanged."""
+        if record.ref is None:
+            return self.blob_path(record.digest)
+        path = Path(record.ref)
+        try:
+            st = os.stat(path)
+        except OSError:
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            what = "which is gone"
+        elif st.st_size != record.size or (
+            record.ref_mtime_ns is not None and st.st_mtime_ns != record.ref_mtime_ns
+        ):
+            what = "which has changed since it was imported"
+        else:
+            return path
+        raise StoreError(
+            f"model {record.name} refers to {path}, {what}; "
+            f"`localllm rm {record.name}` or import it again"
+        )
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -224,8 +265,62 @@ class Store:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
 
+    def add_reference(
+        self,
+        path: str | os.PathLike[str],
+        name: str,
+        *,
+        source: str,
+        digest: str | None = None,
+    ) -> ModelRecord:
+        """Register the GGUF at `path` under `name` by reference: nothing is copied or linked.
+
+        Args:
+            path: the file; symlinks are followed and the real path is recorded.
+            name: the store name (`name[:tag]`).
+            source: where it came from, e.g. `ollama:/path/to/manifest`.
+            digest: its sha256 when the owning tool already names the file by it (Ollama and
+                Hugging Face blobs); trusted after a format check. Otherwise the file is hashed.
+
+        Returns:
+            The new record. Raises GGUFFormatError for a file that is not a readable GGUF.
+        """
+        key = full_name(name)
+        real = Path(os.path.realpath(path))
+        try:
+            before = os.stat(real)
+        except OSError:
+            raise LocalLLMError(f"no such file: {path}") from None
+        if not stat.S_ISREG(before.st_mode):
+            raise LocalLLMError(f"not a regular file: {path}")
+        if real.is_relative_to(self.home.resolve()):
+            raise StoreError(f"{real} is inside the store; it cannot be registered by reference")
+        info = read_model_info(str(real))  # hostile until parsed
+        try:
+            sha = check_digest(digest) if digest else _sha256_file(real)
+            after = os.stat(real)
+        except OSError as e:
+            raise StoreError(f"cannot read {real}: {e.strerror or e}") from None
+        if (after.st_size, after.st_mtime_ns, after.st_ino) != (
+            before.st_size,
+            before.st_mtime_ns,
+            before.st_ino,
+        ):
+            raise StoreError(f"{real} changed while it was being imported; nothing registered")
+        record = ModelRecord(
+            key, sha, after.st_size, source, info, ref=str(real), ref_mtime_ns=after.st_mtime_ns
+        )
+        with self.lock():
+            models = self._read_index()
+            models[key] = record.to_dict()
+            self._write_index(models)
+        return record
+
     def remove(self, name: str) -> ModelRecord:
-        """Unregister `name`; delete its blob when no other name uses it."""
+        """Unregister `name`; delete its blob when no other blob record uses it.
+
+        For a reference only the name goes: the referenced file belongs to another tool.
+        """
         key = full_name(name)
         with self.lock():
             models = self._read_index()
@@ -235,18 +330,24 @@ class Store:
             self._write_index(
                 models
             )  # the name goes first: a kill leaves an orphan blob, not a dangling name
-            if not any(d.get("digest") == record.digest for d in models.values()):
+            if record.ref is None and not any(
+                d.get("digest") == record.digest for d in models.values() if _is_blob_record(d)
+            ):
                 with contextlib.suppress(FileNotFoundError):
                     self.blob_path(record.digest).unlink()
         return record
 
     def gc(self) -> list[Path]:
-        """Remove temporary files of dead writers and blobs no name refers to."""
+        """Remove temporary files of dead writers and blobs no blob record uses.
+
+        Only `blobs/` and the store's own temporary files are looked at: referenced files live
+        elsewhere and are never touched.
+        """
         removed: list[Path] = []
         if not self.blobs.is_dir():
             return removed
         with self.lock():
-            used = {d.get("digest") for d in self._read_index().values()}
+            used = {d.get("digest") for d in self._read_index().values() if _is_blob_record(d)}
             for p in [*self.blobs.iterdir(), *self.home.iterdir()]:
                 tmp = _TMP.search(p.name)
                 orphan = (

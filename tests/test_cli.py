@@ -69,7 +69,7 @@ def test_list_empty_and_json(capsys: pytest.CaptureFixture[str], tiny_llama: Pat
     [entry] = json.loads(run(["list", "--json"], capsys)[1])
     assert entry["name"] == "tiny:latest" and entry["architecture"] == "llama"
     assert entry["digest"].startswith("sha256:") and entry["context_length"] == 256
-    assert set(entry) == {"name", "digest", "size", "source", "added", "architecture",
+    assert set(entry) == {"name", "digest", "size", "source", "reference", "added", "architecture",
                           "parameters", "quant", "context_length"}  # fmt: skip
 
 

@@ -299,3 +299,79 @@ def test_hostile_imports_leave_the_store_unchanged(
         store.add_file(bad, "bad", source="x")
     assert store.index_path.read_bytes() == index
     assert_consistent(store)
+
+
+# -- references: records that point at another tool's file instead of a blob ------------------
+
+
+def test_reference_registers_without_copying(tiny_llama: Path, tmp_path: Path) -> None:
+    other = tmp_path / "tool" / "m.gguf"
+    other.parent.mkdir()
+    other.write_bytes(tiny_llama.read_bytes())
+    link = tmp_path / "tool" / "link.gguf"
+    link.symlink_to(other)
+    store = Store()
+    r = store.add_reference(link, "ref", source="ollama:x")
+    assert r.ref == str(other) and r.digest == sha256(other) and r.size == other.stat().st_size
+    assert r.ref_mtime_ns == os.stat(other).st_mtime_ns
+    assert list(store.blobs.iterdir()) == []
+    assert store.path_of(r) == other and store.get("ref") == r
+    entry = json.loads(store.index_path.read_text())["models"]["ref:latest"]
+    assert entry["ref"] == str(other) and entry["ref_mtime_ns"] == r.ref_mtime_ns
+
+
+def test_reference_checks_file_and_digest(tiny_llama: Path, tmp_path: Path) -> None:
+    store = Store()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(tiny_llama.read_bytes()[:5000])
+    with pytest.raises(GGUFFormatError, match="bad.gguf"):
+        store.add_reference(bad, "bad", source="x")
+    with pytest.raises(InvalidName):
+        store.add_reference(tiny_llama, "m", source="x", digest="sha256:../../etc/passwd")
+    with pytest.raises(LocalLLMError, match="not a regular file"):
+        store.add_reference(tmp_path, "dir", source="x")
+    with pytest.raises(LocalLLMError, match="no such file"):
+        store.add_reference(tmp_path / "absent.gguf", "absent", source="x")
+    blob = store.add_file(tiny_llama, "blob", source="x")
+    with pytest.raises(StoreError, match="inside the store"):
+        store.add_reference(store.path_of(blob), "loop", source="x")
+    assert [r.name for r in store.list()] == ["blob:latest"]
+    given = store.add_reference(tiny_llama, "given", source="x", digest="sha256:" + "ab" * 32)
+    assert given.digest == "ab" * 32  # a digest the owning tool names the file by is trusted
+
+
+def test_old_index_without_reference_fields_still_loads(tiny_llama: Path) -> None:
+    store = Store()
+    store.add_file(tiny_llama, "old", source="x")
+    data = json.loads(store.index_path.read_text())
+    assert "ref" not in data["models"]["old:latest"]  # blob records keep the old layout
+    assert "ref_mtime_ns" not in data["models"]["old:latest"]
+    (record,) = store.list()
+    assert record.ref is None and record.ref_mtime_ns is None
+
+
+def test_reference_and_blob_with_one_digest(tiny_llama: Path, tmp_path: Path) -> None:
+    """A reference never keeps a blob alive, and removing either never touches the other tool's file."""
+    other = tmp_path / "tool.gguf"
+    other.write_bytes(tiny_llama.read_bytes())
+    original = (other.read_bytes(), os.stat(other).st_mtime_ns)
+    store = Store()
+    blob = store.add_file(tiny_llama, "blob", source="x")
+    ref = store.add_reference(other, "ref", source="x")
+    assert ref.digest == blob.digest
+
+    store.remove("ref")  # the blob record still needs its blob
+    assert store.path_of(blob).is_file() and store.gc() == []
+    ref = store.add_reference(other, "ref", source="x")
+    store.remove("blob")  # the reference does not keep the blob alive
+    assert not store.blob_path(blob.digest).exists()
+    assert store.path_of(ref) == other
+    assert (other.read_bytes(), os.stat(other).st_mtime_ns) == original
+
+    orphan = store.blob_path(ref.digest)  # a blob with the reference's digest, no blob record
+    orphan.write_bytes(b"left over")
+    store.remove("ref")  # removing a reference only drops its name
+    assert orphan.read_bytes() == b"left over"
+    assert store.gc() == [orphan]
+    assert store.list() == [] and other.read_bytes() == original[0]
+    assert list(store.blobs.iterdir()) == []
