@@ -29,10 +29,12 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import http.client
 import os
 import re
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -398,20 +400,18 @@ class _Puller:
         store.blobs.mkdir(parents=True, exist_ok=True)
         (store.home / "locks").mkdir(parents=True, exist_ok=True)
         try:
-            paths = []
-            for f in p.files:
+            for f in p.files:  # always in the plan's order: two pullers cannot deadlock
                 self._lock(f)
-                if len(p.files) == 1:
-                    reuse = self._reuse(f)
-                    if reuse is not None:
-                        return reuse
-                self._check_space()
-                paths.append(self._fetch(f))
+            reuse = self._reuse()
+            if reuse is not None:
+                return reuse
+            self._check_space()
+            fetched = [self._fetch(f) for f in p.files]
+            paths = [path for path, _sha in fetched]
             try:
+                self.emit(PullEvent(p.name, "registering", done=self.done, total=p.total))
                 if len(paths) == 1:
-                    self.emit(PullEvent(p.name, "registering", done=self.done, total=p.total))
-                    record = store.add_file(paths[0], p.name, source=p.source,
-                                            expected_sha256=p.files[0].sha256)  # fmt: skip
+                    record = store.adopt(paths[0], p.name, source=p.source, digest=fetched[0][1])
                 else:
                     record = self._join(paths)
             except GGUFFormatError as e:  # the hub's bytes, verified, but not a model we can use
@@ -429,12 +429,16 @@ class _Puller:
             for fd in self.locks:
                 os.close(fd)  # closing releases the flock
 
-    def _reuse(self, f: RemoteFile) -> ModelRecord | None:
-        """After waiting for another puller: its finished blob is ours to name."""
-        if f.sha256 and self.store.blob_path(f.sha256).is_file():
-            blob = self.store.blob_path(f.sha256)
-            self.emit(PullEvent(self.plan.name, "registering", message="already in the store"))
-            return self.store.add_file(blob, self.plan.name, source=self.plan.source,
+    def _reuse(self) -> ModelRecord | None:
+        """After waiting for another puller: what it finished is ours to name."""
+        p = self.plan
+        existing = self.store.get(p.name)
+        if existing is not None and existing.source == p.source:
+            return existing
+        f = p.files[0]
+        if len(p.files) == 1 and f.sha256 and self.store.blob_path(f.sha256).is_file():
+            self.emit(PullEvent(p.name, "registering", message="already in the store"))
+            return self.store.add_file(self.store.blob_path(f.sha256), p.name, source=p.source,
                                        expected_sha256=f.sha256)  # fmt: skip
         return None
 
@@ -510,8 +514,9 @@ class _Puller:
         os.close(fd)
         return mine
 
-    def _fetch(self, f: RemoteFile) -> Path:
-        """Download one file to a partial file we own, resume what is there, verify it."""
+    def _fetch(self, f: RemoteFile) -> tuple[Path, str]:
+        """Download one file to a partial file we own, resume what is there, verify it.
+        Returns the file and its sha256, computed by re-reading it from disk."""
         path = self._claim_partial(f)
         have = path.stat().st_size
         if have > f.size:
@@ -522,12 +527,16 @@ class _Puller:
         if have:
             self.emit(PullEvent(self.plan.name, "downloading", file=f.path, done=self.done,
                                 total=self.plan.total, message=f"resuming at {_mb(have)}"))  # fmt: skip
+        hasher = _TrailingHash(path, git_size=None if f.sha256 else f.size)
         try:
+            hasher.advance(have)  # the bytes already there are re-read while the rest arrives
             if have < f.size:
-                self._download(f, path, have)
+                self._download(f, path, have, hasher)
             self.emit(PullEvent(self.plan.name, "verifying", file=f.path, done=self.done,
                                 total=self.plan.total))  # fmt: skip
-            self._verify(f, path)
+            size = path.stat().st_size
+            sha256, git_oid = hasher.finish(size)
+            self._check(f, path, size, sha256, git_oid)
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 with contextlib.suppress(FileNotFoundError):
@@ -537,45 +546,41 @@ class _Puller:
                     "download was deleted to give the space back; nothing registered"
                 ) from None
             raise
-        return path
+        finally:
+            hasher.close()
+        return path, sha256
 
-    def _verify(self, f: RemoteFile, path: Path) -> None:
-        """Re-read the file from disk and check its size and hash; delete it when wrong."""
-        size = path.stat().st_size
-        h = hashlib.sha256() if f.sha256 else hashlib.sha1(b"blob %d\0" % f.size)
-        want = f.sha256 or f.git_oid
-        if size == f.size and want:
-            with open(path, "rb") as fh:
-                while chunk := fh.read(CHUNK):
-                    h.update(chunk)
-        got = h.hexdigest()
-        if size != f.size or (want and got != want):
-            path.unlink()
-            what = "sha256" if f.sha256 else "git blob id"
-            detail = (
-                f"size {size} instead of {f.size}"
-                if size != f.size
-                else f"{what} {got} instead of {want}"
-            )
-            raise StoreError(
-                f"download of {f.path} from {f.repo} is corrupt ({detail}); it was deleted and "
-                "nothing was registered: pull again to retry from scratch"
-            )
+    def _check(self, f: RemoteFile, path: Path, size: int, sha256: str, git_oid: str) -> None:
+        """Size and hash against what the hub promised; a wrong file is deleted."""
+        want, got, what = (f.sha256, sha256, "sha256") if f.sha256 else (f.git_oid, git_oid,
+                                                                           "git blob id")  # fmt: skip
+        if size == f.size and (want is None or got == want):
+            return
+        path.unlink()
+        detail = (
+            f"size {size} instead of {f.size}"
+            if size != f.size
+            else f"{what} {got} instead of {want}"
+        )
+        raise StoreError(
+            f"download of {f.path} from {f.repo} is corrupt ({detail}); it was deleted and "
+            "nothing was registered: pull again to retry from scratch"
+        )
 
-    def _download(self, f: RemoteFile, path: Path, offset: int) -> None:
+    def _download(self, f: RemoteFile, path: Path, offset: int, hasher: _TrailingHash) -> None:
         from huggingface_hub import hf_hub_url
         from huggingface_hub.utils import build_hf_headers
 
         url = hf_hub_url(f.repo, f.path, revision=f.commit, endpoint=_endpoint())
         auth = build_hf_headers(library_name="localllm")
         attempt = 0
-        with open(path, "r+b") as out:
+        with open(path, "r+b", buffering=0) as out:
             out.seek(offset)
             while offset < f.size:
                 self._check_cancel(f)
                 before = offset
                 try:
-                    offset = self._get(url, auth, f, out, offset)
+                    offset = self._get(url, auth, f, out, offset, hasher)
                     error = None
                 except _Retry as e:
                     error = str(e)
@@ -596,7 +601,6 @@ class _Puller:
                                     message=f"{error or 'connection closed early'}; "
                                             f"retrying in {delay:g} s"))  # fmt: skip
                 self._sleep(delay)
-            out.flush()
             os.fsync(out.fileno())
 
     def _sleep(self, seconds: float) -> None:
@@ -605,41 +609,45 @@ class _Puller:
             self._check_cancel(None)
             time.sleep(min(0.1, max(0.0, end - time.monotonic())))
 
-    def _get(self, url: str, auth: dict[str, str], f: RemoteFile, out: Any, offset: int) -> int:
+    def _get(self, url: str, auth: dict[str, str], f: RemoteFile, out: Any, offset: int,
+             hasher: _TrailingHash) -> int:  # fmt: skip
         """One GET from `offset`, following redirects by hand; returns the new offset."""
-        import httpx2
-        from huggingface_hub.utils import get_session
-
-        session = get_session()
         origin = _origin(url)
-        headers = {k: v for k, v in auth.items()}
+        headers = dict(auth)
         headers["Accept-Encoding"] = "identity"
         if offset:
             headers["Range"] = f"bytes={offset}-"
-        timeout = httpx2.Timeout(30.0, connect=15.0)
-        try:
-            for _ in range(MAX_REDIRECTS + 1):
-                with session.stream("GET", url, headers=headers, follow_redirects=False,
-                                    timeout=timeout) as r:  # fmt: skip
-                    if r.status_code in (301, 302, 303, 307, 308) and "location" in r.headers:
-                        url = urljoin(url, r.headers["location"])
-                        if _origin(url) != origin:
-                            # the token is for the hub; a CDN's signed URL needs none
-                            headers = {k: v for k, v in headers.items()
-                                       if k.lower() not in ("authorization", "cookie")}  # fmt: skip
-                        continue
-                    return self._body(r, f, out, offset)
-            raise LocalLLMError(f"too many redirects downloading {f.path}")
-        except httpx2.TransportError as e:
-            raise _Retry(f"{type(e).__name__}: {e or 'connection lost'}") from None
+        for _ in range(MAX_REDIRECTS + 1):
+            r = _open(url, headers)
+            try:
+                if r.status in (301, 302, 303, 307, 308) and r.headers.get("location"):
+                    url = urljoin(url, r.headers["location"])
+                    if _origin(url) != origin:
+                        # the token is for the hub; a CDN's signed URL needs none
+                        headers = {k: v for k, v in headers.items()
+                                   if k.lower() not in ("authorization", "cookie")}  # fmt: skip
+                    continue
+                return self._body(r, f, out, offset, hasher)
+            except _TRANSIENT as e:
+                if isinstance(e, OSError) and e.errno in _DISK_ERRORS:
+                    raise  # our disk, not the network: no retry
+                raise _Retry(f"{type(e).__name__}: {e or 'connection lost'}") from None
+            finally:
+                r.close()
+        raise LocalLLMError(f"too many redirects downloading {f.path}")
 
-    def _body(self, r: Any, f: RemoteFile, out: Any, offset: int) -> int:
-        status = r.status_code
+    def _restart(self, out: Any, offset: int, hasher: _TrailingHash) -> None:
+        out.seek(0)
+        out.truncate()
+        hasher.reset()
+        self.done -= offset
+
+    def _body(self, r: _Response, f: RemoteFile, out: Any, offset: int,
+              hasher: _TrailingHash) -> int:  # fmt: skip
+        status = r.status
         if status == 416 and offset:
             # the server cannot serve from here: the partial file is wrong; start again
-            out.seek(0)
-            out.truncate()
-            self.done -= offset
+            self._restart(out, offset, hasher)
             raise _Retry("the server refused to resume (HTTP 416); starting over")
         if status in (401, 403):
             raise LocalLLMError(
@@ -651,9 +659,7 @@ class _Puller:
             raise _Retry(f"HTTP {status}")
         if status == 200:
             if offset:  # the server ignored Range: take the whole file again
-                out.seek(0)
-                out.truncate()
-                self.done -= offset
+                self._restart(out, offset, hasher)
                 offset = 0
         elif status == 206:
             m = re.match(r"bytes (\d+)-(\d+)/(\d+|\*)", r.headers.get("content-range", ""))
@@ -661,24 +667,25 @@ class _Puller:
                 raise _Retry(f"bad Content-Range {r.headers.get('content-range')!r}")
         else:
             raise LocalLLMError(f"unexpected HTTP {status} downloading {f.path}")
-        for chunk in r.iter_raw():
-            if offset + len(chunk) > f.size:
-                out.seek(0)
-                out.truncate()
-                self.done -= offset
+        buf = memoryview(bytearray(CHUNK))
+        while n := r.readinto(buf):
+            if offset + n > f.size:
+                self._restart(out, offset, hasher)
                 raise StoreError(
                     f"the server sent more than the {f.size} bytes of {f.path}; nothing registered"
                 )
-            out.write(chunk)
-            offset += len(chunk)
-            self.done += len(chunk)
+            view = buf[:n]
+            while view:
+                view = view[out.write(view) :]
+            offset += n
+            self.done += n
+            hasher.advance(offset)
             now = time.monotonic()
             if now - self.last_emit >= 0.1:
                 self.last_emit = now
                 self._check_cancel(f)
                 self.emit(PullEvent(self.plan.name, "downloading", file=f.path, done=self.done,
                                     total=self.plan.total))  # fmt: skip
-        out.flush()
         return offset
 
     # -- split models --------------------------------------------------------------------------
@@ -701,6 +708,194 @@ class _Puller:
 
 class _Retry(Exception):
     """A failure worth another try from where the file stands."""
+
+
+# -- HTTP --------------------------------------------------------------------------------------
+# The body of a multi-GB file is read with the standard library straight into one buffer: on
+# loopback that runs at curl's speed, where an httpx stream costs about twice the time in Python
+# per 64 KiB. Behind a proxy (HTTP(S)_PROXY) huggingface_hub's httpx2 session is used instead.
+
+_TRANSIENT = (OSError, http.client.HTTPException)
+_DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG, errno.EBADF}
+
+
+class _Response:
+    status: int
+    headers: dict[str, str]  # lower-case names
+
+    def readinto(self, buf: memoryview) -> int:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class _StdResponse(_Response):
+    def __init__(self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse) -> None:
+        self.conn, self.resp = conn, resp
+        self.status = resp.status
+        self.headers = {k.lower(): v for k, v in resp.getheaders()}
+
+    def readinto(self, buf: memoryview) -> int:
+        return self.resp.readinto(buf)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class _HttpxResponse(_Response):
+    def __init__(self, url: str, headers: dict[str, str]) -> None:
+        import httpx2
+        from huggingface_hub.utils import get_session
+
+        self._cm = get_session().stream("GET", url, headers=headers, follow_redirects=False,
+                                        timeout=httpx2.Timeout(30.0, connect=15.0))  # fmt: skip
+        try:
+            r = self._cm.__enter__()
+        except httpx2.TransportError as e:
+            raise ConnectionError(str(e)) from None
+        self.status = r.status_code
+        self.headers = {k.lower(): v for k, v in r.headers.items()}
+        self._chunks = r.iter_raw()
+        self._left = b""
+        self._errors = httpx2.TransportError
+
+    def readinto(self, buf: memoryview) -> int:
+        try:
+            while not self._left:
+                self._left = next(self._chunks, b"")
+                if not self._left:
+                    return 0
+        except self._errors as e:
+            raise ConnectionError(str(e)) from None
+        n = min(len(buf), len(self._left))
+        buf[:n] = self._left[:n]
+        self._left = self._left[n:]
+        return n
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._cm.__exit__(None, None, None)
+
+
+def _ssl_context() -> Any:
+    import ssl
+
+    try:
+        import certifi
+
+        return ssl.create_default_context(cafile=certifi.where())
+    except ImportError:
+        return ssl.create_default_context()
+
+
+def _open(url: str, headers: dict[str, str]) -> _Response:
+    """GET `url` with exactly `headers`, no redirects followed; the body is left to read."""
+    import urllib.request
+
+    u = urlsplit(url)
+    if u.scheme not in ("http", "https"):
+        raise LocalLLMError(f"refusing to download from {u.scheme}:// URL")
+    if urllib.request.getproxies().get(u.scheme) and not urllib.request.proxy_bypass(
+        u.hostname or ""
+    ):
+        return _HttpxResponse(url, headers)
+    if u.scheme == "https":
+        conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+            u.hostname or "", u.port, timeout=30, context=_ssl_context()
+        )
+    else:
+        conn = http.client.HTTPConnection(u.hostname or "", u.port, timeout=30)
+    try:
+        conn.request("GET", u.path + (f"?{u.query}" if u.query else ""),
+                     headers={"User-Agent": "localllm", **headers})  # fmt: skip
+        return _StdResponse(conn, conn.getresponse())
+    except BaseException:
+        conn.close()
+        raise
+
+
+# -- verification ------------------------------------------------------------------------------
+
+
+class _TrailingHash:
+    """Hashes a file by re-reading it from disk in a second thread, trailing the writer.
+
+    The writer calls `advance(n)` once the first n bytes are written, `reset()` when it truncates
+    the file, and `finish(size)` at the end. The digest is of the bytes on disk, not of the bytes
+    the writer meant to write, and costs little extra time: hashing overlaps the download.
+    """
+
+    def __init__(self, path: Path, git_size: int | None = None) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+        self.git_size = git_size  # also compute the git blob id (sha1) for files kept in git
+        self.cond = threading.Condition()
+        self.limit = 0
+        self.gen = 0
+        self.closed = False  # the writer is done
+        self.stop = False  # give up (an error, or after finish)
+        self.result: tuple[int, int, str, str] | None = None  # (gen, size, sha256, git oid)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="localllm-verify", daemon=True)
+        self.thread.start()
+
+    def advance(self, limit: int) -> None:
+        with self.cond:
+            self.limit = limit
+            self.cond.notify()
+
+    def reset(self) -> None:
+        with self.cond:
+            self.gen += 1
+            self.limit = 0
+            self.cond.notify()
+
+    def finish(self, size: int) -> tuple[str, str]:
+        """The digests of the first `size` bytes (the whole file, which the writer has synced)."""
+        with self.cond:
+            self.limit = size
+            self.closed = True
+            self.cond.notify()
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None and self.result[:2] == (self.gen, size)
+        return self.result[2], self.result[3]
+
+    def close(self) -> None:
+        with self.cond:
+            self.stop = True
+            self.cond.notify()
+        self.thread.join()
+        os.close(self.fd)
+
+    def _run(self) -> None:
+        try:
+            gen, pos, sha, git = -1, 0, hashlib.sha256(), None
+            while True:
+                with self.cond:
+                    while (not self.stop and not self.closed and self.gen == gen
+                           and pos >= self.limit):  # fmt: skip
+                        self.cond.wait()
+                    if self.stop:
+                        return
+                    if self.gen != gen:  # first round, or the writer truncated the file
+                        gen, pos, sha = self.gen, 0, hashlib.sha256()
+                        git = hashlib.sha1(b"blob %d\0" % self.git_size) if self.git_size else None
+                        continue
+                    if pos >= self.limit:  # the writer is done and we caught up
+                        self.result = (gen, pos, sha.hexdigest(), git.hexdigest() if git else "")
+                        return
+                    end = min(self.limit, pos + CHUNK)
+                data = os.pread(self.fd, end - pos, pos)
+                if not data:
+                    raise StoreError("the file being verified shrank while it was read")
+                sha.update(data)
+                if git is not None:
+                    git.update(data)
+                pos += len(data)
+        except BaseException as e:  # handed to the writer by finish()
+            self.error = e
 
 
 def _mb(n: int) -> str:

@@ -241,20 +241,7 @@ class Store:
                 raise StoreError(
                     f"sha256 mismatch for {key}: expected {expected}, got {digest}; nothing registered"
                 )
-            info = read_model_info(str(tmp))
-            size = tmp.stat().st_size
-            record = ModelRecord(key, digest, size, source, info)
-            with self.lock():
-                final = self.blob_path(digest)
-                if final.exists():
-                    tmp.unlink()
-                else:
-                    os.replace(tmp, final)
-                    _fsync_dir(self.blobs)
-                models = self._read_index()
-                models[key] = record.to_dict()
-                self._write_index(models)
-            return record
+            return self._place(tmp, key, digest, source)
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 raise StoreError(
@@ -264,6 +251,43 @@ class Store:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
+
+    def adopt(self, path: Path, name: str, *, source: str, digest: str) -> ModelRecord:
+        """Register a file the caller wrote inside `blobs/` and has verified by re-reading it
+        from disk (a pull checks the hub's sha256 while the bytes arrive). It is parsed as GGUF,
+        fsynced and renamed into place; a failure leaves it where it was."""
+        key = full_name(name)
+        digest = check_digest(digest)
+        path = Path(path)
+        if path.parent.resolve() != self.blobs.resolve() or not path.is_file():
+            raise StoreError(f"cannot adopt {path}: not a file in {self.blobs}")
+        try:
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+            return self._place(path, key, digest, source)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise StoreError(
+                    f"disk full while writing {key} to {self.blobs}; nothing registered"
+                ) from None
+            raise StoreError(f"cannot write {key} to the store: {e.strerror or e}") from None
+
+    def _place(self, tmp: Path, key: str, digest: str, source: str) -> ModelRecord:
+        """Parse a checked file, rename it to its blob name, then write the index."""
+        info = read_model_info(str(tmp))
+        size = tmp.stat().st_size
+        record = ModelRecord(key, digest, size, source, info)
+        with self.lock():
+            final = self.blob_path(digest)
+            if final.exists():
+                tmp.unlink()
+            else:
+                os.replace(tmp, final)
+                _fsync_dir(self.blobs)
+            models = self._read_index()
+            models[key] = record.to_dict()
+            self._write_index(models)
+        return record
 
     def add_reference(
         self,
