@@ -48,6 +48,7 @@ class Request:
     method: str
     path: str
     headers: dict[str, str]
+    raw: str = ""  # the request target as sent: `http://host/...` when it came through a proxy
 
 
 @dataclass
@@ -138,7 +139,8 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
         def _serve(self, head: bool) -> None:
             url = urlsplit(self.path)
             path = unquote(url.path)
-            hub.log(Request(self.command, path, {k.lower(): v for k, v in self.headers.items()}))
+            headers = {k.lower(): v for k, v in self.headers.items()}
+            hub.log(Request(self.command, path, headers, raw=self.path))
             parts = path.strip("/").split("/")
             if parts[:2] == ["api", "models"] and len(parts) >= 4:
                 return self._model_info(parts[2:])

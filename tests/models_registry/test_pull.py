@@ -232,6 +232,29 @@ def test_redirect_to_other_host_never_gets_the_token(hub: FakeHub) -> None:
     assert TOKEN not in json.dumps(cdn_get.headers)
 
 
+def test_behind_a_proxy_the_hub_session_downloads(
+    hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With HTTP_PROXY set, bytes go through huggingface_hub's httpx2 session (which honours
+    proxies); resume and verification work the same. The fake hub doubles as the proxy."""
+    from huggingface_hub.utils import close_session
+
+    monkeypatch.setenv("HTTP_PROXY", hub.url)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    close_session()  # the next session reads the proxy settings
+    try:
+        hub.faults[Q4] = Fault(reset_after=3_000_000)
+        r = pull(f"hf.co/{REPO}")
+    finally:
+        close_session()
+    assert r.digest == hub_sha(hub, Q4)
+    gets = hub.downloads(Q4)
+    assert all(g.raw.startswith("http://") for g in gets)  # absolute targets: via the proxy
+    assert len(gets) == 2 and int(gets[1].headers["range"][6:-1]) > 2_000_000
+    check_store(Store())
+
+
 def test_server_ignoring_range_restarts_cleanly(hub: FakeHub) -> None:
     hub.faults[Q4] = Fault(reset_after=2_000_000, ignore_range=True)
     r = pull(f"hf.co/{REPO}")
@@ -371,9 +394,21 @@ def test_hostile_listing(hub: FakeHub, hub_files: dict) -> None:
     sha = sha256(hub_files["q4"])
     hub.add("org/evil-GGUF", "fine-Q8_0.gguf", hub_files["q8"])
     hub.repos["org/evil-GGUF"].extra_siblings = [
-        {"rfilename": "../../evil-Q4_K_M.gguf", "size": 10, "lfs": {"sha256": sha, "size": 10, "pointerSize": 1}},
-        {"rfilename": "/abs-Q4_K_M.gguf", "size": 10, "lfs": {"sha256": sha, "size": 10, "pointerSize": 1}},
-        {"rfilename": "bad-Q6_K.gguf", "size": 10, "lfs": {"sha256": "../../etc", "size": 10, "pointerSize": 1}},
+        {
+            "rfilename": "../../evil-Q4_K_M.gguf",
+            "size": 10,
+            "lfs": {"sha256": sha, "size": 10, "pointerSize": 1},
+        },
+        {
+            "rfilename": "/abs-Q4_K_M.gguf",
+            "size": 10,
+            "lfs": {"sha256": sha, "size": 10, "pointerSize": 1},
+        },
+        {
+            "rfilename": "bad-Q6_K.gguf",
+            "size": 10,
+            "lfs": {"sha256": "../../etc", "size": 10, "pointerSize": 1},
+        },
     ]
     with pytest.raises(ModelNotFound, match=r"available: Q6_K, Q8_0 \(pull"):  # no `..` entries
         pull("hf.co/org/evil-GGUF")
@@ -448,3 +483,25 @@ def test_cli_ctrl_c_keeps_partial(hub: FakeHub) -> None:
     assert store.list() == []
     check_store(store, partials=1)
     assert os.environ.get("HF_TOKEN") == TOKEN
+
+
+def test_cli_progress_bar_on_a_terminal(hub: FakeHub) -> None:
+    """On a TTY, rich draws a bar with bytes, speed and ETA; the resume and done lines show."""
+    import pty
+
+    from test_run_interactive import _read_until
+
+    hub.faults[Q4] = Fault(rate=6e6, reset_after=3_000_000)
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execv(sys.executable, [sys.executable, "-m", "localllm", "pull", f"hf.co/{REPO}"])
+    try:
+        out = _read_until(fd, b"pulled hf.co/", timeout=60)
+        _read_until(fd, b"sha256:", timeout=10)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        os.close(fd)
+    text = out.decode(errors="replace")
+    assert "MB/s" in text and "/8.2 MB" in text  # rich's DownloadColumn and TransferSpeedColumn
+    assert "retrying in" in text and "Traceback" not in text
