@@ -26,6 +26,7 @@ No path is built from a remote string: partial files, locks and blobs are named 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import hashlib
@@ -47,6 +48,7 @@ from localllm.models_registry.catalog import (
     Catalog,
     CatalogEntry,
     default_catalog,
+    find_local,
     packaged_files,
 )
 from localllm.models_registry.names import (
@@ -304,8 +306,10 @@ def _catalog_plan(entry: CatalogEntry, revision: str | None) -> PullPlan:
         if filename not in files:
             raise ModelNotFound(f"{repo} no longer has {filename}")
         chosen = [files[filename]]
-    p = _remote_plan(entry.name, chosen)
     known = entry.known.sha256
+    if known and len(chosen) == 1 and chosen[0].sha256 is None:  # a git file: the pin decides
+        chosen = [dataclasses.replace(chosen[0], sha256=known, git_oid=None)]
+    p = _remote_plan(entry.name, chosen)
     if known and len(chosen) == 1 and chosen[0].sha256 and chosen[0].sha256 != known:
         raise StoreError(
             f"{repo}/{filename} has sha256 {chosen[0].sha256} on the hub but the catalog pins "
@@ -345,6 +349,12 @@ def pull(
     (`is_set()`); Ctrl-C works too. Either way the partial download stays for the next pull."""
     store = store or Store()
     emit = on_progress or (lambda e: None)
+    if _offline():
+        have = find_local(text, store, catalog)
+        if have is not None:
+            emit(PullEvent(have.name, "done", done=have.size, total=have.size,
+                           message="HF_HUB_OFFLINE is set: the local copy was not checked for updates"))  # fmt: skip
+            return have
     emit(PullEvent(text, "resolving", message=f"resolving {text}"))
     p = plan(text, revision=revision, catalog=catalog)
     existing = store.get(p.name)

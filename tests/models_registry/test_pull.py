@@ -443,6 +443,33 @@ def test_offline_pull_of_default_model_uses_the_package(monkeypatch: pytest.Monk
         pull("smollm2:360m-instruct")
 
 
+def test_offline_pull_of_a_stored_model_returns_it(hub: FakeHub, monkeypatch) -> None:  # noqa: ANN001
+    r = pull(f"hf.co/{REPO}")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    n = len(hub.requests)
+    events = []
+    assert pull(f"hf.co/{REPO}", on_progress=events.append) == r
+    assert len(hub.requests) == n and "not checked for updates" in events[-1].message
+
+
+def test_catalog_pin_checks_a_git_file(hub: FakeHub, hub_files: dict) -> None:
+    """A catalog file kept in git (no LFS sha256) is still checked against the catalog's pin."""
+    from dataclasses import replace
+
+    from localllm.models_registry.catalog import Catalog, KnownFile, default_catalog
+
+    families = dict(default_catalog().families)
+    fam = families["smollm2"]
+    variant = replace(fam.variants["360m-instruct"], files={"Q8_0": KnownFile(sha256="0" * 64)})
+    families["smollm2"] = replace(fam, variants=fam.variants | {"360m-instruct": variant})
+    catalog = Catalog(families)
+    hub.add("HuggingFaceTB/SmolLM2-360M-Instruct-GGUF", "smollm2-360m-instruct-q8_0.gguf",
+            hub_files["q8"], lfs=False)  # fmt: skip
+    with pytest.raises(StoreError, match="corrupt .*sha256 [0-9a-f]{64} instead of 0000"):
+        pull("smollm2:360m-instruct", catalog=catalog)
+    assert Store().list() == []
+
+
 # -- the command -------------------------------------------------------------------------------
 
 
