@@ -49,8 +49,33 @@ def _root(
     ] = False,
 ) -> None:
     if ctx.invoked_subcommand is None:
-        # The terminal app opens here once it lands; until then, say what there is.
-        print(ctx.get_help())
+        _open_app(None)
+
+
+def _open_app(model: str | None, *, chat: bool = False) -> None:
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise LocalLLMError(
+            "the terminal app needs a terminal; see `localllm --help` for the commands"
+        )
+    from localllm.tui.app import run as run_app
+
+    run_app(chat_model=model, chat=chat)
+
+
+@app.command()
+def tui() -> None:
+    """Open the terminal app (same as `localllm` alone)."""
+    _open_app(None)
+
+
+@app.command()
+def chat(
+    model: Annotated[
+        str | None, typer.Argument(help="Model to chat with (default: the default).")
+    ] = None,
+) -> None:
+    """Open the terminal app straight in a chat."""
+    _open_app(model, chat=True)
 
 
 def _store():  # noqa: ANN202 - imported lazily to keep --help light
@@ -290,7 +315,9 @@ def rm(
             raise typer.Exit(1)
     store.remove(record.name)
     if record.ref:
-        print(f"removed {record.name} (its file {record.ref} belongs to another tool: left in place)")
+        print(
+            f"removed {record.name} (its file {record.ref} belongs to another tool: left in place)"
+        )
     else:
         print(f"removed {record.name}")
 

@@ -1,0 +1,124 @@
+"""The terminal app: `localllm` (Models, or Chat when a default model exists), `localllm chat MODEL`.
+
+Everything slow — loading a model, generating, pulling, scanning — runs in a worker thread; the UI
+thread only draws. Errors reach the user as a notification with the one-line message. The app is
+built from small parts: a screen per job (`models_screen.py`, `chat_screen.py`), settings in one
+JSON file beside the store, and a `loader` that turns a model name into something with
+`submit(Request) -> stream` (the engine's `localllm.load`, or a fake in tests).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from textual.app import App
+from textual.binding import Binding
+
+from localllm.models_registry.store import Store
+
+Loader = Callable[..., Any]
+
+
+def default_loader(name: str, **options: Any) -> Any:
+    from localllm.engine import load
+
+    return load(name, **options)
+
+
+class Settings:
+    """App settings (`settings.json` in the store folder): the default model, the theme."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.data: dict[str, Any] = json.loads(path.read_text())
+            if not isinstance(self.data, dict):
+                self.data = {}
+        except (OSError, ValueError):
+            self.data = {}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.data.get(key, default)
+
+    def set(self, key: str, value: Any) -> None:
+        self.data[key] = value
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1))
+        tmp.replace(self.path)
+
+
+class LocalLLMApp(App):
+    TITLE = "localllm"
+    BINDINGS = [
+        Binding("ctrl+q", "quit", "Quit", priority=True),
+        Binding("f1", "help", "Help"),
+        Binding("ctrl+t", "toggle_theme", "Theme"),
+    ]
+    CSS = """
+    Screen { layout: vertical; }
+    DataTable { height: 1fr; }
+    #messages { height: 1fr; }
+    .message { margin: 0 1; height: auto; }
+    .role { color: $accent; text-style: bold; }
+    .role-user { color: $success; }
+    #status { height: 1; color: $text-muted; padding: 0 1; }
+    #status.warning { color: $warning; }
+    #status.danger { color: $error; }
+    #prompt { dock: bottom; }
+    """
+
+    def __init__(self, *, chat_model: str | None = None, store: Store | None = None,
+                 loader: Loader | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self.store = store or Store()
+        self.loader = loader or default_loader
+        self.settings = Settings(self.store.home / "settings.json")
+        self.chat_model = chat_model
+        self.theme = self.settings.get("theme", "textual-dark")
+
+    def on_mount(self) -> None:
+        from localllm.tui.models_screen import ModelsScreen
+
+        self.push_screen(ModelsScreen())
+        model = self.chat_model or self.settings.get("default_model")
+        if model and self._known(model):
+            self.open_chat(model)
+
+    def _known(self, model: str) -> bool:
+        from localllm.errors import LocalLLMError
+        from localllm.models_registry.catalog import find_local
+
+        try:
+            return find_local(model, self.store) is not None or model == "smollm2"
+        except LocalLLMError:
+            return False
+
+    def open_chat(self, model: str) -> None:
+        from localllm.tui.chat_screen import ChatScreen
+
+        self.push_screen(ChatScreen(model))
+
+    def action_toggle_theme(self) -> None:
+        self.theme = "textual-light" if self.theme == "textual-dark" else "textual-dark"
+        self.settings.set("theme", self.theme)
+
+    def action_help(self) -> None:
+        from localllm.tui.help_screen import HelpScreen
+
+        self.push_screen(HelpScreen())
+
+    def fail(self, message: str) -> None:
+        """One line for the user, never a traceback."""
+        self.notify(message, severity="error", timeout=8)
+
+
+def run(chat_model: str | None = None, *, chat: bool = False) -> None:
+    """`localllm` (chat=False: Models, or Chat with the default model) or `localllm chat [MODEL]`."""
+    app = LocalLLMApp(chat_model=chat_model)
+    if chat and chat_model is None:
+        app.chat_model = app.settings.get("default_model") or "smollm2"
+    app.run()
