@@ -58,7 +58,7 @@ from localllm.models_registry.names import (
     hf_store_name,
     parse_name,
 )
-from localllm.models_registry.store import ModelRecord, Store
+from localllm.models_registry.store import ModelRecord, Store, _alive
 
 CHUNK = 1 << 20
 RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0, 8.0)  # then give up; reset whenever bytes arrive again
@@ -373,18 +373,6 @@ def pull(
         emit(PullEvent(p.name, "done", done=size, total=size, message="installed package"))
         return record
     return _Puller(store, p, emit, cancel).run()
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _origin(url: str) -> tuple[str, str, int]:
