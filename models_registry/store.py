@@ -243,11 +243,7 @@ class Store:
                 )
             return self._place(tmp, key, digest, source)
         except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise StoreError(
-                    f"disk full while writing {key} to {self.blobs}; nothing registered"
-                ) from None
-            raise StoreError(f"cannot write {key} to the store: {e.strerror or e}") from None
+            raise self._write_error(key, e) from None
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
@@ -266,11 +262,12 @@ class Store:
                 os.fsync(f.fileno())
             return self._place(path, key, digest, source)
         except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise StoreError(
-                    f"disk full while writing {key} to {self.blobs}; nothing registered"
-                ) from None
-            raise StoreError(f"cannot write {key} to the store: {e.strerror or e}") from None
+            raise self._write_error(key, e) from None
+
+    def _write_error(self, key: str, e: OSError) -> StoreError:
+        if e.errno == errno.ENOSPC:
+            return StoreError(f"disk full while writing {key} to {self.blobs}; nothing registered")
+        return StoreError(f"cannot write {key} to the store: {e.strerror or e}")
 
     def _place(self, tmp: Path, key: str, digest: str, source: str) -> ModelRecord:
         """Parse a checked file, rename it to its blob name, then write the index."""
