@@ -48,7 +48,7 @@ def test_tmux_smoke(default_model_path: Path, localllm_home: Path) -> None:
         wait("Message (Enter to send")
         keys("Say hello", "Enter")
         shot = wait("tokens/s", timeout=120)
-        assert "assistant" in shot and "context" in shot
+        assert "/4,096" in shot  # the context meter (a long answer may scroll the labels away)
         print(shot)  # what a person saw (pytest -s shows it)
         keys("C-q")
         end = time.monotonic() + 10
