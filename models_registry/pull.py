@@ -453,7 +453,7 @@ class _Puller:
         self.emit(PullEvent(self.plan.name, "waiting", file=f.path,
                             message="another pull of this file is running; waiting for it"))  # fmt: skip
         while True:
-            self._check_cancel(None)
+            self._check_cancel()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return
@@ -476,7 +476,7 @@ class _Puller:
                 f"needs {_mb(need + SPACE_MARGIN)}, {_mb(free)} free"
             )
 
-    def _check_cancel(self, f: RemoteFile | None) -> None:
+    def _check_cancel(self) -> None:
         if self.cancel is not None and self.cancel.is_set():
             raise PullCancelled(
                 f"pull of {self.plan.name} cancelled; {_mb(self.done)} of {_mb(self.plan.total)} "
@@ -575,7 +575,7 @@ class _Puller:
         with open(path, "r+b", buffering=0) as out:
             out.seek(offset)
             while offset < f.size:
-                self._check_cancel(f)
+                self._check_cancel()
                 before = offset
                 try:
                     offset = self._get(url, auth, f, out, offset, hasher)
@@ -604,7 +604,7 @@ class _Puller:
     def _sleep(self, seconds: float) -> None:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
-            self._check_cancel(None)
+            self._check_cancel()
             time.sleep(min(0.1, max(0.0, end - time.monotonic())))
 
     def _get(self, url: str, auth: dict[str, str], f: RemoteFile, out: Any, offset: int,
@@ -681,7 +681,7 @@ class _Puller:
             now = time.monotonic()
             if now - self.last_emit >= 0.1:
                 self.last_emit = now
-                self._check_cancel(f)
+                self._check_cancel()
                 self.emit(PullEvent(self.plan.name, "downloading", file=f.path, done=self.done,
                                     total=self.plan.total))  # fmt: skip
         return offset

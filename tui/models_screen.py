@@ -39,7 +39,7 @@ class ModelsScreen(Screen):
         self.action_refresh()
 
     def action_refresh(self) -> None:
-        from localllm.memory import estimate
+        from localllm.memory import available_memory, estimate
         from localllm.model_info import human_bytes, human_params
 
         table = self.query_one(DataTable)
@@ -50,10 +50,18 @@ class ModelsScreen(Screen):
         except LocalLLMError as e:
             self.app.fail(str(e))
             return
+        try:
+            free = available_memory()  # once per refresh, not once per row (it may run nvidia-smi)
+        except LocalLLMError:
+            free = None
         for r in records:
             i = r.info
             try:
-                fits = "yes" if estimate(i, ctx=None, kv_cache="f16").fits else "NO"
+                fits = (
+                    "?"
+                    if free is None
+                    else ("yes" if estimate(i, kv_cache="f16", available=free).fits else "NO")
+                )
             except LocalLLMError:
                 fits = "?"
             name = f"* {r.name}" if r.name == default else r.name
