@@ -69,6 +69,10 @@ class LocalLLMApp(App):
     #status.warning { color: $warning; }
     #status.danger { color: $error; }
     #prompt { dock: bottom; }
+    MessageView:focus { background: $boost; border-left: thick $accent; }
+    #dialog { width: 80%; height: auto; max-height: 90%; border: round $accent; padding: 1 2;
+              background: $panel; }
+    ModalScreen { align: center middle; }
     """
 
     def __init__(self, *, chat_model: str | None = None, store: Store | None = None,
@@ -78,6 +82,7 @@ class LocalLLMApp(App):
         self.loader = loader or default_loader
         self.settings = Settings(self.store.home / "settings.json")
         self.chat_model = chat_model
+        self._conversations: Any = None
         self.theme = self.settings.get("theme", "textual-dark")
 
     def on_mount(self) -> None:
@@ -97,10 +102,23 @@ class LocalLLMApp(App):
         except LocalLLMError:
             return False
 
-    def open_chat(self, model: str) -> None:
+    @property
+    def conversations(self) -> Any:
+        """The saved conversations (SQLite beside the store), opened on first use."""
+        if self._conversations is None:
+            from localllm.tui.conversations import Conversations
+
+            self._conversations = Conversations(self.store.home / "conversations.db")
+        return self._conversations
+
+    def open_chat(self, model: str, conversation_id: int | None = None) -> None:
         from localllm.tui.chat_screen import ChatScreen
 
-        self.push_screen(ChatScreen(model))
+        self.push_screen(ChatScreen(model, conversation_id))
+
+    def on_unmount(self) -> None:
+        if self._conversations is not None:
+            self._conversations.close()
 
     def action_toggle_theme(self) -> None:
         self.theme = "textual-light" if self.theme == "textual-dark" else "textual-dark"

@@ -1,10 +1,13 @@
-"""Chat: a streaming Markdown answer, stop, regenerate, and live numbers (TTFT, tokens/s, context).
+"""Chat: a streaming Markdown answer, stop, regenerate, edit-and-branch, settings, live numbers.
 
 The model loads and generates in a worker thread. Text reaches the screen through
-`Markdown.get_stream()`, which batches fragments so a fast model never outruns the renderer. The
-context meter counts prompt + answer against the model's context and turns to warning at 80% and
-danger at 95%; an overflow is refused by the engine with numbers (shown as a notification), never
-truncated silently.
+`Markdown.get_stream()`, which batches fragments so a fast model never outruns the renderer. Every
+conversation is saved as it happens (`conversations.py`): the answer is written every half second
+while it streams, so a kill keeps what was shown, marked as interrupted.
+
+The context meter counts prompt + answer against the model's context and turns to warning at 80%
+and danger at 95%; an overflow is refused by the engine with the numbers (a notification), never
+truncated silently — unless the conversation's engine settings turn context shift on.
 """
 
 from __future__ import annotations
@@ -21,35 +24,75 @@ from textual.widgets import Footer, Header, Input, Markdown, Static
 
 from localllm.errors import LocalLLMError
 
+SAVE_EVERY_S = 0.5  # how often a streaming answer is written to the database
+UI_EVERY_S = 0.05  # how often streamed text is handed to the UI thread
+ENGINE_KEYS = ("ctx", "kv_cache")  # settings that need the model loaded again
 
-class MessageView(Vertical):
-    def __init__(self, role: str, text: str = "") -> None:
+
+class MessageView(Vertical, can_focus=True):
+    """One message. Focus it (Tab / Shift+Tab) to edit it (`e`) or to switch branches (← →)."""
+
+    BINDINGS = [
+        Binding("e", "edit", "Edit"),
+        Binding("left", "branch(-1)", "Prev branch"),
+        Binding("right", "branch(1)", "Next branch"),
+    ]
+
+    def __init__(self, role: str, text: str = "", *, msg_id: int | None = None,
+                 note: str = "") -> None:  # fmt: skip
         super().__init__(classes="message")
-        self.role = role
-        self.text = text
+        self.role, self.text, self.msg_id, self.note = role, text, msg_id, note
 
     def compose(self) -> ComposeResult:
-        yield Static(self.role, classes=f"role role-{self.role}")
+        yield Static(
+            self.role + (f"  {self.note}" if self.note else ""), classes=f"role role-{self.role}"
+        )
         yield Markdown(self.text)
+
+    def action_edit(self) -> None:
+        self.screen.start_edit(self)
+
+    async def action_branch(self, step: int) -> None:
+        await self.screen.switch_branch(self, step)
 
 
 class ChatScreen(Screen):
     BINDINGS = [
         Binding("escape", "stop", "Stop"),
         Binding("ctrl+r", "regenerate", "Regenerate"),
+        Binding("f2", "edit_last", "Edit last"),
+        Binding("ctrl+s", "settings", "Settings"),
         Binding("ctrl+n", "new_chat", "New chat"),
+        Binding("ctrl+l", "conversations", "Chats"),
         Binding("ctrl+o", "models", "Models"),
     ]
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, conversation_id: int | None = None) -> None:
         super().__init__()
         self.model_name = model
+        self.conv_id = conversation_id
         self.llm: Any = None
-        self.history: list[dict[str, str]] = []
+        self.llm_settings: dict[str, Any] = {}  # the settings the loaded model was loaded with
+        self.settings: dict[str, Any] = {}
+        self.system_prompt: str | None = None
         self.stream: Any = None
         self.md_stream: Any = None
         self.answer = ""
         self.generating = False
+        self.editing: int | None = None  # id of the message being edited
+
+    @property
+    def db(self) -> Any:
+        return self.app.conversations
+
+    @property
+    def history(self) -> list[dict[str, str]]:
+        """The current branch as chat messages (the system prompt first)."""
+        msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        if self.conv_id is not None:
+            msgs += [{"role": m.role, "content": m.content} for m in self.db.branch(self.conv_id)
+                     if m.status != "error"]  # fmt: skip
+        return msgs
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -58,80 +101,208 @@ class ChatScreen(Screen):
         yield Input(placeholder="Message (Enter to send, Esc to stop)", id="prompt")
         yield Footer()
 
-    def on_mount(self) -> None:
-        self.sub_title = f"Chat — {self.model_name}"
+    async def on_mount(self) -> None:
         self.query_one("#messages").anchor()
         self.query_one(Input).focus()
+        if self.conv_id is not None:
+            conv = self.db.get(self.conv_id)
+            self.model_name = conv.model
+            self.system_prompt = conv.system_prompt
+            self.settings = dict(conv.settings)
+            await self._render_branch()
+        self.sub_title = f"Chat — {self.model_name}"
         self._status(f"{self.model_name}: loads on the first message")
 
-    # -- actions -------------------------------------------------------------------------------
+    async def _render_branch(self) -> None:
+        box = self.query_one("#messages")
+        await box.remove_children()
+        views = []
+        for m in self.db.branch(self.conv_id):
+            siblings = self.db.siblings(m.id)
+            note = []
+            if len(siblings) > 1:
+                note.append(f"branch {[s.id for s in siblings].index(m.id) + 1}/{len(siblings)}")
+            if m.status in ("partial", "cancelled", "error"):
+                note.append({"partial": "(interrupted)", "cancelled": "(stopped)",
+                             "error": "(error)"}[m.status])  # fmt: skip
+            views.append(MessageView(m.role, m.content, msg_id=m.id, note=" ".join(note)))
+        await box.mount_all(views)
+
+    # -- sending -------------------------------------------------------------------------------
 
     async def on_input_submitted(self, event: Input.Submitted) -> None:
         text = event.value.strip()
         if not text or self.generating:
             return
         event.input.value = ""
-        self.history.append({"role": "user", "content": text})
-        await self.query_one("#messages").mount(MessageView("user", text))
-        await self._start_answer()
+        if self.conv_id is None:
+            conv = self.db.create(self.model_name, system_prompt=self.system_prompt,
+                                  settings=self.settings)  # fmt: skip
+            self.conv_id = conv.id
+        if self.editing is not None:
+            msg = self.db.edit(self.editing, text)  # a new branch; the old one stays
+            self.editing = None
+            event.input.placeholder = "Message (Enter to send, Esc to stop)"
+            await self._render_branch()
+        else:
+            msg = self.db.add_message(self.conv_id, "user", text)
+            await self.query_one("#messages").mount(MessageView("user", text, msg_id=msg.id))
+        await self._start_answer(parent_id=msg.id)
 
-    async def _start_answer(self) -> None:
-        view = MessageView("assistant")
+    async def _start_answer(self, parent_id: int) -> None:
+        msg = self.db.add_message(self.conv_id, "assistant", "", parent_id=parent_id,
+                                  status="streaming")  # fmt: skip
+        view = MessageView("assistant", msg_id=msg.id)
         await self.query_one("#messages").mount(view)
         self.md_stream = Markdown.get_stream(view.query_one(Markdown))
         self.answer = ""
         self.generating = True
-        self._generate(list(self.history))
+        self._generate(self.history[:-1], msg.id)  # the empty answer itself is not sent
+
+    # -- actions -------------------------------------------------------------------------------
 
     def action_stop(self) -> None:
+        if self.editing is not None and not self.generating:
+            self.editing = None
+            prompt = self.query_one(Input)
+            prompt.value, prompt.placeholder = "", "Message (Enter to send, Esc to stop)"
+            return
         if self.stream is not None:
             self.stream.cancel()
 
     async def action_regenerate(self) -> None:
-        if self.generating or not self.history or self.history[-1]["role"] != "assistant":
+        """A new answer to the same question, beside the old one (← → on it switches)."""
+        if self.generating or self.conv_id is None:
             return
-        self.history.pop()
+        branch = self.db.branch(self.conv_id)
+        if not branch or branch[-1].role != "assistant" or branch[-1].parent_id is None:
+            return
         views = self.query(MessageView)
         if views:
             await views.last().remove()
-        await self._start_answer()
+        await self._start_answer(parent_id=branch[-1].parent_id)
+
+    def action_edit_last(self) -> None:
+        views = [v for v in self.query(MessageView) if v.role == "user" and v.msg_id]
+        if views:
+            self.start_edit(views[-1])
+
+    def start_edit(self, view: MessageView) -> None:
+        if self.generating or view.msg_id is None or view.role != "user":
+            return
+        self.editing = view.msg_id
+        prompt = self.query_one(Input)
+        prompt.value = view.text
+        prompt.placeholder = "Editing: Enter sends a new branch, Esc cancels"
+        prompt.focus()
+
+    async def switch_branch(self, view: MessageView, step: int) -> None:
+        if self.generating or view.msg_id is None:
+            return
+        siblings = [s.id for s in self.db.siblings(view.msg_id)]
+        if len(siblings) < 2:
+            return
+        target = siblings[(siblings.index(view.msg_id) + step) % len(siblings)]
+        self.db.set_current_leaf(self.conv_id, target)
+        await self._render_branch()
+        for v in self.query(MessageView):
+            if v.msg_id == target:
+                v.focus()
 
     async def action_new_chat(self) -> None:
         if self.generating:
             return
-        self.history.clear()
+        self.conv_id = None
         await self.query_one("#messages").remove_children()
         self._status(self.model_name)
 
     def action_models(self) -> None:
-        self.app.pop_screen()
+        from localllm.tui.models_screen import ModelsScreen
+
+        if isinstance(self.app.screen_stack[-2] if len(self.app.screen_stack) > 1 else None,
+                      ModelsScreen):  # fmt: skip
+            self.app.pop_screen()
+        else:
+            self.app.switch_screen(ModelsScreen())
+
+    def action_conversations(self) -> None:
+        from localllm.tui.conversations_screen import ConversationsScreen
+
+        self.app.push_screen(ConversationsScreen())
+
+    def action_settings(self) -> None:
+        from localllm.tui.settings_screen import ChatSettings
+
+        caps = getattr(self.llm, "capabilities", None)
+        self.app.push_screen(ChatSettings(self.system_prompt, self.settings, caps),
+                             self._apply_settings)  # fmt: skip
+
+    def _apply_settings(self, result: tuple[str | None, dict[str, Any]] | None) -> None:
+        if result is None:
+            return
+        system, settings = result
+        self.system_prompt, self.settings = system, settings
+        if self.conv_id is not None:
+            self.db.update_settings(self.conv_id, system_prompt=system or "", settings=settings)
+        self.notify("settings saved; engine changes apply from the next message")
 
     # -- the worker ----------------------------------------------------------------------------
 
-    @work(thread=True, exclusive=True, group="generate")
-    def _generate(self, messages: list[dict[str, str]]) -> None:
-        from localllm.types import Request
+    def _request(self, messages: list[dict[str, str]]) -> Any:
+        from localllm.types import ContextPolicy, Request, SamplingParams
 
+        s = self.settings
+        sampling = SamplingParams.from_kwargs(**{k: s.get(k) for k in (
+            "temperature", "top_p", "top_k", "min_p", "max_tokens", "seed")})  # fmt: skip
+        return Request(messages=tuple(messages), sampling=sampling,
+                       context=ContextPolicy.parse(s.get("streaming") or None))  # fmt: skip
+
+    @work(thread=True, exclusive=True, group="generate")
+    def _generate(self, messages: list[dict[str, str]], msg_id: int) -> None:
         call = self.app.call_from_thread
+        text, status, meta = "", "error", {}
         try:
+            request = self._request(messages)
+            options = {k: self.settings[k] for k in ENGINE_KEYS if self.settings.get(k)}
+            if self.llm is not None and any(
+                self.llm_settings.get(k) != self.settings.get(k) for k in ENGINE_KEYS
+            ):  # loaded with other engine settings (another conversation's)
+                self.llm.close()
+                self.llm = None
             if self.llm is None:
                 call(self._status, f"loading {self.model_name}…")
                 t0 = time.monotonic()
-                self.llm = self.app.loader(self.model_name)
+                self.llm = self.app.loader(self.model_name, **options)
+                self.llm_settings = dict(self.settings)
                 call(self._status, f"{self.model_name} loaded in {time.monotonic() - t0:.1f} s")
-            self.stream = self.llm.submit(Request(messages=tuple(messages)))
-            pending, last = [], time.monotonic()
+            self.stream = self.llm.submit(request)
+            pending: list[str] = []
+            last_ui = last_save = time.monotonic()
             for chunk in self.stream:
-                if chunk.text:
-                    pending.append(chunk.text)
-                    now = time.monotonic()
-                    if now - last >= 0.05:  # hand text to the UI ~20 times a second, not per token
-                        call(self._append, "".join(pending))
-                        pending, last = [], now
+                if not chunk.text:
+                    continue
+                pending.append(chunk.text)
+                text += chunk.text
+                now = time.monotonic()
+                if now - last_ui >= UI_EVERY_S:  # ~20 hand-overs a second, not one per token
+                    call(self._append, "".join(pending))
+                    pending, last_ui = [], now
+                if now - last_save >= SAVE_EVERY_S:
+                    self.db.update_message(msg_id, content=text)
+                    last_save = now
             if pending:
                 call(self._append, "".join(pending))
-            call(self._finished, self.stream.result, None)
+            result = self.stream.result
+            status = "cancelled" if result.finish_reason == "cancelled" else "complete"
+            meta = {"finish_reason": result.finish_reason, "usage": {
+                "prompt_tokens": result.usage.prompt_tokens,
+                "completion_tokens": result.usage.completion_tokens},
+                "ttft_s": result.timings.ttft_s,
+                "tokens_per_s": result.timings.tokens_per_s(result.usage.completion_tokens)}  # fmt: skip
+            self.db.update_message(msg_id, content=text, status=status, meta=meta)
+            call(self._finished, result, None)
         except LocalLLMError as e:
+            self.db.update_message(msg_id, content=text, status="error", meta={"error": str(e)})
             call(self._finished, None, str(e))
         finally:
             self.stream = None
@@ -151,7 +322,6 @@ class ChatScreen(Screen):
                 await views.last().remove()
             self._status(f"{self.model_name}: {error}", level="danger")
             return
-        self.history.append({"role": "assistant", "content": self.answer})
         self._show_numbers(result)
 
     def _show_numbers(self, result: Any) -> None:
@@ -161,12 +331,28 @@ class ChatScreen(Screen):
         frac = used / limit if limit else 0.0
         level = "danger" if frac >= 0.95 else "warning" if frac >= 0.8 else ""
         stopped = " · stopped" if result.finish_reason == "cancelled" else ""
+        shifted = f" · shifted {result.context_shifts}x" if result.context_shifts else ""
         self._status(
             f"{self.model_name} · TTFT {result.timings.ttft_s * 1000:.0f} ms · "
             f"{result.timings.tokens_per_s(n):.1f} tokens/s · context {used:,}/{limit:,} "
-            f"({frac:.0%}){stopped}",
+            f"({frac:.0%}){self._kv_text(limit)}{shifted}{stopped}",
             level=level,
         )
+
+    def _kv_text(self, n_ctx: int) -> str:
+        """KV memory at this context, from the model file (what llama.cpp allocates)."""
+        try:
+            from localllm.memory import kv_cache_bytes, parse_kv_cache
+            from localllm.model_info import human_bytes
+            from localllm.models_registry.catalog import find_local
+
+            record = find_local(self.model_name, self.app.store)
+            if record is None or not n_ctx:
+                return ""
+            type_k, type_v = parse_kv_cache(self.settings.get("kv_cache") or "f16")
+            return f" · KV {human_bytes(kv_cache_bytes(record.info, n_ctx, type_k, type_v))}"
+        except (LocalLLMError, TypeError, ValueError):
+            return ""
 
     def _status(self, text: str, level: str = "") -> None:
         status = self.query_one("#status", Static)

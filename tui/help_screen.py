@@ -21,11 +21,18 @@ HELP = """\
 | Models | d        | delete (asks first) |
 | Models | s        | scan the Hugging Face cache, Ollama and LM Studio |
 | Models | f        | make the selected model the default |
+| Models | c        | saved conversations |
 | Chat   | Enter    | send |
-| Chat   | Esc      | stop the answer |
-| Chat   | Ctrl+R   | regenerate the last answer |
+| Chat   | Esc      | stop the answer (or cancel an edit) |
+| Chat   | Ctrl+R   | regenerate the last answer (a new branch beside it) |
+| Chat   | F2       | edit the last question (a new branch) |
+| Chat   | Tab      | focus a message: `e` edits it, ← → switch its branches |
+| Chat   | Ctrl+S   | settings: system prompt, sampling, context, KV cache, context shift |
 | Chat   | Ctrl+N   | new chat |
+| Chat   | Ctrl+L   | saved conversations |
 | Chat   | Ctrl+O   | back to Models |
+| Chats  | type     | search titles and messages |
+| Chats  | Enter    | open; Ctrl+R rename, Ctrl+D delete, Ctrl+X export to Markdown |
 
 Press Esc to close.
 """

@@ -25,6 +25,7 @@ class ModelsScreen(Screen):
         Binding("s", "scan", "Scan"),
         Binding("f", "set_default", "Default"),
         Binding("r", "refresh", "Refresh"),
+        Binding("c", "conversations", "Chats"),
     ]
 
     def compose(self) -> ComposeResult:
@@ -83,6 +84,11 @@ class ModelsScreen(Screen):
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         self.app.open_chat(str(event.row_key.value))
+
+    def action_conversations(self) -> None:
+        from localllm.tui.conversations_screen import ConversationsScreen
+
+        self.app.push_screen(ConversationsScreen())
 
     def action_set_default(self) -> None:
         name = self._selected()

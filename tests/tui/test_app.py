@@ -192,3 +192,159 @@ def test_help_and_theme(size: tuple[int, int]) -> None:
             assert app.theme != dark and app.settings.get("theme") == app.theme
 
     asyncio.run(go())
+
+
+def test_conversation_saved_branched_and_reopened(tiny_llama: Path) -> None:
+    """Edit a past message → a new branch (the old one stays); restart the app → all is there."""
+    Store().add_file(tiny_llama, "tiny", source="file:x")
+    fake = FakeLLM([["Four"], ["Six"], ["Again"]])
+
+    async def first() -> int:
+        app = app_with(fake, chat_model="tiny")
+        async with app.run_test(size=(100, 30)) as pilot:
+            screen = app.screen
+            await pilot.press(*"2+2?", "enter")
+            await wait_for(pilot, lambda: not screen.generating and screen.history)
+            await pilot.press("f2")  # edit the last question
+            assert screen.query_one("#prompt").value == "2+2?"
+            screen.query_one("#prompt").value = "3+3?"
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: not screen.generating and
+                           screen.history[-1]["content"] == "Six")  # fmt: skip
+            assert [m["content"] for m in screen.history] == ["3+3?", "Six"]
+            views = list(screen.query(MessageView))
+            assert "branch 2/2" in str(views[0].query_one(".role").render())
+            views[0].focus()
+            await pilot.press("left")  # back to the first branch
+            await wait_for(
+                pilot, lambda: [m["content"] for m in screen.history] == ["2+2?", "Four"]
+            )
+            await pilot.press("ctrl+r")  # a second answer beside "Four"
+            await wait_for(pilot, lambda: not screen.generating and
+                           screen.history[-1]["content"] == "Again")  # fmt: skip
+            return screen.conv_id
+
+    conv_id = asyncio.run(first())
+
+    async def second() -> None:
+        app = app_with(FakeLLM([]))
+        async with app.run_test(size=(100, 30)) as pilot:
+            await pilot.press("c")  # Models → Conversations
+            table = app.screen.query_one("DataTable")
+            assert table.row_count == 1 and table.get_row_at(0)[0] == "2+2?"
+            await pilot.press("enter")
+            await pilot.pause()
+            chat = app.screen
+            assert isinstance(chat, ChatScreen) and chat.conv_id == conv_id
+            texts = [v.text for v in chat.query(MessageView)]
+            assert texts == ["2+2?", "Again"]
+            notes = [str(v.query_one(".role").render()) for v in chat.query(MessageView)]
+            assert "branch 1/2" in notes[0] and "branch 2/2" in notes[1]
+
+    asyncio.run(second())
+    from localllm.tui.conversations import Conversations
+
+    db = Conversations(Store().home / "conversations.db")
+    assert {m.content for m in db.siblings(db.branch(conv_id)[0].id)} == {"2+2?", "3+3?"}
+    assert all(m.status == "complete" for m in db.branch(conv_id))
+
+
+def test_stopped_answer_is_saved_as_stopped(tiny_llama: Path) -> None:
+    Store().add_file(tiny_llama, "tiny", source="file:x")
+    fake = FakeLLM([[f"w{i} " for i in range(400)]], delay=0.005)
+
+    async def go() -> None:
+        app = app_with(fake, chat_model="tiny")
+        async with app.run_test(size=(80, 24)) as pilot:
+            screen = app.screen
+            await pilot.press(*"go", "enter")
+            await wait_for(pilot, lambda: len(screen.answer) > 20)
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: not screen.generating)
+            (last,) = [m for m in app.conversations.branch(screen.conv_id) if m.role == "assistant"]
+            assert last.status == "cancelled" and last.content == screen.answer
+            assert last.meta["finish_reason"] == "cancelled"
+
+    asyncio.run(go())
+
+
+def test_settings_apply_per_conversation(tiny_llama: Path) -> None:
+    """Sampling goes into the next request; an engine change reloads the model with it."""
+    Store().add_file(tiny_llama, "tiny", source="file:x")
+    fake = FakeLLM([["a"], ["b"]])
+    loads: list[dict] = []
+
+    def loader(name: str, **options):  # noqa: ANN202
+        loads.append(options)
+        return fake
+
+    async def go() -> None:
+        app = LocalLLMApp(loader=loader, chat_model="tiny")
+        async with app.run_test(size=(100, 40)) as pilot:
+            screen = app.screen
+            await pilot.press(*"hi", "enter")
+            await wait_for(pilot, lambda: not screen.generating and screen.history)
+            await pilot.press("ctrl+s")
+            modal = app.screen
+            modal.query_one("#system").value = "Be brief."
+            modal.query_one("#temperature").value = "0"
+            modal.query_one("#max_tokens").value = "32"
+            modal.query_one("#ctx").value = "2048"
+            modal.query_one("#kv_cache").value = "q8_0"
+            await pilot.press("ctrl+s")
+            assert app.screen is screen
+            await pilot.press(*"again", "enter")
+            await wait_for(pilot, lambda: len(fake.requests) == 2 and not screen.generating)
+            req = fake.requests[1]
+            assert req.messages[0] == {"role": "system", "content": "Be brief."}
+            assert req.sampling.temperature == 0 and req.sampling.max_tokens == 32
+            assert loads == [{}, {"ctx": 2048, "kv_cache": "q8_0"}] and fake.closed
+            conv = app.conversations.get(screen.conv_id)
+            assert conv.system_prompt == "Be brief." and conv.settings["kv_cache"] == "q8_0"
+
+            await pilot.press("ctrl+s")  # a bad value: one line, nothing saved
+            app.screen.query_one("#top_p").value = "7"
+            await pilot.press("ctrl+s")
+            assert any("top_p must be in" in n.message for n in app._notifications)
+            assert "top_p" not in app.conversations.get(screen.conv_id).settings
+
+    asyncio.run(go())
+
+
+def test_conversations_search_rename_export_delete(tiny_llama: Path) -> None:
+    from localllm.tui.conversations import Conversations
+
+    db = Conversations(Store().home / "conversations.db")
+    for title in ("Sailing in 100% wind", "Bread recipe"):
+        c = db.create("tiny", title=title)
+        db.add_message(c.id, "user", f"about {title}")
+    db.close()
+
+    async def go() -> None:
+        app = app_with(FakeLLM([]))
+        async with app.run_test(size=(100, 30)) as pilot:
+            await pilot.press("c")
+            screen = app.screen
+            table = screen.query_one("DataTable")
+            assert table.row_count == 2
+            screen.query_one("#search").value = "100%"
+            await pilot.pause()
+            assert table.row_count == 1 and table.get_row_at(0)[0] == "Sailing in 100% wind"
+            table.focus()
+            await pilot.press("ctrl+r")
+            app.screen.query_one("Input").value = "Windy"
+            await pilot.press("enter")
+            await pilot.pause()
+            screen.query_one("#search").value = ""
+            await pilot.pause()
+            assert sorted(table.get_row_at(i)[0] for i in range(2)) == ["Bread recipe", "Windy"]
+            table.focus()
+            await pilot.press("ctrl+x")
+            exported = list((Store().home / "exports").glob("*.md"))
+            assert len(exported) == 1 and exported[0].read_text().startswith("# ")
+            await pilot.press("ctrl+d")
+            await pilot.press("y")
+            await pilot.pause()
+            assert table.row_count == 1
+
+    asyncio.run(go())
