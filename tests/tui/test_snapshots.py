@@ -1,0 +1,95 @@
+"""Snapshots of every screen at 80x24 and 120x40, light and dark (pytest-textual-snapshot).
+
+Update after an intended change with `pytest tests/tui/test_snapshots.py --snapshot-update` and look
+at the SVGs in `__snapshots__/` before committing them. Everything on screen is fixed: the store
+holds the tiny test model, conversation times are 1970-01-01 UTC, and the fake backend's timings
+make the status line's numbers constant.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from test_app import FakeLLM
+
+from localllm.models_registry.store import Store
+from localllm.tui.app import LocalLLMApp
+
+from conftest import need
+
+need("pytest_textual_snapshot", "pip install -e '.[dev]' (pytest-textual-snapshot)")
+
+SIZES = [(80, 24), (120, 40)]
+THEMES = ["textual-dark", "textual-light"]
+
+
+@pytest.fixture
+def fixed_store(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> Store:
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    store = Store()
+    store.add_file(tiny_llama, "tiny", source="file:tiny-llama.gguf")
+    return store
+
+
+def make_app(theme: str, *, chat: bool = False) -> LocalLLMApp:
+    answer = ["Paris ", "is ", "the ", "capital ", "of ", "**France**.", "\n\n- one", "\n- two"]
+    fake = FakeLLM([answer], delay=0.001)
+    app = LocalLLMApp(loader=lambda name, **o: fake, chat_model="tiny" if chat else None)
+    app.theme = theme
+    return app
+
+
+def settle_conversations(app: LocalLLMApp) -> None:
+    db = app.conversations
+    c = db.create("tiny:latest", title="A question about France")
+    db.add_message(c.id, "user", "What is the capital of France?")
+    db.add_message(c.id, "assistant", "Paris.")
+    db._conn.execute("UPDATE conversations SET updated = 0, created = 0")
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("theme", THEMES)
+def test_models(snap_compare, fixed_store: Store, size, theme) -> None:  # noqa: ANN001
+    assert snap_compare(make_app(theme), terminal_size=size)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("theme", THEMES)
+def test_chat(snap_compare, fixed_store: Store, size, theme) -> None:  # noqa: ANN001
+    async def ask(pilot) -> None:  # noqa: ANN001
+        await pilot.press(*"What is the capital of France?", "enter")
+        screen = pilot.app.screen
+        end = time.monotonic() + 10
+        while (screen.generating or not screen.answer) and time.monotonic() < end:
+            await pilot.pause(0.05)
+        await pilot.pause(0.2)
+
+    assert snap_compare(make_app(theme, chat=True), terminal_size=size, run_before=ask)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("theme", THEMES)
+def test_conversations(snap_compare, fixed_store: Store, size, theme) -> None:  # noqa: ANN001
+    app = make_app(theme)
+
+    async def open_list(pilot) -> None:  # noqa: ANN001
+        settle_conversations(pilot.app)
+        await pilot.press("c")
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=size, run_before=open_list)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("theme", THEMES)
+def test_help(snap_compare, fixed_store: Store, size, theme) -> None:  # noqa: ANN001
+    assert snap_compare(make_app(theme), terminal_size=size, press=["f1"])
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("theme", THEMES)
+def test_settings(snap_compare, fixed_store: Store, size, theme) -> None:  # noqa: ANN001
+    assert snap_compare(make_app(theme, chat=True), terminal_size=size, press=["ctrl+s"])
