@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -322,14 +321,6 @@ def rm(
         print(f"removed {record.name}")
 
 
-_UNSAFE = re.compile(r"[^a-z0-9._-]+")
-
-
-def _name_from_file(path: Path) -> str:
-    stem = _UNSAFE.sub("-", path.stem.lower()).strip("-._") or "model"
-    return stem[:96]
-
-
 @app.command("import")
 def import_model(
     path: Annotated[
@@ -352,7 +343,9 @@ def import_model(
             raise click_exc.UsageError("--name goes with PATH, not with --scan")
         return _import_scan(json_out)
     src = path.expanduser()
-    record = _store().add_file(src, name or _name_from_file(src), source=f"file:{src.resolve()}")
+    from localllm.models_registry.names import name_from_file
+
+    record = _store().add_file(src, name or name_from_file(src), source=f"file:{src.resolve()}")
     if json_out:
         _emit_json(_record_json(record))
         return

@@ -8,8 +8,10 @@ become one is refused here, with one line saying why.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from localllm.errors import InvalidName
 
@@ -87,3 +89,12 @@ def hf_store_name(name: ModelName) -> str:
     if name.name.count("/") == 2:  # hf.co/ORG/REPO
         return f"{name.name}:{(name.tag or DEFAULT_QUANT).upper()}"
     return f"{name.name}:{name.tag or DEFAULT_TAG}"
+
+
+_UNSAFE = re.compile(r"[^a-z0-9._-]+")
+
+
+def name_from_file(path: str | os.PathLike[str]) -> str:
+    """A model name for an imported file: its stem, lower case, safe characters only."""
+    stem = _UNSAFE.sub("-", Path(path).stem.lower()).strip("-._") or "model"
+    return stem[:96]

@@ -120,6 +120,40 @@ class LocalLLMApp(App):
         if self._conversations is not None:
             self._conversations.close()
 
+    def get_system_commands(self, screen: Any) -> Any:
+        """The command palette (Ctrl+P): Textual's own entries, then ours."""
+        from textual.app import SystemCommand
+
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("Models", "The local models", self.action_show_models)
+        yield SystemCommand("Conversations", "Saved chats: search, open, export",
+                            self.action_show_conversations)  # fmt: skip
+        yield SystemCommand("Pull a model", "Download from Hugging Face", self.action_pull)
+        yield SystemCommand("Scan for models", "Hugging Face cache, Ollama, LM Studio",
+                            self.action_scan)  # fmt: skip
+        yield SystemCommand("Help", "Every key", self.action_help)
+
+    def _models_screen(self) -> Any:
+        from localllm.tui.models_screen import ModelsScreen
+
+        while not isinstance(self.screen, ModelsScreen) and len(self.screen_stack) > 2:
+            self.pop_screen()  # Models is the bottom screen of the stack (pushed on mount)
+        return self.screen
+
+    def action_show_models(self) -> None:
+        self._models_screen()
+
+    def action_show_conversations(self) -> None:
+        from localllm.tui.conversations_screen import ConversationsScreen
+
+        self.push_screen(ConversationsScreen())
+
+    def action_pull(self) -> None:
+        self._models_screen().action_pull()
+
+    def action_scan(self) -> None:
+        self._models_screen().action_scan()
+
     def action_toggle_theme(self) -> None:
         self.theme = "textual-light" if self.theme == "textual-dark" else "textual-dark"
         self.settings.set("theme", self.theme)

@@ -7,12 +7,11 @@ import time
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical
-from textual.screen import ModalScreen, Screen
-from textual.widgets import DataTable, Footer, Header, Input, Label
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Header, Input
 
 from localllm.errors import LocalLLMError
-from localllm.tui.models_screen import Confirm
+from localllm.tui.dialogs import Ask, Confirm
 
 
 class ConversationsScreen(Screen):
@@ -126,22 +125,3 @@ class ConversationsScreen(Screen):
             self.app.fail(f"cannot write {path}: {e.strerror or e}")
             return
         self.notify(f"exported to {path}")
-
-
-class Ask(ModalScreen[str | None]):
-    BINDINGS = [Binding("escape", "cancel", "Cancel")]
-
-    def __init__(self, question: str, value: str = "") -> None:
-        super().__init__()
-        self.question, self.value = question, value
-
-    def compose(self) -> ComposeResult:
-        with Vertical(id="dialog"):
-            yield Label(self.question)
-            yield Input(self.value)
-
-    def on_input_submitted(self, event: Input.Submitted) -> None:
-        self.dismiss(event.value.strip() or None)
-
-    def action_cancel(self) -> None:
-        self.dismiss(None)

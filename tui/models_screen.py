@@ -10,7 +10,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.screen import ModalScreen, Screen
-from textual.widgets import Button, DataTable, Footer, Header, Input, Label, ProgressBar
+from textual.widgets import DataTable, Footer, Header, Input, Label, ProgressBar
 
 from localllm.errors import LocalLLMError
 
@@ -26,7 +26,12 @@ class ModelsScreen(Screen):
         Binding("f", "set_default", "Default"),
         Binding("r", "refresh", "Refresh"),
         Binding("c", "conversations", "Chats"),
+        Binding("i", "import", "Import"),
+        Binding("x", "cycle_ctx", "Context"),
+        Binding("k", "cycle_kv", "KV type"),
     ]
+    CTX_CHOICES = (2048, 4096, 8192, 16384, 32768, 131072)
+    KV_CHOICES = ("f16", "q8_0", "q4_0")
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -34,15 +39,38 @@ class ModelsScreen(Screen):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.sub_title = "Models"
         table = self.query_one(DataTable)
         table.add_columns(*COLUMNS)
+        self.action_refresh()
+
+    def on_screen_resume(self) -> None:
+        self.action_refresh()  # a chat may have registered the default model meanwhile
+
+    @property
+    def ctx(self) -> int:
+        return int(self.app.settings.get("ctx", 4096))
+
+    @property
+    def kv(self) -> str:
+        return str(self.app.settings.get("kv_cache", "f16"))
+
+    def action_cycle_ctx(self) -> None:
+        c = self.CTX_CHOICES
+        self.app.settings.set("ctx", c[(c.index(self.ctx) + 1) % len(c)] if self.ctx in c else 4096)
+        self.action_refresh()
+
+    def action_cycle_kv(self) -> None:
+        k = self.KV_CHOICES
+        self.app.settings.set(
+            "kv_cache", k[(k.index(self.kv) + 1) % len(k)] if self.kv in k else "f16"
+        )
         self.action_refresh()
 
     def action_refresh(self) -> None:
         from localllm.memory import available_memory, estimate
         from localllm.model_info import human_bytes, human_params
 
+        self.sub_title = f"Models — fits at context {self.ctx:,}, KV {self.kv} (x, k change)"
         table = self.query_one(DataTable)
         table.clear()
         default = self.app.settings.get("default_model")
@@ -61,7 +89,11 @@ class ModelsScreen(Screen):
                 fits = (
                     "?"
                     if free is None
-                    else ("yes" if estimate(i, kv_cache="f16", available=free).fits else "NO")
+                    else (
+                        "yes"
+                        if estimate(i, ctx=self.ctx, kv_cache=self.kv, available=free).fits
+                        else "NO"
+                    )
                 )
             except LocalLLMError:
                 fits = "?"
@@ -112,7 +144,35 @@ class ModelsScreen(Screen):
                 self.notify(f"removed {name}")
                 self.action_refresh()
 
+        from localllm.tui.dialogs import Confirm
+
         self.app.push_screen(Confirm(f"Remove {name}?"), done)
+
+    def action_import(self) -> None:
+        from localllm.tui.dialogs import Ask
+
+        def done(path: str | None) -> None:
+            if path:
+                self._import(path)
+
+        self.app.push_screen(Ask("Import a GGUF file (path)"), done)
+
+    @work(thread=True, exclusive=True, group="import")
+    def _import(self, text: str) -> None:
+        from pathlib import Path
+
+        from localllm.models_registry.names import name_from_file
+
+        src = Path(text).expanduser()
+        try:
+            record = self.app.store.add_file(
+                src, name_from_file(src), source=f"file:{src.resolve()}"
+            )
+        except LocalLLMError as e:
+            self.app.call_from_thread(self.app.fail, str(e))
+            return
+        self.app.call_from_thread(self.notify, f"imported {record.name}")
+        self.app.call_from_thread(self.action_refresh)
 
     def action_pull(self) -> None:
         self.app.push_screen(PullScreen(), lambda _r: self.action_refresh())
@@ -133,29 +193,6 @@ class ModelsScreen(Screen):
         n = sum(r.status == "registered" for r in results)
         self.app.call_from_thread(self.notify, f"{n} model(s) registered by reference")
         self.app.call_from_thread(self.action_refresh)
-
-
-class Confirm(ModalScreen[bool]):
-    BINDINGS = [Binding("escape", "no", "Cancel"), Binding("y", "yes", "Yes")]
-
-    def __init__(self, question: str) -> None:
-        super().__init__()
-        self.question = question
-
-    def compose(self) -> ComposeResult:
-        with Vertical(id="dialog"):
-            yield Label(self.question)
-            yield Button("Yes (y)", id="yes", variant="error")
-            yield Button("No (esc)", id="no")
-
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        self.dismiss(event.button.id == "yes")
-
-    def action_yes(self) -> None:
-        self.dismiss(True)
-
-    def action_no(self) -> None:
-        self.dismiss(False)
 
 
 class PullScreen(ModalScreen[Any]):

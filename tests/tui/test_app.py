@@ -348,3 +348,52 @@ def test_conversations_search_rename_export_delete(tiny_llama: Path) -> None:
             assert table.row_count == 1
 
     asyncio.run(go())
+
+
+def test_import_context_kv_and_palette(tiny_llama: Path, tmp_path: Path) -> None:
+    """Import by path; the fits mark follows the chosen context and KV type; the palette works."""
+    from localllm.tui.conversations_screen import ConversationsScreen
+
+    async def go() -> None:
+        app = app_with(FakeLLM([]))
+        async with app.run_test(size=(120, 40)) as pilot:
+            screen = app.screen
+            await pilot.press("i")
+            app.screen.query_one("Input").value = str(tmp_path / "missing.gguf")
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: any("no such file" in n.message
+                                              for n in app._notifications))  # fmt: skip
+            await pilot.press("i")
+            app.screen.query_one("Input").value = str(tiny_llama)
+            await pilot.press("enter")
+            table = screen.query_one("DataTable")
+            await wait_for(pilot, lambda: table.row_count == 1)
+            assert table.get_row_at(0)[0] == "tiny-llama:latest"
+            assert "context 4,096, KV f16" in screen.sub_title
+            await pilot.press("x")
+            await pilot.press("k")
+            assert app.settings.get("ctx") == 8192 and app.settings.get("kv_cache") == "q8_0"
+            assert "context 8,192, KV q8_0" in screen.sub_title
+
+            await pilot.press("ctrl+p")
+            await pilot.press(*"Conversations")
+            await pilot.pause(0.3)
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: isinstance(app.screen, ConversationsScreen))
+
+    asyncio.run(go())
+
+
+def test_fits_mark_uses_memory_estimate(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from localllm import memory
+
+    Store().add_file(tiny_llama, "tiny", source="file:x")
+    monkeypatch.setattr(memory, "available_memory",
+                        lambda device="auto": memory.Available("cpu", 1_000_000, 2_000_000))  # fmt: skip
+
+    async def go() -> None:
+        app = app_with(FakeLLM([]))
+        async with app.run_test(size=(120, 40)):
+            assert app.screen.query_one("DataTable").get_row_at(0)[6] == "NO"
+
+    asyncio.run(go())
