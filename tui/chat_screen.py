@@ -25,7 +25,7 @@ from textual.widgets import Footer, Header, Input, Markdown, Static
 from localllm.errors import LocalLLMError
 
 SAVE_EVERY_S = 0.5  # how often a streaming answer is written to the database
-UI_EVERY_S = 0.05  # how often streamed text is handed to the UI thread
+UI_EVERY_S = 0.2  # how often streamed text is handed to the UI thread (each hand-over re-lays out the chat)
 ENGINE_KEYS = ("ctx", "kv_cache")  # settings that need the model loaded again
 
 
