@@ -25,7 +25,12 @@ from textual.widgets import Footer, Header, Input, Markdown, Static
 from localllm.errors import LocalLLMError
 
 SAVE_EVERY_S = 0.5  # how often a streaming answer is written to the database
-UI_EVERY_S = 0.2  # how often streamed text is handed to the UI thread (each hand-over re-lays out the chat)
+# Streamed text is handed to the UI in batches. Each hand-over re-renders the answer and lays out
+# the chat (~10–20 ms of the UI thread for a long answer), and on a small machine every core the UI
+# takes is a core the model loses. So the interval adapts: the UI thread may use UI_CPU_BUDGET of
+# one core while an answer streams, never updating faster than UI_MIN_S nor slower than UI_MAX_S.
+UI_CPU_BUDGET = 0.03
+UI_MIN_S, UI_MAX_S = 0.1, 1.0
 ENGINE_KEYS = ("ctx", "kv_cache")  # settings that need the model loaded again
 
 
@@ -80,6 +85,8 @@ class ChatScreen(Screen):
         self.answer = ""
         self.generating = False
         self.editing: int | None = None  # id of the message being edited
+        self.ui_interval = UI_MIN_S * 2
+        self._ui_clock: tuple[float, float] | None = None  # UI thread CPU time, wall time
 
     @property
     def db(self) -> Any:
@@ -157,6 +164,7 @@ class ChatScreen(Screen):
         self.md_stream = Markdown.get_stream(view.query_one(Markdown))
         self.answer = ""
         self.generating = True
+        self._ui_clock = None
         self._generate(self.history[:-1], msg.id)  # the empty answer itself is not sent
 
     # -- actions -------------------------------------------------------------------------------
@@ -284,7 +292,7 @@ class ChatScreen(Screen):
                 pending.append(chunk.text)
                 text += chunk.text
                 now = time.monotonic()
-                if now - last_ui >= UI_EVERY_S:  # ~20 hand-overs a second, not one per token
+                if now - last_ui >= self.ui_interval:  # batches, not one hand-over per token
                     call(self._append, "".join(pending))
                     pending, last_ui = [], now
                 if now - last_save >= SAVE_EVERY_S:
@@ -310,6 +318,16 @@ class ChatScreen(Screen):
     async def _append(self, text: str) -> None:
         self.answer += text
         await self.md_stream.write(text)
+        self._pace()
+
+    def _pace(self) -> None:
+        """Adapt the hand-over interval to what the UI thread has spent since the last one."""
+        cpu, now = time.thread_time(), time.monotonic()
+        if self._ui_clock is not None:
+            used = (cpu - self._ui_clock[0]) / max(1e-3, now - self._ui_clock[1])
+            factor = 1.5 if used > UI_CPU_BUDGET else 0.8 if used < UI_CPU_BUDGET / 2 else 1.0
+            self.ui_interval = min(UI_MAX_S, max(UI_MIN_S, self.ui_interval * factor))
+        self._ui_clock = (cpu, now)
 
     async def _finished(self, result: Any, error: str | None) -> None:
         if self.md_stream is not None:
