@@ -236,9 +236,13 @@ class PullScreen(ModalScreen[Any]):
             return
         self.app.call_from_thread(self._finished, record)
 
+    def on_mount(self) -> None:
+        self.query_one(ProgressBar).display = False  # until a size is known
+
     def _show(self, e: Any) -> None:
         bar = self.query_one(ProgressBar)
         if e.total:
+            bar.display = True
             bar.update(total=e.total, progress=e.done)
         detail = f"{e.phase} {e.done / 1e6:,.1f} / {e.total / 1e6:,.1f} MB"
         self.query_one("#detail", Label).update(detail + (f" — {e.message}" if e.message else ""))

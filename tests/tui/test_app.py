@@ -397,3 +397,62 @@ def test_fits_mark_uses_memory_estimate(tiny_llama: Path, monkeypatch: pytest.Mo
             assert app.screen.query_one("DataTable").get_row_at(0)[6] == "NO"
 
     asyncio.run(go())
+
+
+def test_pull_with_progress_and_cancel(tiny_llama: Path, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Pull from the fake hub in the app: Esc cancels (the partial stays), the next pull resumes."""
+    from localllm.models_registry import pull as pull_mod
+
+    from fakehub import FakeHub, Fault
+
+    with FakeHub() as hub:
+        hub.add("org/tiny-GGUF", "tiny-Q4_K_M.gguf", tiny_llama)
+        hub.faults["tiny-Q4_K_M.gguf"] = Fault(rate=2e6)
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+        monkeypatch.setattr(pull_mod, "RETRY_DELAYS", (0.05,))
+
+        async def go() -> None:
+            app = app_with(FakeLLM([]))
+            async with app.run_test(size=(100, 30)) as pilot:
+                models = app.screen
+                await pilot.press("p")
+                modal = app.screen
+                modal.query_one("#name").value = "hf.co/org/tiny-GGUF"
+                await pilot.press("enter")
+                bar = modal.query_one("ProgressBar")
+                await wait_for(pilot, lambda: (bar.progress or 0) > 1_000_000)
+                assert "downloading" in str(modal.query_one("#detail").render())
+                await pilot.press("escape")  # cancel
+                await wait_for(pilot, lambda: not modal.running)
+                assert any("cancelled" in n.message for n in app._notifications)
+                assert list(Store().blobs.glob(".partial-*")) and Store().list() == []
+                hub.faults.clear()
+                await pilot.press("enter")  # the same name again: resumes
+                await wait_for(pilot, lambda: app.screen is models, timeout=30)
+                table = models.query_one("DataTable")
+                assert table.get_row_at(0)[0] == "hf.co/org/tiny-GGUF:Q4_K_M"
+                assert hub.downloads()[-1].headers["range"].startswith("bytes=")
+
+        asyncio.run(go())
+
+
+def test_scan_registers_other_tools_models(tiny_llama: Path, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    lms = tmp_path / "user" / ".lmstudio" / "models" / "someone" / "Tiny-GGUF" / "tiny.gguf"
+    lms.parent.mkdir(parents=True)
+    lms.write_bytes(tiny_llama.read_bytes())
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "no-ollama"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "no-hf"))
+
+    async def go() -> None:
+        app = app_with(FakeLLM([]))
+        async with app.run_test(size=(120, 30)) as pilot:
+            await pilot.press("s")
+            table = app.screen.query_one("DataTable")
+            await wait_for(pilot, lambda: table.row_count == 1)
+            assert table.get_row_at(0)[7].startswith("lmstudio:")
+
+    asyncio.run(go())

@@ -93,3 +93,9 @@ def test_help(snap_compare, fixed_store: Store, size, theme) -> None:  # noqa: A
 @pytest.mark.parametrize("theme", THEMES)
 def test_settings(snap_compare, fixed_store: Store, size, theme) -> None:  # noqa: ANN001
     assert snap_compare(make_app(theme, chat=True), terminal_size=size, press=["ctrl+s"])
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("theme", THEMES)
+def test_pull_dialog(snap_compare, fixed_store: Store, size, theme) -> None:  # noqa: ANN001
+    assert snap_compare(make_app(theme), terminal_size=size, press=["p"])

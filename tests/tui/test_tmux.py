@@ -1,4 +1,4 @@
-"""The real `localllm` binary in tmux, as a person sees it: Models with smollm2, chat, an answer."""
+"""The real `localllm` binary in tmux, as a person sees it (`tmux capture-pane`)."""
 
 from __future__ import annotations
 
@@ -12,53 +12,80 @@ from pathlib import Path
 import pytest
 
 
-def test_tmux_smoke(default_model_path: Path, localllm_home: Path) -> None:
-    if shutil.which("tmux") is None:
-        pytest.fail("tmux is not installed: apt-get install tmux", pytrace=False)
+class Tmux:
+    def __init__(self, command: str, home: Path) -> None:
+        if shutil.which("tmux") is None:
+            pytest.fail("tmux is not installed: apt-get install tmux", pytrace=False)
+        self.session = f"localllm-test-{os.getpid()}-{time.monotonic_ns()}"
+        exe = Path(sys.executable).with_name("localllm")
+        env = f"LOCALLLM_HOME={home} TERM=xterm-256color"
+        subprocess.run(["tmux", "new-session", "-d", "-s", self.session, "-x", "100", "-y", "30",
+                        f"env {env} {exe} {command}"], check=True)  # fmt: skip
+
+    def screen(self) -> str:
+        return subprocess.run(["tmux", "capture-pane", "-p", "-t", self.session],
+                              capture_output=True, text=True).stdout  # fmt: skip
+
+    def wait(self, text: str, timeout: float = 60) -> str:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            shot = self.screen()
+            if text in shot:
+                return shot
+            time.sleep(0.2)
+        raise AssertionError(f"never saw {text!r}:\n{self.screen()}")
+
+    def keys(self, *k: str) -> None:
+        subprocess.run(["tmux", "send-keys", "-t", self.session, *k], check=True)
+
+    def alive(self) -> bool:
+        return subprocess.run(["tmux", "has-session", "-t", self.session],
+                              capture_output=True).returncode == 0  # fmt: skip
+
+    def quit(self) -> None:
+        self.keys("C-q")
+        end = time.monotonic() + 10
+        while time.monotonic() < end and self.alive():
+            time.sleep(0.2)
+        assert not self.alive(), "Ctrl+Q did not quit"
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "kill-session", "-t", self.session], capture_output=True)
+
+
+def test_models_then_chat(default_model_path: Path, localllm_home: Path) -> None:
+    """`localllm`: the Models table with smollm2, Enter, "Say hello", an answer, Ctrl+Q."""
     from localllm.models_registry.catalog import ensure_local
     from localllm.models_registry.store import Store
 
     ensure_local("smollm2", Store())  # registered from the package, as `localllm run` would
-    session = f"localllm-test-{os.getpid()}"
-    exe = Path(sys.executable).with_name("localllm")
-    env = f"LOCALLLM_HOME={localllm_home} TERM=xterm-256color"
-    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "100", "-y", "30",
-                    f"env {env} {exe}"], check=True)  # fmt: skip
-
-    def screen() -> str:
-        return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True,
-                              text=True).stdout  # fmt: skip
-
-    def wait(text: str, timeout: float = 60) -> str:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            shot = screen()
-            if text in shot:
-                return shot
-            time.sleep(0.2)
-        raise AssertionError(f"never saw {text!r}:\n{screen()}")
-
-    def keys(*k: str) -> None:
-        subprocess.run(["tmux", "send-keys", "-t", session, *k], check=True)
-
+    t = Tmux("", localllm_home)
     try:
-        shot = wait("smollm2:135m-instruct-q4_1")
+        shot = t.wait("smollm2:135m-instruct-q4_1")
         assert "Models" in shot and "llama" in shot
-        keys("Enter")
-        wait("Message (Enter to send")
-        keys("Say hello", "Enter")
-        shot = wait("tokens/s", timeout=120)
+        t.keys("Enter")
+        t.wait("Message (Enter to send")
+        t.keys("Say hello", "Enter")
+        shot = t.wait("tokens/s", timeout=120)
         assert "/4,096" in shot  # the context meter (a long answer may scroll the labels away)
         print(shot)  # what a person saw (pytest -s shows it)
-        keys("C-q")
-        end = time.monotonic() + 10
-        while (
-            time.monotonic() < end
-            and subprocess.run(
-                ["tmux", "has-session", "-t", session], capture_output=True
-            ).returncode
-            == 0
-        ):
-            time.sleep(0.2)
+        t.quit()
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        t.close()
+
+
+def test_readme_main_command_on_a_fresh_store(
+    default_model_path: Path, localllm_home: Path
+) -> None:
+    """The README's main job, `localllm chat smollm2`, with nothing registered yet."""
+    t = Tmux("chat smollm2", localllm_home)
+    try:
+        t.wait("Message (Enter to send")
+        t.keys("Say hello", "Enter")
+        shot = t.wait("tokens/s", timeout=120)
+        assert "smollm2" in shot and "/4,096" in shot
+        t.keys("C-o")  # to Models: the default model is registered now
+        t.wait("smollm2:135m-instruct-q4_1")
+        t.quit()
+    finally:
+        t.close()
