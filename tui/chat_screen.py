@@ -117,6 +117,13 @@ class ChatScreen(Screen):
             self.system_prompt = conv.system_prompt
             self.settings = dict(conv.settings)
             await self._render_branch()
+        else:  # a new chat starts from the context and KV type chosen on the Models screen
+            chosen = {
+                "ctx": self.app.settings.get("ctx"),
+                "kv_cache": self.app.settings.get("kv_cache"),
+            }
+            defaults = {"ctx": 4096, "kv_cache": "f16"}
+            self.settings.update({k: v for k, v in chosen.items() if v and v != defaults[k]})
         self.sub_title = f"Chat — {self.model_name}"
         self._status(f"{self.model_name}: loads on the first message")
 

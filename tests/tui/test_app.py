@@ -456,3 +456,26 @@ def test_scan_registers_other_tools_models(tiny_llama: Path, tmp_path: Path,
             assert table.get_row_at(0)[7].startswith("lmstudio:")
 
     asyncio.run(go())
+
+
+def test_new_chat_uses_the_context_chosen_on_models(tiny_llama: Path) -> None:
+    Store().add_file(tiny_llama, "tiny", source="file:x")
+    loads: list[dict] = []
+    fake = FakeLLM([["ok"]])
+
+    def loader(name: str, **options):  # noqa: ANN202
+        loads.append(options)
+        return fake
+
+    async def go() -> None:
+        app = LocalLLMApp(loader=loader)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await pilot.press("x", "k")  # 8192, q8_0
+            await pilot.press("enter")  # chat with the selected model
+            chat = app.screen
+            assert isinstance(chat, ChatScreen)
+            await pilot.press(*"hi", "enter")
+            await wait_for(pilot, lambda: not chat.generating and chat.history)
+            assert loads == [{"ctx": 8192, "kv_cache": "q8_0"}]
+
+    asyncio.run(go())
