@@ -371,6 +371,27 @@ def _import_scan(json_out: bool) -> None:
           f"already known, {counts['skipped']} skipped")  # fmt: skip
 
 
+@app.command()
+def doctor(
+    deep: Annotated[
+        bool,
+        typer.Option("--deep", help="Probe llama.cpp afresh and re-hash every model (slow)."),
+    ] = False,
+    json_out: JsonFlag = False,
+) -> None:
+    """Check Python, llama.cpp, torch, memory, disk, the store and settings; print fixes."""
+    from localllm.doctor import run_checks, text_marks
+
+    marks = text_marks(sys.stdout.encoding)
+    show = None if json_out else (lambda c: print(c.line(marks), flush=True))
+    report = run_checks(deep=deep, on_check=show)
+    if json_out:
+        _emit_json(report.to_dict())
+    if not report.ok:
+        names = ", ".join(c.name for c in report.failed)
+        raise LocalLLMError(f"{len(report.failed)} of {len(report.checks)} checks failed: {names}")
+
+
 def _print_stats(result: Any) -> None:
     t, n = result.timings, result.usage.completion_tokens
     pps = result.usage.prompt_tokens / t.prompt_s if t.prompt_s else 0.0
