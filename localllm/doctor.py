@@ -146,6 +146,20 @@ def iter_checks(*, deep: bool = False) -> Iterator[Check]:
 # -- platform ----------------------------------------------------------------------------------
 
 
+# CPU flags (as /proc/cpuinfo names them) that decide which llama.cpp builds run here: a build
+# that uses one the CPU lacks dies with SIGILL. Shown upper-case, as llama.cpp's system info does.
+_ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16",
+              "amx_int8", "amx_bf16", "asimd", "asimddp", "i8mm", "sve", "sve2")  # fmt: skip
+
+
+def cpu_isa() -> list[str]:
+    """The instruction-set extensions of this CPU that matter to llama.cpp (Linux; else [])."""
+    from localllm.backends.llamacpp_guard import cpu_flags  # reads /proc/cpuinfo, no llama_cpp
+
+    have = set(cpu_flags().split())
+    return [f.upper() for f in _ISA_FLAGS if f in have]
+
+
 def check_python() -> Check:
     version = platform.python_version()
     data = {
@@ -154,10 +168,13 @@ def check_python() -> Check:
         "os": platform.system(),
         "os_release": platform.release(),
         "machine": platform.machine(),
+        "cpu_isa": cpu_isa(),
     }
     detail = (
         f"{data['implementation']} {version} on {data['os']} {data['os_release']} {data['machine']}"
     )
+    if data["cpu_isa"]:
+        detail += f" (CPU: {' '.join(data['cpu_isa'])})"
     return Check("python", True, detail, data=data)  # pip refuses Pythons older than 3.11
 
 
@@ -394,9 +411,28 @@ def _file_problem(path: Path, size: int) -> str | None:
 
 def check_store(store: Store, *, deep: bool) -> Check:
     """Every index entry has its file with the recorded size; with `deep`, its sha256 too."""
+    if store.home.exists() and not store.home.is_dir():
+        return Check(
+            "store",
+            False,
+            f"{store.home} is not a folder",
+            fix="move that file aside, or set LOCALLLM_HOME to a folder",
+        )
+    try:
+        with open(store.index_path, "rb"):
+            pass
+    except FileNotFoundError:
+        pass  # no index yet: no models
+    except OSError as e:
+        return Check(
+            "store",
+            False,
+            f"cannot read {store.index_path}: {e.strerror or e}",
+            fix=f"make it readable: chmod u+r {store.index_path}",
+        )
     try:
         records = store.list()
-    except LocalLLMError as e:
+    except LocalLLMError as e:  # the index is there but damaged
         return Check(
             "store",
             False,

@@ -27,6 +27,18 @@ SIGILL_PROBE = (
 )
 
 
+@pytest.fixture(autouse=True)
+def fast_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`true` stands in for the llama.cpp probe child (2-3 s a run); the tests about the probe
+    use the `real_probe` fixture or set their own command."""
+    monkeypatch.setenv("LOCALLLM_LLAMACPP_PROBE", "true")
+
+
+@pytest.fixture
+def real_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCALLLM_LLAMACPP_PROBE")
+
+
 def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     with pytest.raises(SystemExit) as exc:
         main(args)
@@ -64,7 +76,7 @@ def assert_failed(rc: int, out: str, err: str, name: str) -> str:
 
 
 def test_healthy_store_passes(
-    tiny_llama: Path, capsys: pytest.CaptureFixture[str], localllm_home: Path
+    tiny_llama: Path, capsys: pytest.CaptureFixture[str], localllm_home: Path, real_probe: None
 ) -> None:
     Store().add_file(tiny_llama, "tiny", source="x")
     rc, out, err = run(["doctor"], capsys)
@@ -108,6 +120,8 @@ def test_json_shape(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert checks["disk"]["data"]["free_bytes"] > 0
     assert checks["memory"]["data"]["free_bytes"] > 0
     assert checks["python"]["data"]["version"] == ".".join(map(str, sys.version_info[:3]))
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    assert ("AVX2" in checks["python"]["data"]["cpu_isa"]) == (" avx2" in flags)
 
 
 def test_json_failure_exit_code(
@@ -179,6 +193,10 @@ def test_damaged_index(capsys: pytest.CaptureFixture[str], localllm_home: Path) 
     (localllm_home / "index.json").write_text("{not json")
     line = assert_failed(*run(["doctor"], capsys), "store")
     assert "is damaged" in line and "move index.json aside" in line
+    (localllm_home / "index.json").unlink()
+    (localllm_home / "index.json").mkdir()  # unreadable, even for root
+    line = assert_failed(*run(["doctor"], capsys), "store")
+    assert "cannot read" in line and "Is a directory" in line and "fix: make it readable" in line
 
 
 def test_store_path_is_a_file(capsys: pytest.CaptureFixture[str], localllm_home: Path) -> None:
@@ -190,7 +208,7 @@ def test_store_path_is_a_file(capsys: pytest.CaptureFixture[str], localllm_home:
     assert_failed(rc, out, err, "store_write")
     assert f"{localllm_home} is not a folder" in lines["store_write"]
     assert lines["conversations"].startswith("✗ conversations: cannot create")
-    assert lines["store"].startswith("✗ store: cannot read the store index")
+    assert lines["store"].startswith(f"✗ store: {localllm_home} is not a folder — fix: move")
 
 
 def test_read_only_store_folder(
@@ -224,6 +242,23 @@ def test_conversations_database(capsys: pytest.CaptureFixture[str], localllm_hom
     assert rc == 0
     assert lines_by_name(out)["conversations"] == (
         f"✓ conversations: {localllm_home / 'conversations.db'}: 1 conversations, writable"
+    )
+
+
+def test_conversations_in_use(capsys: pytest.CaptureFixture[str], localllm_home: Path) -> None:
+    from localllm.tui.conversations import Conversations
+
+    Conversations().close()
+    writer = sqlite3.connect(localllm_home / "conversations.db")
+    writer.execute("BEGIN IMMEDIATE")  # the app in the middle of saving an answer
+    try:
+        rc, out, err = run(["doctor"], capsys)
+    finally:
+        writer.rollback()
+        writer.close()
+    assert rc == 0, out + err
+    assert lines_by_name(out)["conversations"].endswith(
+        "0 conversations, writable (in use by another localllm)"
     )
 
 
@@ -303,7 +338,7 @@ def test_probe_crash_fails(
     assert probe["ok"] is False and probe["data"]["cached"] is False
 
 
-def test_doctor_process_imports_nothing_heavy(tiny_llama: Path) -> None:
+def test_doctor_process_imports_nothing_heavy(tiny_llama: Path, real_probe: None) -> None:
     """llama.cpp and torch are asked in child processes: a crash there cannot take doctor down."""
     Store().add_file(tiny_llama, "tiny", source="x")
     code = (
