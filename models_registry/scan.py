@@ -11,9 +11,10 @@
         <publisher>/<repo>/<file>.gguf
 
 `scan()` only reads: folder listings, Ollama manifests and each candidate's GGUF header (every
-candidate is parsed through `gguf_file.py` and reported as skipped, with the reason, if it is not a
-readable GGUF). It hashes nothing. `register_found()` registers each model with
-`Store.add_reference`, so nothing is copied; Hugging Face LFS blobs and Ollama blobs are already
+candidate is parsed through `gguf_file.py`, checked by `model_check.py`, and reported as skipped,
+with the reason, if it is not a readable GGUF or its hyperparameters disagree with its tensors).
+It hashes nothing. `register_found()` registers each model with `Store.add_reference` (which
+checks the file again), so nothing is copied; Hugging Face LFS blobs and Ollama blobs are already
 named by their sha256, LM Studio files (and non-LFS Hugging Face files) are hashed at registration,
 which reads the whole file once.
 
@@ -42,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from localllm.errors import GGUFFormatError, InvalidName, LocalLLMError
-from localllm.model_info import ModelInfo, read_model_info
+from localllm.model_check import read_checked_info as read_model_info  # parsed, then checked
+from localllm.model_info import ModelInfo
 from localllm.models_registry.names import DEFAULT_TAG, check_digest, parse_name
 from localllm.models_registry.store import ModelRecord, Store, full_name
 

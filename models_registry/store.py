@@ -7,8 +7,9 @@
       .lock                       flock: one writer at a time
 
 Rules (ARCHITECTURE.md): a blob is written to a temporary file in the same folder, checked (its
-sha256, and that it is a readable GGUF), fsynced and renamed into place; the index is written last,
-the same way. A model is registered only after its bytes are complete and verified. A kill at any
+sha256, that it is a readable GGUF, and that its hyperparameters agree with its tensors:
+`model_check.py`), fsynced and renamed into place; the index is written last, the same way.
+A model is registered only after its bytes are complete and verified. A kill at any
 moment leaves either the old state or the new one, plus at most an unreferenced temporary file or
 blob that `gc()` removes later.
 
@@ -39,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from localllm.errors import LocalLLMError, ModelNotFound, StoreError
-from localllm.model_info import ModelInfo, read_model_info
+from localllm.model_check import read_checked_info
+from localllm.model_info import ModelInfo
 from localllm.models_registry.names import DEFAULT_TAG, check_digest, parse_name
 
 INDEX_VERSION = 1
@@ -227,7 +229,7 @@ class Store:
             if not p.is_file():
                 raise LocalLLMError(f"no such file: {p}")
         if len(paths) == 1:
-            read_model_info(str(paths[0]))  # hostile until parsed: fail before any copy
+            read_checked_info(str(paths[0]))  # hostile until checked: fail before any copy
         expected = check_digest(expected_sha256) if expected_sha256 else None
         self.blobs.mkdir(parents=True, exist_ok=True)
         self.gc()
@@ -271,7 +273,7 @@ class Store:
 
     def _place(self, tmp: Path, key: str, digest: str, source: str) -> ModelRecord:
         """Parse a checked file, rename it to its blob name, then write the index."""
-        info = read_model_info(str(tmp))
+        info = read_checked_info(str(tmp))
         size = tmp.stat().st_size
         record = ModelRecord(key, digest, size, source, info)
         with self.lock():
@@ -304,7 +306,8 @@ class Store:
                 Hugging Face blobs); trusted after a format check. Otherwise the file is hashed.
 
         Returns:
-            The new record. Raises GGUFFormatError for a file that is not a readable GGUF.
+            The new record. Raises GGUFFormatError for a file that is not a readable GGUF or
+            whose hyperparameters disagree with its tensors (`model_check`).
         """
         key = full_name(name)
         real = Path(os.path.realpath(path))
@@ -316,7 +319,7 @@ class Store:
             raise LocalLLMError(f"not a regular file: {path}")
         if real.is_relative_to(self.home.resolve()):
             raise StoreError(f"{real} is inside the store; it cannot be registered by reference")
-        info = read_model_info(str(real))  # hostile until parsed
+        info = read_checked_info(str(real))  # hostile until checked
         try:
             sha = check_digest(digest) if digest else _sha256_file(real)
             after = os.stat(real)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from localllm.errors import StoreError
+from localllm.gguf_file import GGUFFile
 from localllm.models_registry import scan as scan_mod
 from localllm.models_registry import store as store_mod
 from localllm.models_registry.scan import ScanRoots, register_found, scan
@@ -473,3 +474,50 @@ def test_roots_from_environment(tmp_path: Path) -> None:
     bare = ScanRoots.from_env({"HOME": str(tmp_path / "u")})
     assert bare.huggingface == (tmp_path / "u/.cache/huggingface/hub",)
     assert bare.ollama[0] == tmp_path / "u/.ollama/models"
+
+
+def zero_layers(src: Path, dst: Path) -> Path:
+    """`src` with `llama.block_count` patched to 0: a well-formed GGUF llama.cpp aborts on."""
+    data = bytearray(src.read_bytes())
+    with GGUFFile(src) as gf:
+        _start, end = gf.kv_spans["llama.block_count"]
+    data[end - 4 : end] = bytes(4)  # the u32 value ends the entry
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_bytes(data)
+    return dst
+
+
+@pytest.mark.parametrize("origin", ["huggingface", "ollama", "lmstudio"])
+def test_inconsistent_model_is_skipped_with_the_reason(
+    origin: str, tmp_path: Path, tiny_llama: Path
+) -> None:
+    bad = zero_layers(tiny_llama, tmp_path / "src" / "zero.gguf")
+    if origin == "huggingface":
+        make_hf(tmp_path / "hf", "org", "Repo", bad, "zero.gguf")
+    elif origin == "ollama":
+        make_ollama(tmp_path / "ollama", bad)
+    else:
+        make_lmstudio(tmp_path / "lms", bad, "pub/repo/zero.gguf")
+    make_lmstudio(tmp_path / "lms", tiny_llama, "pub/good/good-F16.gguf")
+    found = scan(roots(tmp_path))
+    skipped = [f for f in found if not f.ok]
+    assert [f.origin for f in skipped] == [origin]
+    assert skipped[0].skipped == (
+        "not a valid GGUF file: llama.block_count is 0: a model needs at least one layer"
+    )
+    results = register_found(Store(), found)
+    assert sorted(r.status for r in results) == ["registered", "skipped"]
+    assert [r.name for r in Store().list()] == ["pub/good:f16"]
+    assert list(Store().blobs.iterdir()) == []
+
+
+def test_a_file_made_inconsistent_after_the_scan_is_skipped(
+    tmp_path: Path, tiny_llama: Path
+) -> None:
+    path = make_lmstudio(tmp_path / "lms", tiny_llama, "pub/repo/m.gguf")
+    found = scan(roots(tmp_path))
+    assert found[0].ok
+    zero_layers(tiny_llama, path)  # add_reference checks again: the file is not trusted twice
+    results = register_found(Store(), found)
+    assert results[0].status == "skipped" and "llama.block_count is 0" in results[0].reason
+    assert Store().list() == []

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from localllm.errors import GGUFFormatError, InvalidName, LocalLLMError, ModelNotFound, StoreError
+from localllm.gguf_file import GGUFFile
 from localllm.models_registry import store as store_mod
 from localllm.models_registry.store import Store, default_home
 
@@ -375,3 +376,63 @@ def test_reference_and_blob_with_one_digest(tiny_llama: Path, tmp_path: Path) ->
     assert store.gc() == [orphan]
     assert store.list() == [] and other.read_bytes() == original[0]
     assert list(store.blobs.iterdir()) == []
+
+
+# -- inconsistent models: well-formed GGUF, hyperparameters that disagree with the tensors --------
+
+
+def zero_layers(src: Path, dst: Path) -> Path:
+    """`src` with `llama.block_count` patched to 0: parses, but llama.cpp aborts on it."""
+    data = bytearray(src.read_bytes())
+    with GGUFFile(src) as gf:
+        _start, end = gf.kv_spans["llama.block_count"]
+    data[end - 4 : end] = bytes(4)  # the u32 value ends the entry
+    dst.write_bytes(data)
+    return dst
+
+
+@pytest.mark.parametrize("how", ["link", "copy", "parts"])
+def test_inconsistent_import_registers_nothing(how: str, tiny_llama: Path, tmp_path: Path) -> None:
+    store = Store()
+    kept = store.add_file(tiny_llama, "kept", source="x")
+    index = store.index_path.read_bytes()
+    bad = zero_layers(tiny_llama, tmp_path / "bad.gguf")
+    if how == "parts":  # joined first, so the check runs on the joined bytes in the store
+        data = bad.read_bytes()
+        (tmp_path / "p1").write_bytes(data[:1000])
+        (tmp_path / "p2").write_bytes(data[1000:])
+        source: Path | list[Path] = [tmp_path / "p1", tmp_path / "p2"]
+    else:
+        source = bad
+    with pytest.raises(GGUFFormatError, match="llama.block_count is 0") as exc:
+        store.add_file(source, "bad", source="x", link=how == "link")
+    assert "\n" not in str(exc.value)
+    assert store.index_path.read_bytes() == index
+    assert [p.name for p in store.blobs.iterdir()] == [f"sha256-{kept.digest}"]
+    assert_consistent(store)
+
+
+def test_inconsistent_adopt_registers_nothing(tiny_llama: Path) -> None:
+    store = Store()
+    store.add_file(tiny_llama, "kept", source="x")
+    index = store.index_path.read_bytes()
+    pulled = zero_layers(tiny_llama, store.blobs / f".tmp-{os.getpid()}-feed")
+    with pytest.raises(GGUFFormatError, match="llama.block_count is 0"):
+        store.adopt(pulled, "bad", source="hf:x", digest=sha256(pulled))
+    assert store.index_path.read_bytes() == index
+    assert pulled.is_file()  # left where it was, for the caller (pull) to remove
+    assert not store.blob_path(sha256(pulled)).exists()
+    pulled.unlink()
+    assert_consistent(store)
+
+
+def test_inconsistent_reference_registers_nothing(tiny_llama: Path, tmp_path: Path) -> None:
+    store = Store()
+    store.add_file(tiny_llama, "kept", source="x")
+    index = store.index_path.read_bytes()
+    bad = zero_layers(tiny_llama, tmp_path / "bad.gguf")
+    with pytest.raises(GGUFFormatError, match="llama.block_count is 0"):
+        store.add_reference(bad, "bad", source="x")
+    assert store.index_path.read_bytes() == index
+    assert [r.name for r in store.list()] == ["kept:latest"]
+    assert_consistent(store)
