@@ -2,18 +2,28 @@
 
 Every check gives a `Check`: `ok` True (✓), False (✗, with a one-line `fix`) or None (–, an
 optional part that is not installed, which is not a failure). The report is ok when no check
-failed. Checks, by name, in order:
+failed. Checks in order, by name, with the keys of their `data`:
 
-    python            Python version and implementation, OS, machine
-    llama_cpp         llama-cpp-python: version, build, llama.cpp's system info and GPU offload
-    llama_cpp_probe   whether llama.cpp loads and runs here (cached; --deep runs it again)
-    torch             torch version and devices (cuda, mps, cpu); None when not installed
-    memory            free RAM (and free GPU memory when nvidia-smi sees one)
-    disk              free disk space where the store lives
-    store             every index entry has its file with the recorded size (--deep: and sha256)
-    huggingface       token present (never shown), HF_ENDPOINT, HF_HUB_OFFLINE
-    store_write       a file can be created in the store folder
-    conversations     the app's conversations database is a readable SQLite file we can write
+    python           Python, OS, machine and the CPU's instruction sets that matter to llama.cpp
+                     version, implementation, os, os_release, machine, cpu_isa
+    llama_cpp        llama-cpp-python: version, build, llama.cpp's system info and GPU offload
+                     version, build, system_info, backends, blas, gpu_offload
+    llama_cpp_probe  llama.cpp evaluates a tiny model in a child (cached; --deep runs it again)
+                     ok, reason, cached
+    torch            torch version and devices (cuda, mps, cpu); ok None when not installed
+                     version, cuda_version, cuda (device names), mps
+    memory           free RAM (below 512 MiB fails), and free GPU memory when nvidia-smi sees one
+                     free_bytes, total_bytes, gpu (null or {device, free_bytes, total_bytes})
+    disk             free disk space where the store lives (below 1 GiB fails)
+                     path, free_bytes, total_bytes
+    store            every index entry has its file with the recorded size (--deep: and sha256)
+                     path, models, blobs, references, hashed, damaged ({name: why})
+    huggingface      a token present (never shown, not even in part), HF_ENDPOINT, HF_HUB_OFFLINE
+                     token (bool), token_source (the variable or the token file), endpoint, offline
+    store_write      a file can be created in the store folder
+                     path
+    conversations    the app's database is a readable SQLite file this localllm can write
+                     path, conversations (count, or null)
 
 Nothing here imports llama_cpp or torch: an unusable llama.cpp build can kill the process that
 loads it (SIGILL on a CPU without the instructions it was built for), and a broken torch install
@@ -21,8 +31,9 @@ can too. Both are asked in child processes: llama.cpp through `localllm.backends
 torch through `_torch_facts`. `--json` prints `Report.to_dict()`:
 
     {"ok": bool, "deep": bool,
-     "checks": [{"name": str, "ok": bool | null, "detail": str, "fix": str | null,
-                 "data": {check-specific facts, e.g. "free_bytes"}}]}
+     "checks": [{"name": str, "ok": bool | null, "detail": str, "fix": str | null, "data": {}}]}
+
+Names and data keys are stable; a check whose own code fails is ✗ with empty data.
 """
 
 from __future__ import annotations
@@ -259,7 +270,12 @@ def check_llama_cpp_probe(home: Path, *, refresh: bool) -> Check:
     from localllm.backends import llamacpp_guard
 
     if llamacpp_guard.library_key() is None:
-        return Check("llama_cpp_probe", None, "not run: llama-cpp-python is not installed")
+        return Check(
+            "llama_cpp_probe",
+            None,
+            "not run: llama-cpp-python is not installed",
+            data={"ok": None, "reason": None, "cached": None},
+        )
     verdict = llamacpp_guard.probe(home, refresh=refresh)  # a child runs llama.cpp, never us
     data = {"ok": verdict.ok, "reason": verdict.reason, "cached": verdict.cached}
     if verdict.cached:
@@ -310,11 +326,13 @@ def _torch_facts() -> dict[str, Any]:
 
 
 def check_torch() -> Check:
+    data: dict[str, Any] = {"version": None, "cuda_version": None, "cuda": [], "mps": False}
     if importlib.util.find_spec("torch") is None:
         return Check(
             "torch",
             None,
             "not installed (optional, for the torch engine: pip install 'localllm[torch]')",
+            data=data,
         )
     try:
         facts = _torch_facts()
@@ -324,14 +342,16 @@ def check_torch() -> Check:
             False,
             f"installed but does not import: {e}",
             fix="reinstall it: pip install --force-reinstall 'localllm[torch]'",
+            data=data,
         )
     devices = [f"cuda:{i} ({name})" for i, name in enumerate(facts["cuda"])]
     if facts["mps"]:
         devices.append("mps")
     devices.append("cpu")
     cuda = f", CUDA {facts['cuda_version']}" if facts.get("cuda_version") else ""
+    data.update((k, facts.get(k, v)) for k, v in data.items())
     return Check(
-        "torch", True, f"{facts['version']}{cuda}; devices: {', '.join(devices)}", data=facts
+        "torch", True, f"{facts['version']}{cuda}; devices: {', '.join(devices)}", data=data
     )
 
 
@@ -411,12 +431,15 @@ def _file_problem(path: Path, size: int) -> str | None:
 
 def check_store(store: Store, *, deep: bool) -> Check:
     """Every index entry has its file with the recorded size; with `deep`, its sha256 too."""
+    data: dict[str, Any] = {"path": str(store.home), "models": None, "blobs": None,
+                            "references": None, "hashed": deep, "damaged": {}}  # fmt: skip
     if store.home.exists() and not store.home.is_dir():
         return Check(
             "store",
             False,
             f"{store.home} is not a folder",
             fix="move that file aside, or set LOCALLLM_HOME to a folder",
+            data=data,
         )
     try:
         with open(store.index_path, "rb"):
@@ -429,6 +452,7 @@ def check_store(store: Store, *, deep: bool) -> Check:
             False,
             f"cannot read {store.index_path}: {e.strerror or e}",
             fix=f"make it readable: chmod u+r {store.index_path}",
+            data=data,
         )
     try:
         records = store.list()
@@ -439,16 +463,10 @@ def check_store(store: Store, *, deep: bool) -> Check:
             str(e),
             fix=f"move {store.index_path.name} aside and import the models again "
             f"(`localllm import {store.blobs}/sha256-...` keeps each blob)",
+            data=data,
         )
     blobs = sum(r.ref is None for r in records)
-    data: dict[str, Any] = {
-        "path": str(store.home),
-        "models": len(records),
-        "blobs": blobs,
-        "references": len(records) - blobs,
-        "hashed": deep,
-        "damaged": {},
-    }
+    data.update(models=len(records), blobs=blobs, references=len(records) - blobs)
     if not records:
         return Check("store", True, f"no models yet in {store.home}", data=data)
     problems: dict[str, str] = {}

@@ -21,6 +21,18 @@ from localllm.models_registry.store import Store
 NAMES = ["python", "llama_cpp", "llama_cpp_probe", "torch", "memory", "disk", "store",
          "huggingface", "store_write", "conversations"]  # fmt: skip
 HEAVY = ("torch", "llama_cpp", "textual")
+DATA_KEYS = {  # documented in localllm/doctor.py: the same keys whether a check passes or fails
+    "python": {"version", "implementation", "os", "os_release", "machine", "cpu_isa"},
+    "llama_cpp": {"version", "build", "system_info", "backends", "blas", "gpu_offload"},
+    "llama_cpp_probe": {"ok", "reason", "cached"},
+    "torch": {"version", "cuda_version", "cuda", "mps"},
+    "memory": {"free_bytes", "total_bytes", "gpu"},
+    "disk": {"path", "free_bytes", "total_bytes"},
+    "store": {"path", "models", "blobs", "references", "hashed", "damaged"},
+    "huggingface": {"token", "token_source", "endpoint", "offline"},
+    "store_write": {"path"},
+    "conversations": {"path", "conversations"},
+}
 SIGILL_PROBE = (
     f"{sys.executable} -c 'import os, signal; signal.signal(signal.SIGILL, signal.SIG_DFL); "
     "os.kill(os.getpid(), signal.SIGILL)'"
@@ -106,11 +118,11 @@ def test_json_shape(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> Non
     report = json.loads(out)
     assert set(report) == {"ok", "deep", "checks"}
     assert report["ok"] is True and report["deep"] is False
-    assert [c["name"] for c in report["checks"]] == NAMES
+    assert [c["name"] for c in report["checks"]] == NAMES == list(DATA_KEYS)
     for c in report["checks"]:
         assert set(c) == {"name", "ok", "detail", "fix", "data"}, c
         assert c["ok"] in (True, None) and c["fix"] is None, c
-        assert isinstance(c["detail"], str) and isinstance(c["data"], dict)
+        assert isinstance(c["detail"], str) and set(c["data"]) == DATA_KEYS[c["name"]], c
     checks = {c["name"]: c for c in report["checks"]}
     assert checks["store"]["data"] == {"path": str(Store().home), "models": 1, "blobs": 1,
                                        "references": 0, "hashed": False, "damaged": {}}  # fmt: skip
@@ -205,6 +217,8 @@ def test_store_path_is_a_file(capsys: pytest.CaptureFixture[str], localllm_home:
     localllm_home.write_text("not a folder")
     rc, out, err = run(["doctor"], capsys)
     lines = lines_by_name(out)
+    checks = json.loads(run(["doctor", "--json"], capsys)[1])["checks"]
+    assert {c["name"]: set(c["data"]) for c in checks} == DATA_KEYS
     assert_failed(rc, out, err, "store_write")
     assert f"{localllm_home} is not a folder" in lines["store_write"]
     assert lines["conversations"].startswith("✗ conversations: cannot create")
@@ -371,6 +385,7 @@ def test_torch_absent_broken_and_present(monkeypatch: pytest.MonkeyPatch, tmp_pa
     (fake / "__init__.py").write_text("raise ImportError('libcudart.so.12: cannot open')\n")
     check = doctor.check_torch()
     assert check.ok is False and "libcudart.so.12: cannot open" in check.detail
+    assert set(check.data) == DATA_KEYS["torch"]
     assert "pip install --force-reinstall" in (check.fix or "")
     (fake / "__init__.py").write_text(
         "from types import SimpleNamespace as N\n__version__ = '9.9.9'\n"
@@ -379,6 +394,7 @@ def test_torch_absent_broken_and_present(monkeypatch: pytest.MonkeyPatch, tmp_pa
     )
     check = doctor.check_torch()
     assert check.ok is True and check.detail == "9.9.9; devices: mps, cpu"
+    assert check.data == {"version": "9.9.9", "cuda_version": None, "cuda": [], "mps": True}
 
 
 def test_low_memory_fails(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -414,3 +430,30 @@ def test_ascii_terminal_marks() -> None:
 def test_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = run(["doctor", "--nope"], capsys)
     assert rc == 2 and "--nope" in err
+
+
+def test_gpu_memory_from_nvidia_smi(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # No GPU here: a stand-in nvidia-smi on PATH answers the query the way the real one does.
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\necho '81000, 81559'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # else memory.py asks torch instead
+    check = doctor.check_memory()
+    assert check.ok is True and check.detail.endswith("; cuda:0 79.1 GiB free of 79.6 GiB")
+    assert check.data["gpu"] == {"device": "cuda:0", "free_bytes": 81000 << 20,
+                                 "total_bytes": 81559 << 20}  # fmt: skip
+
+
+def test_a_check_that_breaks_is_reported(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken() -> doctor.Check:
+        raise RuntimeError("psutil is confused")
+
+    monkeypatch.setattr(doctor, "check_memory", broken)
+    rc, out, err = run(["doctor"], capsys)
+    line = assert_failed(rc, out, err, "memory")
+    assert "the check itself failed: RuntimeError: psutil is confused" in line
+    assert list(lines_by_name(out)) == NAMES  # the other checks still ran
