@@ -406,6 +406,10 @@ def check_disk(home: Path) -> Check:
 # -- the store ---------------------------------------------------------------------------------
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -489,7 +493,7 @@ def check_store(store: Store, *, deep: bool) -> Check:
         if why is not None:
             problems[r.name] = why
     data["damaged"] = problems
-    kinds = f"{blobs} blob{'s' * (blobs != 1)}, {len(records) - blobs} by reference"
+    kinds = f"{_count(blobs, 'blob')}, {len(records) - blobs} by reference"
     if problems:
         names = sorted(problems)
         return Check(
@@ -506,7 +510,7 @@ def check_store(store: Store, *, deep: bool) -> Check:
         if deep
         else "recorded sizes match (`localllm doctor --deep` checks sha256)"
     )
-    return Check("store", True, f"{len(records)} models ({kinds}): {how}", data=data)
+    return Check("store", True, f"{_count(len(records), 'model')} ({kinds}): {how}", data=data)
 
 
 def _try_create(folder: Path) -> str | None:
@@ -594,7 +598,9 @@ def check_conversations() -> Check:
         return Check("conversations", False, f"{path} is damaged: {e}", fix=fix_move, data=data)
     data["conversations"] = count
     note = " (in use by another localllm)" if busy else ""
-    return Check("conversations", True, f"{path}: {count} conversations, writable{note}", data=data)
+    return Check(
+        "conversations", True, f"{path}: {_count(count, 'conversation')}, writable{note}", data=data
+    )
 
 
 class _NewerSchema(sqlite3.DatabaseError):

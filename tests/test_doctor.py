@@ -98,7 +98,7 @@ def test_healthy_store_passes(
     assert list(lines) == NAMES
     assert all(line[0] in "✓–" for line in lines.values()), out
     assert lines["store"] == (
-        "✓ store: 1 models (1 blob, 0 by reference): recorded sizes match "
+        "✓ store: 1 model (1 blob, 0 by reference): recorded sizes match "
         "(`localllm doctor --deep` checks sha256)"
     )
     assert "probed just now" in lines["llama_cpp_probe"]
@@ -108,7 +108,7 @@ def test_healthy_store_passes(
     assert "cached verdict" in lines_by_name(run(["doctor"], capsys)[1])["llama_cpp_probe"]
     rc, out, _ = run(["doctor", "--deep"], capsys)
     assert rc == 0 and "probed just now" in lines_by_name(out)["llama_cpp_probe"]
-    assert "1 models (1 blob, 0 by reference): sha256 verified" in lines_by_name(out)["store"]
+    assert "1 model (1 blob, 0 by reference): sha256 verified" in lines_by_name(out)["store"]
 
 
 def test_json_shape(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -192,7 +192,7 @@ def test_reference_gone_or_changed(
     shutil.copyfile(tiny_llama, other)
     Store().add_reference(other, "ref", source="ollama:x")
     rc, out, _ = run(["doctor"], capsys)
-    assert rc == 0 and "1 models (0 blobs, 1 by reference)" in lines_by_name(out)["store"]
+    assert rc == 0 and "1 model (0 blobs, 1 by reference)" in lines_by_name(out)["store"]
     os.utime(other, ns=(0, 0))
     line = assert_failed(*run(["doctor"], capsys), "store")
     assert "ref:latest (model ref:latest refers to" in line and "has changed" in line
@@ -255,7 +255,7 @@ def test_conversations_database(capsys: pytest.CaptureFixture[str], localllm_hom
     rc, out, _ = run(["doctor"], capsys)
     assert rc == 0
     assert lines_by_name(out)["conversations"] == (
-        f"✓ conversations: {localllm_home / 'conversations.db'}: 1 conversations, writable"
+        f"✓ conversations: {localllm_home / 'conversations.db'}: 1 conversation, writable"
     )
 
 
