@@ -384,9 +384,35 @@ def load(
                 f"compute {human_bytes(est.compute_bytes)}) but {human_bytes(est.available_bytes)} "
                 f"is free on {est.device}; try a smaller --ctx or --kv-cache q8_0"
             )
+    choose_backend(backend)
     from localllm.backends.llamacpp import LlamaCppBackend
+    from localllm.backends.llamacpp_guard import check_load
 
+    path = store.path_of(record)
+    n_gpu_layers = 0 if device == "cpu" else -1
     t0 = time.perf_counter()
-    b = LlamaCppBackend(store.path_of(record), n_ctx=n_ctx, kv_cache=kv_cache, n_threads=n_threads,
-                        n_gpu_layers=0 if device == "cpu" else -1)  # fmt: skip
+    # the first load of a file runs in a child: a file llama.cpp would abort on is refused here
+    check_load(path, record.digest, record.name, n_gpu_layers=n_gpu_layers, home=store.home)
+    try:
+        b = LlamaCppBackend(path, n_ctx=n_ctx, kv_cache=kv_cache, n_threads=n_threads,
+                            n_gpu_layers=n_gpu_layers)  # fmt: skip
+    except LocalLLMError as e:
+        raise LocalLLMError(f"{record.name}: {e}") from None
     return Model(b, record.name, load_s=time.perf_counter() - t0, context=policy)
+
+
+def choose_backend(backend: str = "auto") -> str:
+    """The backend a load will use, or `BackendUnavailable` saying why none can run here.
+
+    llama.cpp is probed once per build and machine (in a child: a build that dies on this CPU
+    becomes one line, not a signal). `auto` would move on to the next backend; the torch engine
+    is the next one, and it is not part of this build yet.
+    """
+    from localllm.backends.llamacpp_guard import probe
+    from localllm.errors import BackendUnavailable
+
+    verdict = probe()
+    if verdict.ok:
+        return "llama.cpp"
+    also = " (and no other backend is installed)" if backend == "auto" else ""
+    raise BackendUnavailable(f"llama.cpp cannot run on this machine{also}: {verdict.message()}")

@@ -40,3 +40,7 @@ class TemplateError(LocalLLMError):
 
 class ContextOverflow(LocalLLMError):
     """Prompt and generation do not fit the context and no shifting policy was chosen."""
+
+
+class BackendUnavailable(LocalLLMError):
+    """A backend cannot run on this machine (not installed, or its probe crashed): reason and fix."""

@@ -7,10 +7,12 @@ cancellation every token, and the StreamingLLM-style context shift when the cach
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import math
 import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from threading import Event
@@ -46,6 +48,125 @@ def default_threads() -> int:
     return max(1, min(os.cpu_count() or 1, 8))
 
 
+# -- llama.cpp's log: into a file in the store, never onto the user's terminal ------------------
+
+LOG_FILE = "logs/llama.cpp.log"
+_LOG_MAX = 8 << 20  # rotate to llama.cpp.log.1 past this size
+_log_lock = threading.Lock()
+_log_state: dict[str, object] = {}
+_recent: collections.deque[tuple[int, int, str]] = collections.deque(maxlen=64)  # (seq, level, line)
+_LEVELS = {0: "NONE", 1: "DEBUG", 2: "INFO", 3: "WARN", 4: "ERROR"}  # ggml_log_level; 5 = CONT
+
+
+def log_path() -> Path:
+    from localllm.models_registry.store import default_home
+
+    return default_home() / LOG_FILE
+
+
+def _open_log():  # noqa: ANN202
+    path = log_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() and path.stat().st_size > _LOG_MAX:
+            os.replace(path, path.with_name(path.name + ".1"))
+        return open(path, "a", encoding="utf-8", errors="replace")  # noqa: SIM115
+    except OSError:
+        return None  # an unwritable store loses the log, never the answer
+
+
+def _on_log(level: int, text: bytes, _user: object) -> None:
+    line = text.decode("utf-8", "replace") if text else ""
+    with _log_lock:
+        if level == 5:  # GGML_LOG_LEVEL_CONT: continues the previous line
+            level = int(_log_state.get("last", 1))  # type: ignore[arg-type]
+        _log_state["last"] = level
+        partial = str(_log_state.get("partial", "")) + line
+        *done, rest = partial.split("\n")
+        _log_state["partial"] = rest
+        f = _log_state.get("file")
+        home = os.environ.get("LOCALLLM_HOME", "")
+        if f is None or _log_state.get("home") != home:
+            if f is not None:
+                f.close()  # type: ignore[attr-defined]
+            f = _log_state["file"] = _open_log()
+            _log_state["home"] = home
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        for ln in done:
+            seq = int(_log_state.get("seq", 0)) + 1  # type: ignore[arg-type]
+            _log_state["seq"] = seq
+            _recent.append((seq, level, ln))
+            if f is not None:
+                f.write(f"{stamp} {_LEVELS.get(level, level)} {ln}\n")  # type: ignore[attr-defined]
+        if done and f is not None:
+            f.flush()  # type: ignore[attr-defined]
+
+
+def log_mark() -> int:
+    """A point in llama.cpp's log, for `recent_errors(since=...)`."""
+    with _log_lock:
+        return int(_log_state.get("seq", 0))  # type: ignore[arg-type]
+
+
+def recent_errors(since: int = 0) -> list[str]:
+    """llama.cpp's error and warning lines logged after `since` (to quote when a load fails)."""
+    with _log_lock:
+        lines = list(_recent)
+    return [ln.strip() for seq, lvl, ln in lines if seq > since and lvl in (3, 4) and ln.strip()]
+
+
+def quiet_llama_log():  # noqa: ANN201 - the llama_cpp module
+    """Import llama_cpp with its log routed to the store's log file (once per process)."""
+    import llama_cpp
+    import llama_cpp.llama  # noqa: F401 - installs llama-cpp-python's own logger, which we replace
+
+    with _log_lock:
+        if "callback" not in _log_state:
+            cb = llama_cpp.llama_log_callback(_on_log)
+            _log_state["callback"] = cb  # kept alive: llama.cpp holds only the C pointer
+            llama_cpp.llama_log_set(cb, ctypes.c_void_p(0))
+            _no_template_compiling(llama_cpp)
+    return llama_cpp
+
+
+# -- templates: only ours, only in the sandbox -------------------------------------------------
+
+
+class _TemplateNotCompiled:
+    """Stands in for llama-cpp-python's `Jinja2ChatFormatter`.
+
+    `Llama.__init__` builds one for every `tokenizer.chat_template*` key in the file, whatever
+    `chat_format` or `chat_handler` it is given, and so compiles a stranger's template with jinja2 in
+    our process: a template whose constants jinja2 folds at compile time (`9**9**9`) hangs the load
+    before our sandbox ever sees it. We render templates ourselves (`localllm.chat`, in a limited
+    child) and never call `create_chat_completion`, so this keeps the text and compiles nothing.
+    """
+
+    def __init__(self, template: str, *_args: object, **_kwargs: object) -> None:
+        self.template = template
+
+    def to_chat_handler(self):  # noqa: ANN201
+        def refuse(*_a: object, **_k: object) -> None:
+            raise LocalLLMError("localllm renders chat templates itself (localllm.chat)")
+
+        return refuse
+
+
+def _no_template_compiling(llama_cpp) -> None:  # noqa: ANN001
+    import llama_cpp.llama_chat_format as formats
+
+    formats.Jinja2ChatFormatter = _TemplateNotCompiled  # type: ignore[misc, assignment]
+
+
+def _strip_prefix(line: str) -> str:
+    """`llama_model_load: error loading model: X` -> `X` (llama.cpp's function names mean nothing here)."""
+    for marker in ("error loading model: ", "error loading model architecture: "):
+        if marker in line:
+            return line.split(marker, 1)[1]
+    head, sep, rest = line.partition(": ")
+    return rest if sep and head.replace("_", "").isalnum() and " " not in head else line
+
+
 class LlamaCppBackend:
     name = "llama.cpp"
     capabilities = CAPABILITIES
@@ -61,8 +182,7 @@ class LlamaCppBackend:
         flash_attn: bool | None = None,
         seed: int | None = None,
     ) -> None:
-        import llama_cpp
-
+        llama_cpp = quiet_llama_log()
         self._lib = llama_cpp
         type_k, type_v = parse_kv_cache(kv_cache)
         for t in (type_k, type_v):
@@ -74,18 +194,25 @@ class LlamaCppBackend:
             if flash_attn is False:
                 raise LocalLLMError("a quantized V cache needs flash attention")
             flash_attn = True
-        self.llm = llama_cpp.Llama(
-            model_path=str(path),
-            n_ctx=n_ctx,
-            n_batch=min(512, n_ctx),
-            n_threads=n_threads or default_threads(),
-            n_gpu_layers=n_gpu_layers,
-            flash_attn=bool(flash_attn),
-            type_k=_GGML_TYPE[type_k],
-            type_v=_GGML_TYPE[type_v],
-            seed=seed if seed is not None else llama_cpp.LLAMA_DEFAULT_SEED,
-            verbose=False,
-        )
+        mark = log_mark()
+        try:
+            self.llm = llama_cpp.Llama(
+                model_path=str(path),
+                n_ctx=n_ctx,
+                n_batch=min(512, n_ctx),
+                n_threads=n_threads or default_threads(),
+                n_gpu_layers=n_gpu_layers,
+                flash_attn=bool(flash_attn),
+                type_k=_GGML_TYPE[type_k],
+                type_v=_GGML_TYPE[type_v],
+                seed=seed if seed is not None else llama_cpp.LLAMA_DEFAULT_SEED,
+                chat_handler=_TemplateNotCompiled("").to_chat_handler(),
+                verbose=False,
+            )
+        except (ValueError, RuntimeError) as e:  # llama-cpp-python's words hide llama.cpp's reason
+            said = [ln for ln in recent_errors(mark) if "error" in ln.lower()] or recent_errors(mark)
+            reason = said[-1] if said else str(e).split(":")[0]
+            raise LocalLLMError(f"llama.cpp cannot load it: {_strip_prefix(reason)}") from None
         self.n_ctx = self.llm.n_ctx()
         self._vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
         self._piece_buf = ctypes.create_string_buffer(256)

@@ -1,0 +1,524 @@
+"""llama.cpp never takes the process down: a probe and a first load in a child process, verdicts cached.
+
+A SIGILL, SIGABRT or hang inside llama.cpp cannot be caught in Python. So before this process first
+computes with llama.cpp, a child evaluates a tiny model written on the fly (`probe`), and before a
+model file is first loaded here, a child loads it and evaluates a few tokens (`check_load`). If the
+child dies by a signal, hangs or fails, the caller gets one line naming the cause and the fix; the
+process that asked is never touched.
+
+Verdicts are cached in the store (`guard.json`), keyed by what could change them: llama-cpp-python's
+version, the size and mtime of its shared libraries, the CPU's flags, and (for a load) the file's
+sha256. A rebuilt library, another CPU or another file is probed afresh; nothing else is.
+
+    python -m localllm.backends.llamacpp_guard probe DIR          the child side of `probe`
+    python -m localllm.backends.llamacpp_guard load PATH LAYERS   the child side of `check_load`
+    python -m localllm.backends.llamacpp_guard info               build facts, as JSON
+
+`LOCALLLM_LLAMACPP_PROBE`, when set, is a shell command run instead of the probe child (to reproduce a
+crash on purpose, or to bypass the probe with `true`); it is part of the cache key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import random
+import resource
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from localllm.errors import BackendUnavailable, LocalLLMError
+
+PROBE_TIMEOUT_S = 60.0
+LOAD_TIMEOUT_S = 300.0
+CACHE_FILE = "guard.json"
+REBUILD_FIX = (
+    "rebuild llama-cpp-python for this CPU: scripts/llamacpp-build in a checkout, or "
+    "CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON' "
+    "pip install --force-reinstall --no-cache-dir llama-cpp-python"
+)
+INSTALL_FIX = "pip install 'localllm[llamacpp]' (in a checkout: scripts/setup)"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether llama.cpp ran; `reason` and `fix` are one line each when it did not."""
+
+    ok: bool
+    reason: str = ""
+    fix: str = ""
+    cached: bool = False
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def message(self) -> str:
+        return f"{self.reason}; fix: {self.fix}" if self.fix else self.reason
+
+
+# -- what the verdicts depend on ---------------------------------------------------------------
+
+
+def _package_dir() -> Path | None:
+    """llama_cpp's folder, found without importing it (importing loads the shared libraries)."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def library_files() -> list[Path]:
+    """The shared libraries llama-cpp-python loads (libllama, libggml*, ...)."""
+    pkg = _package_dir()
+    if pkg is None:
+        return []
+    found = [p for p in pkg.rglob("*") if p.is_file() and p.suffix in (".so", ".dylib", ".dll")]
+    found += [p for p in pkg.rglob("*.so.*") if p.is_file()]
+    return sorted(set(found))
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags as the kernel reports them (machine and processor elsewhere)."""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith(("flags", "Features")):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def library_version() -> str | None:
+    try:
+        return importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def library_key() -> str | None:
+    """What a verdict depends on, hashed; None when llama-cpp-python is not installed."""
+    version = library_version()
+    if version is None or _package_dir() is None:
+        return None
+    h = hashlib.sha256()
+    h.update(
+        f"{version}\n{cpu_flags()}\n{os.environ.get('LOCALLLM_LLAMACPP_PROBE', '')}\n".encode()
+    )
+    for p in library_files():
+        st = p.stat()
+        h.update(f"{p.name} {st.st_size} {st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:32]
+
+
+# -- the cache in the store ---------------------------------------------------------------------
+
+
+def _home(home: str | os.PathLike[str] | None) -> Path:
+    if home is not None:
+        return Path(home)
+    from localllm.models_registry.store import default_home
+
+    return default_home()
+
+
+def _read_cache(home: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((home / CACHE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(home: Path, update: dict[str, Any]) -> None:
+    """Merge `update` into the cache: temporary file, then rename. A failure only costs a re-probe."""
+    with contextlib.suppress(OSError):
+        home.mkdir(parents=True, exist_ok=True)
+        data = _read_cache(home)
+        for k, v in update.items():
+            if isinstance(v, dict) and isinstance(data.get(k), dict):
+                data[k].update(v)
+            else:
+                data[k] = v
+        fd, tmp = tempfile.mkstemp(dir=home, prefix=".guard-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, home / CACHE_FILE)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+# -- children -----------------------------------------------------------------------------------
+
+
+def _child_setup() -> None:  # pragma: no cover - runs in the child between fork and exec
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash here must not litter core files
+    for sig in (signal.SIGILL, signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+@dataclass(frozen=True)
+class _Exit:
+    code: int | None  # None: killed after the time limit
+    out: str
+    err: str
+
+
+def _run(args: list[str] | str, timeout: float, env: dict[str, str] | None = None) -> _Exit:
+    """Run a child in its own session; on a time-out kill the whole group."""
+    proc = subprocess.Popen(
+        args, shell=isinstance(args, str), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_child_setup, env=env,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        code = None
+    if isinstance(args, str) and code is not None and 128 < code < 128 + 65:
+        code = 128 - code  # the shell's way of saying its command died by signal N: 128 + N
+    return _Exit(code, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+_SIGNAL_MEANING = {
+    "SIGILL": "illegal instruction: this build uses CPU instructions this machine cannot run",
+    "SIGABRT": "llama.cpp aborted",
+    "SIGSEGV": "segmentation fault",
+    "SIGBUS": "bus error",
+    "SIGFPE": "arithmetic fault",
+    "SIGKILL": "killed (out of memory?)",
+}
+
+
+def _last_error(text: str, limit: int = 300) -> str:
+    """The most telling line of a child's output: its last error, else its last line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for marker in ("error", "failed", "assert", "abort"):
+        hits = [ln for ln in lines if marker in ln.lower()]
+        if hits:
+            return hits[-1][:limit]
+    return lines[-1][:limit] if lines else ""
+
+
+def _python_child(*args: str) -> list[str]:
+    return [sys.executable, "-m", "localllm.backends.llamacpp_guard", *args]
+
+
+def _child_env() -> dict[str, str]:
+    """The child imports localllm from wherever this process did."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+# -- the probe ----------------------------------------------------------------------------------
+
+
+def probe(
+    home: str | os.PathLike[str] | None = None,
+    *,
+    refresh: bool = False,
+    timeout: float = PROBE_TIMEOUT_S,
+) -> Verdict:
+    """Can llama.cpp compute on this machine? Cached in the store; a child runs it when not."""
+    key = library_key()
+    if key is None:
+        return Verdict(False, "llama-cpp-python is not installed", INSTALL_FIX)
+    store = _home(home)
+    cached = _read_cache(store).get("probe")
+    if not refresh and isinstance(cached, dict) and cached.get("key") == key:
+        return Verdict(bool(cached.get("ok")), str(cached.get("reason", "")),
+                       str(cached.get("fix", "")), cached=True)  # fmt: skip
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="localllm-probe-") as tmp:
+        command: list[str] | str = os.environ.get("LOCALLLM_LLAMACPP_PROBE") or _python_child(
+            "probe", tmp
+        )
+        done = _run(command, timeout, env=_child_env())
+    seconds = time.perf_counter() - t0
+    verdict = _judge(done, timeout, what="evaluating a tiny test model")
+    verdict = Verdict(verdict.ok, verdict.reason, verdict.fix, seconds=seconds)
+    _write_cache(store, {"probe": {"key": key, "ok": verdict.ok, "reason": verdict.reason,
+                                   "fix": verdict.fix, "at": time.time()}})  # fmt: skip
+    return verdict
+
+
+def _judge(done: _Exit, timeout: float, *, what: str) -> Verdict:
+    if done.code == 0:
+        return Verdict(True)
+    if done.code is None:
+        return Verdict(False, f"llama.cpp hung {what} (killed after {timeout:.0f} s)", REBUILD_FIX)
+    if done.code < 0:
+        name = _signal_name(done.code)
+        meaning = _SIGNAL_MEANING.get(name, "crashed")
+        detail = _last_error(done.err + "\n" + done.out)
+        return Verdict(
+            False,
+            f"llama.cpp crashed with {name} ({meaning}) {what}" + (f": {detail}" if detail else ""),
+            REBUILD_FIX,
+        )
+    detail = _last_error(done.out + "\n" + done.err) or f"exit status {done.code}"
+    return Verdict(False, f"llama.cpp failed {what}: {detail}", REBUILD_FIX)
+
+
+# -- the first load of a model file -------------------------------------------------------------
+
+
+def check_load(
+    path: str | os.PathLike[str],
+    digest: str,
+    name: str,
+    *,
+    n_gpu_layers: int = 0,
+    home: str | os.PathLike[str] | None = None,
+    timeout: float = LOAD_TIMEOUT_S,
+) -> None:
+    """Load `path` in a child and evaluate a few tokens, once per file, library and device setting.
+
+    Raises `LocalLLMError` naming the model and llama.cpp's own reason; never a signal here.
+    """
+    key = library_key()
+    if key is None:
+        raise BackendUnavailable(f"llama-cpp-python is not installed; fix: {INSTALL_FIX}")
+    store = _home(home)
+    entry_key = f"{key}:{'gpu' if n_gpu_layers else 'cpu'}"
+    cached = _read_cache(store).get("loads", {}).get(digest)
+    if isinstance(cached, dict) and cached.get("key") == entry_key:
+        if cached.get("ok"):
+            return
+        raise LocalLLMError(f"{name}: {cached.get('reason')}")
+    done = _run(_python_child("load", os.fspath(path), str(n_gpu_layers)), timeout,
+                env=_child_env())  # fmt: skip
+    verdict = _judge(done, timeout, what="loading it")
+    if verdict.ok:
+        reason = ""
+    elif done.code is not None and done.code > 0:
+        reason = _said_reason(done.out) or f"llama.cpp cannot load it: {_last_error(done.err)}"
+    else:
+        reason = verdict.reason
+    if done.code is None or (done.code < 0 and _signal_name(done.code) == "SIGKILL"):
+        # a time-out or the OOM killer may be this moment's load, not the file: do not remember it
+        raise LocalLLMError(f"{name}: {reason}")
+    _write_cache(store, {"loads": {digest: {"key": entry_key, "ok": verdict.ok,
+                                            "reason": reason, "at": time.time()}}})  # fmt: skip
+    if not verdict.ok:
+        raise LocalLLMError(f"{name}: {reason}")
+
+
+def _said_reason(out: str) -> str:
+    """The reason a load child printed as its last JSON line."""
+    for line in reversed(out.strip().splitlines()):
+        with contextlib.suppress(ValueError):
+            said = json.loads(line)
+            if isinstance(said, dict) and isinstance(said.get("reason"), str):
+                return said["reason"]
+    return ""
+
+
+# -- build facts ---------------------------------------------------------------------------------
+
+
+def build_info(timeout: float = 60.0) -> dict[str, Any] | None:
+    """llama-cpp-python's version, system info and GPU offload, read in a child; None if absent."""
+    if library_key() is None:
+        return None
+    done = _run(_python_child("info"), timeout, env=_child_env())
+    info: dict[str, Any] = {"version": library_version()}
+    if done.code == 0:
+        with contextlib.suppress(ValueError):
+            info.update(json.loads(done.out.strip().splitlines()[-1]))
+    else:
+        info["error"] = _judge(done, timeout, what="reporting its build").reason
+    info["build"] = _build_flavour()
+    return info
+
+
+def _build_flavour() -> str:
+    """portable or native when scripts/llamacpp-build installed it, else unknown."""
+    marker = Path(sys.prefix) / "localllm-llamacpp-build"
+    with contextlib.suppress(OSError):
+        text = marker.read_text(encoding="utf-8").split()
+        if len(text) >= 2:
+            return text[1]
+    return "unknown"
+
+
+# -- a tiny model, written without any dependency ------------------------------------------------
+
+_F32, _F16, _Q4_0, _Q8_0 = 0, 1, 2, 8
+_BLOCK = {_Q4_0: (32, 18), _Q8_0: (32, 34), _F32: (1, 4), _F16: (1, 2)}
+
+
+def _gguf_string(s: str) -> bytes:
+    b = s.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+def write_probe_model(path: Path, *, n_embd: int = 256, n_ff: int = 512, n_layer: int = 2) -> Path:
+    """A 2-layer Llama GGUF with Q4_0/Q8_0 weights (the types CPU kernels specialise) and a byte vocab."""
+    n_head, n_head_kv = 4, 2
+    head_dim = n_embd // n_head
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    n_vocab = len(tokens)
+    kv: list[bytes] = []
+
+    def add(key: str, vtype: int, payload: bytes) -> None:
+        kv.append(_gguf_string(key) + struct.pack("<I", vtype) + payload)
+
+    u32 = lambda k, v: add(k, 4, struct.pack("<I", v))  # noqa: E731
+    add("general.architecture", 8, _gguf_string("llama"))
+    add("general.name", 8, _gguf_string("localllm-probe"))
+    for key, value in (("context_length", 128), ("embedding_length", n_embd),
+                       ("block_count", n_layer), ("feed_forward_length", n_ff),
+                       ("attention.head_count", n_head), ("attention.head_count_kv", n_head_kv),
+                       ("rope.dimension_count", head_dim)):  # fmt: skip
+        u32(f"llama.{key}", value)
+    add("llama.attention.layer_norm_rms_epsilon", 6, struct.pack("<f", 1e-5))
+    add("tokenizer.ggml.model", 8, _gguf_string("llama"))
+    add("tokenizer.ggml.tokens", 9,
+        struct.pack("<IQ", 8, n_vocab) + b"".join(_gguf_string(t) for t in tokens))  # fmt: skip
+    add("tokenizer.ggml.scores", 9,
+        struct.pack("<IQ", 6, n_vocab) + struct.pack(f"<{n_vocab}f", *([0.0] * n_vocab)))  # fmt: skip
+    types = [2, 3, 3] + [6] * 256
+    add("tokenizer.ggml.token_type", 9,
+        struct.pack("<IQ", 5, n_vocab) + struct.pack(f"<{n_vocab}i", *types))  # fmt: skip
+    u32("tokenizer.ggml.unknown_token_id", 0)
+    u32("tokenizer.ggml.bos_token_id", 1)
+    u32("tokenizer.ggml.eos_token_id", 2)
+
+    rng = random.Random(0)
+    tensors: list[tuple[str, tuple[int, ...], int]] = [
+        ("token_embd.weight", (n_embd, n_vocab), _Q8_0)
+    ]
+    for i in range(n_layer):
+        tensors += [
+            (f"blk.{i}.attn_norm.weight", (n_embd,), _F32),
+            (f"blk.{i}.attn_q.weight", (n_embd, n_embd), _Q4_0),
+            (f"blk.{i}.attn_k.weight", (n_embd, n_head_kv * head_dim), _Q4_0),
+            (f"blk.{i}.attn_v.weight", (n_embd, n_head_kv * head_dim), _Q8_0),
+            (f"blk.{i}.attn_output.weight", (n_embd, n_embd), _Q4_0),
+            (f"blk.{i}.ffn_norm.weight", (n_embd,), _F32),
+            (f"blk.{i}.ffn_gate.weight", (n_embd, n_ff), _Q4_0),
+            (f"blk.{i}.ffn_up.weight", (n_embd, n_ff), _Q4_0),
+            (f"blk.{i}.ffn_down.weight", (n_ff, n_embd), _Q8_0),
+        ]
+    tensors += [
+        ("output_norm.weight", (n_embd,), _F32),
+        ("output.weight", (n_embd, n_vocab), _Q8_0),
+    ]
+
+    def data(shape: tuple[int, ...], ggml_type: int) -> bytes:
+        n = 1
+        for d in shape:
+            n *= d
+        if ggml_type == _F32:
+            return struct.pack(f"<{n}f", *([1.0] * n))
+        per, size = _BLOCK[ggml_type]
+        scale = struct.pack("<e", 0.002)
+        return b"".join(scale + rng.randbytes(size - 2) for _ in range(n // per))
+
+    infos, blobs, offset = [], [], 0
+    for name, shape, ggml_type in tensors:
+        infos.append(_gguf_string(name) + struct.pack("<I", len(shape))
+                     + b"".join(struct.pack("<Q", d) for d in shape)
+                     + struct.pack("<IQ", ggml_type, offset))  # fmt: skip
+        blob = data(shape, ggml_type)
+        blob += b"\0" * (-len(blob) % 32)
+        blobs.append(blob)
+        offset += len(blob)
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv)) + b"".join(kv) + b"".join(infos)
+    head += b"\0" * (-len(head) % 32)
+    path.write_bytes(head + b"".join(blobs))
+    return path
+
+
+# -- the child side -------------------------------------------------------------------------------
+
+
+def _child_probe(folder: str) -> int:
+    """Evaluate a prompt batch and single-token steps on the tiny model; logits must be finite."""
+    import math
+
+    path = write_probe_model(Path(folder) / "probe.gguf")
+    from localllm.backends.llamacpp import quiet_llama_log
+
+    llama_cpp = quiet_llama_log()
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_batch=32, n_threads=_threads(),
+                          n_gpu_layers=0, verbose=False)  # fmt: skip
+    llm.eval([1] + [3 + (i * 37) % 256 for i in range(15)])  # a batch: the matrix-matrix kernels
+    for t in (10, 20, 30):  # single tokens: the matrix-vector kernels
+        llm.eval([t])
+    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    if not all(math.isfinite(ptr[i]) for i in range(llm.n_vocab())):
+        print("error: the test model's logits are not finite")
+        return 3
+    llm.close()
+    return 0
+
+
+def _child_load(path: str, n_gpu_layers: str) -> int:
+    """Load the model as the backend would and evaluate a few tokens."""
+    from localllm.backends.llamacpp import LlamaCppBackend
+
+    try:
+        backend = LlamaCppBackend(path, n_ctx=128, n_gpu_layers=int(n_gpu_layers))
+        ids = backend.tokenize("Hello, world", add_special=True)[:8] or [0]
+        backend.llm.eval(ids)
+        backend.close()
+    except LocalLLMError as e:
+        print(json.dumps({"reason": str(e)}))
+        return 3
+    return 0
+
+
+def _child_info() -> int:
+    from localllm.backends.llamacpp import quiet_llama_log
+
+    llama_cpp = quiet_llama_log()
+    print(json.dumps({
+        "system_info": llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip(),
+        "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()),
+    }))  # fmt: skip
+    return 0
+
+
+def _threads() -> int:
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["probe"] and len(argv) == 2:
+        return _child_probe(argv[1])
+    if argv[:1] == ["load"] and len(argv) == 3:
+        return _child_load(argv[1], argv[2])
+    if argv == ["info"]:
+        return _child_info()
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
