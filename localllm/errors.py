@@ -12,10 +12,18 @@ class LocalLLMError(Exception):
 class GGUFFormatError(LocalLLMError):
     """A file is not a GGUF we can trust: names the file and the reason."""
 
+    what = "not a valid GGUF file"
+
     def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
         self.path = os.fspath(path)
         self.reason = reason
-        super().__init__(f"{os.path.basename(self.path)}: not a valid GGUF file: {reason}")
+        super().__init__(f"{os.path.basename(self.path)}: {self.what}: {reason}")
+
+
+class InconsistentModel(GGUFFormatError):
+    """A well-formed GGUF whose hyperparameters disagree with its tensors (llama.cpp may abort)."""
+
+    what = "inconsistent model file"
 
 
 class InvalidName(LocalLLMError):

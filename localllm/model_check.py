@@ -6,7 +6,7 @@ embedding table, a special token id past the vocabulary. llama.cpp meets some of
 `GGML_ASSERT` that aborts the whole process (block count 0 or over 512, more experts used than
 there are, an unknown rope scaling type), others with an unhelpful error deep in loading, and some
 (token scores shorter than the vocabulary) with reads past the end of an array. `check_model`
-refuses such a file up front with one `GGUFFormatError` naming the file and the reason.
+refuses such a file up front with one `InconsistentModel` (a `GGUFFormatError`) naming the file and the reason.
 
 What is checked, for every architecture (llama.cpp reads these keys the same way for all):
 - `{arch}.*` keys exist and no key belongs to another architecture llama.cpp knows;
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from localllm.errors import GGUFFormatError
+from localllm.errors import GGUFFormatError, InconsistentModel
 from localllm.gguf_file import GGUFFile
 from localllm.model_info import ModelInfo, model_info
 
@@ -109,7 +109,7 @@ class _Check:
         self.meta = gf.metadata
 
     def fail(self, reason: str) -> GGUFFormatError:
-        return GGUFFormatError(self.gf.path, reason)
+        return InconsistentModel(self.gf.path, reason)
 
     def key(self, suffix: str) -> str:
         return f"{self.arch}.{suffix}"

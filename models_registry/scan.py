@@ -397,7 +397,7 @@ def _checked(
         info = read_model_info(str(path))
     except GGUFFormatError as e:
         return Found(
-            path, origin, name, digest, skipped=_one_line(f"not a valid GGUF file: {e.reason}")
+            path, origin, name, digest, skipped=_one_line(f"{e.what}: {e.reason}")
         )
     except LocalLLMError as e:
         return Found(path, origin, name, digest, skipped=_one_line(str(e)))

@@ -380,7 +380,7 @@ def test_import_refuses_an_inconsistent_file(
     assert rc == 1, (out, err)
     assert out == ""
     assert err.count("\n") == 1 and "Traceback" not in err, err
-    assert err.startswith("error: broken.gguf: not a valid GGUF file: "), err
+    assert err.startswith("error: broken.gguf: inconsistent model file: "), err
     assert re.search(reason, err), err
     assert_store_empty()
 
@@ -425,7 +425,7 @@ def test_refused_in_a_fresh_process_without_signal_or_traceback(
     )
     assert p.returncode == 1, (p.returncode, p.stderr)
     assert p.stderr == (
-        "error: zero-layers.gguf: not a valid GGUF file: "
+        "error: zero-layers.gguf: inconsistent model file: "
         "llama.block_count is 0: a model needs at least one layer\n"
     )
     assert_store_empty()

@@ -503,7 +503,7 @@ def test_inconsistent_model_is_skipped_with_the_reason(
     skipped = [f for f in found if not f.ok]
     assert [f.origin for f in skipped] == [origin]
     assert skipped[0].skipped == (
-        "not a valid GGUF file: llama.block_count is 0: a model needs at least one layer"
+        "inconsistent model file: llama.block_count is 0: a model needs at least one layer"
     )
     results = register_found(Store(), found)
     assert sorted(r.status for r in results) == ["registered", "skipped"]
