@@ -8,13 +8,21 @@ import time
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Header, Input
+from textual.widgets import DataTable, Footer, Header, Input, Static
 
 from localllm.errors import LocalLLMError
 from localllm.tui.dialogs import Ask, Confirm
 
+EMPTY = (
+    "No saved conversations yet. To start one: Esc, then Enter on a model in Models opens a chat "
+    "(or Ctrl+N in a chat); every chat is saved here as it happens."
+)
+
 
 class ConversationsScreen(Screen):
+    DEFAULT_CSS = """
+    ConversationsScreen #empty { color: $text-muted; padding: 0 1; height: auto; }
+    """
     BINDINGS = [
         Binding("enter", "open", "Open", show=True),
         Binding("ctrl+r", "rename", "Rename"),
@@ -26,6 +34,7 @@ class ConversationsScreen(Screen):
     def compose(self) -> ComposeResult:
         yield Header()
         yield Input(placeholder="Search titles and messages", id="search")
+        yield Static("", id="empty")
         yield DataTable(id="conversations", cursor_type="row", zebra_stripes=True)
         yield Footer()
 
@@ -48,6 +57,12 @@ class ConversationsScreen(Screen):
         for c in convs:
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated))
             table.add_row(c.title or "(untitled)", c.model, when, key=str(c.id))
+        empty = self.query_one("#empty", Static)
+        empty.display = not convs
+        if search and not convs:
+            empty.update(f"Nothing matches {search!r}. Change the search, or Esc to go back.")
+        elif not convs:
+            empty.update(EMPTY)
 
     def on_input_changed(self, event: Input.Changed) -> None:
         self.refresh_list()

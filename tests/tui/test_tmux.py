@@ -84,8 +84,25 @@ def test_readme_main_command_on_a_fresh_store(
         t.keys("Say hello", "Enter")
         shot = t.wait("tokens/s", timeout=120)
         assert "smollm2" in shot and "/4,096" in shot
-        t.keys("C-o")  # to Models: the default model is registered now
-        t.wait("smollm2:135m-instruct-q4_1")
+        t.keys("C-o")  # to Models: the default model is registered now (it was "built in")
+        shot = t.wait("smollm2:135m-instruct-q4_1  llama")  # a Local row (Available has no Arch)
+        assert "built in, ready" not in shot
+        t.quit()
+    finally:
+        t.close()
+
+
+def test_first_screen_on_a_fresh_store(default_model_path: Path, localllm_home: Path) -> None:
+    """`localllm` with nothing stored: the built-in model and the catalog; Enter chats."""
+    t = Tmux("", localllm_home)
+    try:
+        shot = t.wait("built in, ready")
+        assert "Nothing downloaded yet" in shot and "qwen2.5:0.5b-q4_k_m" in shot
+        t.keys("Enter")  # registers smollm2 from its package, then opens the chat
+        t.wait("Message (Enter to send")
+        t.keys("Say hello", "Enter")
+        shot = t.wait("tokens/s", timeout=120)
+        assert "smollm2:135m-instruct-q4_1" in shot
         t.quit()
     finally:
         t.close()
