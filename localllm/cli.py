@@ -154,6 +154,7 @@ def show(
         info = model_info(gf)
         template = gf.get("tokenizer.chat_template")
     est = estimate(info, ctx=ctx, kv_cache=kv_cache)
+    backend = _backend_status()
     if json_out:
         _emit_json(
             _record_json(record)
@@ -162,6 +163,7 @@ def show(
                 "info": info.to_dict(),
                 "chat_template": template,
                 "memory": est.to_dict(),
+                "backend": backend,
             }  # fmt: skip
         )
         return
@@ -187,6 +189,8 @@ def show(
         ("digest", f"sha256:{record.digest}"),
         ("source", record.source),
         ("file", str(path)),
+        ("backend", f"{backend['name']} ({backend['reason']})" if backend["available"]
+                    else f"none: {backend['reason']}"),  # fmt: skip
     ]
     if info.sliding_window:
         facts.insert(8, ("sliding window", f"{info.sliding_window:,}"))
@@ -207,6 +211,17 @@ def show(
         print(template.rstrip())
     else:
         print("Chat template: none in the file (ChatML is used)")
+
+
+def _backend_status() -> dict[str, Any]:
+    """Which backend `run` would use here, and why (llama.cpp's probe runs once, in a child)."""
+    from localllm.engine import choose_backend
+
+    try:
+        name = choose_backend("auto")
+    except LocalLLMError as e:
+        return {"name": None, "available": False, "reason": str(e)}
+    return {"name": name, "available": True, "reason": "its probe evaluated a test model here"}
 
 
 @app.command()

@@ -163,10 +163,11 @@ def _write_cache(home: Path, update: dict[str, Any]) -> None:
 # -- children -----------------------------------------------------------------------------------
 
 
-def _child_setup() -> None:  # pragma: no cover - runs in the child between fork and exec
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash here must not litter core files
-    for sig in (signal.SIGILL, signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE):
-        signal.signal(sig, signal.SIG_DFL)
+def _no_core_files() -> None:
+    """A crash in a child must not litter core files (set by the child itself: no preexec_fn,
+    which is unsafe in a process with threads, as the app is)."""
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
 @dataclass(frozen=True)
@@ -178,9 +179,11 @@ class _Exit:
 
 def _run(args: list[str] | str, timeout: float, env: dict[str, str] | None = None) -> _Exit:
     """Run a child in its own session; on a time-out kill the whole group."""
+    if isinstance(args, str):
+        args = f"ulimit -c 0 2>/dev/null; {args}"
     proc = subprocess.Popen(
         args, shell=isinstance(args, str), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_child_setup, env=env,
+        stderr=subprocess.PIPE, start_new_session=True, env=env,
     )  # fmt: skip
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -319,8 +322,9 @@ def check_load(
         reason = _said_reason(done.out) or f"llama.cpp cannot load it: {_last_error(done.err)}"
     else:
         reason = verdict.reason
-    if done.code is None or (done.code < 0 and _signal_name(done.code) == "SIGKILL"):
-        # a time-out or the OOM killer may be this moment's load, not the file: do not remember it
+    transient = done.code is None or (done.code < 0 and _signal_name(done.code) == "SIGKILL")
+    if transient or any(w in reason.lower() for w in ("alloc", "memory")):
+        # a time-out, the OOM killer or a full GPU is this moment's trouble, not the file's
         raise LocalLLMError(f"{name}: {reason}")
     _write_cache(store, {"loads": {digest: {"key": entry_key, "ok": verdict.ok,
                                             "reason": reason, "at": time.time()}}})  # fmt: skip
@@ -510,6 +514,7 @@ def _threads() -> int:
 
 
 def main(argv: list[str]) -> int:
+    _no_core_files()
     if argv[:1] == ["probe"] and len(argv) == 2:
         return _child_probe(argv[1])
     if argv[:1] == ["load"] and len(argv) == 3:

@@ -302,3 +302,30 @@ def test_loading_compiles_no_template_in_this_process(
         assert compiled == []
     finally:
         b.close()
+
+
+def test_show_says_which_backend_and_why(tmp_path: Path, localllm_home: Path) -> None:
+    p = cli(["show", "smollm2", "--json"])
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["backend"] == {
+        "name": "llama.cpp", "available": True, "reason": "its probe evaluated a test model here"
+    }  # fmt: skip
+    command, _ = counting_command(tmp_path, SIGILL_SELF)
+    p = cli(["show", "smollm2"], LOCALLLM_LLAMACPP_PROBE=command)
+    assert p.returncode == 0, p.stderr  # show informs; it does not fail
+    line = next(ln for ln in p.stdout.splitlines() if ln.strip().startswith("backend"))
+    assert "none: llama.cpp cannot run on this machine" in line and "SIGILL" in line
+
+
+def test_hostile_template_through_the_python_api(hostile_copies: dict) -> None:
+    import localllm
+    from localllm.errors import TemplateError
+
+    Store().add_file(hostile_copies["endless loop"], "evil", source="test")
+    with localllm.load("evil", ctx=256) as llm:
+        t0 = time.monotonic()
+        with pytest.raises(TemplateError) as e:
+            llm.chat([{"role": "user", "content": "hi"}], max_tokens=4)
+        assert time.monotonic() - t0 < 60 and "\n" not in str(e.value)
+        # the model still answers a raw prompt: one bad template costs nothing else
+        assert llm.complete("Once upon a time", max_tokens=2).usage.completion_tokens == 2
