@@ -1,19 +1,21 @@
 """The built-in catalog (`catalog.toml`) and name resolution.
 
 `smollm2` → the family's default tag → `smollm2:135m-instruct-q4_1` → a repo, a file name and,
-where known, the file's size, sha256 and an installed Python package that ships it.
+where known, the file's size, sha256 and an installed Python package that ships it; and the model's
+shape, enough for `memory.estimate` to say whether a file fits before it is pulled.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 from localllm.errors import LocalLLMError, ModelNotFound
+from localllm.model_info import ModelInfo
 from localllm.models_registry.names import ModelName, check_digest, hf_store_name, parse_name
 from localllm.models_registry.store import ModelRecord, Store
 
@@ -32,6 +34,49 @@ class KnownFile:
 
 
 @dataclass(frozen=True)
+class Shape:
+    """A variant's network shape, the same for every quant: what the KV cache and compute need."""
+
+    architecture: str
+    layers: int
+    n_embd: int
+    heads: int
+    kv_heads: int  # per layer
+    head_dim_k: int
+    head_dim_v: int
+    n_ff: int
+    vocab_size: int
+    sliding_window: int = 0  # 0 when every layer attends to the whole context
+    sliding_window_pattern: int = 0  # every Nth layer is global (Gemma 3: 6); not in ModelInfo
+
+    def model_info(
+        self, *, weights_bytes: int, context_length: int, name: str = "", quant: str = ""
+    ) -> ModelInfo:
+        """A ModelInfo for a file of this shape whose tensors take `weights_bytes`.
+
+        The parameter count is not known from the catalog and is left 0; the estimate never uses it.
+        """
+        return ModelInfo(
+            architecture=self.architecture,
+            name=name,
+            parameters=0,
+            quant=quant,
+            context_length=context_length,
+            n_layers=self.layers,
+            n_embd=self.n_embd,
+            n_heads=self.heads,
+            kv_heads=(self.kv_heads,) * self.layers,
+            head_dim_k=self.head_dim_k,
+            head_dim_v=self.head_dim_v,
+            n_ff=self.n_ff,
+            vocab_size=self.vocab_size,
+            weights_bytes=weights_bytes,
+            file_size=weights_bytes,
+            sliding_window=self.sliding_window,
+        )
+
+
+@dataclass(frozen=True)
 class Variant:
     tag: str
     params: str
@@ -43,6 +88,7 @@ class Variant:
     approx_size: int = 0
     split: bool = False
     files: dict[str, KnownFile] = field(default_factory=dict)
+    shape: Shape | None = None  # None for entries that do not carry one
 
     def filename(self, quant: str) -> str:
         return self.file.replace("{QUANT}", quant.upper()).replace("{quant}", quant.lower())
@@ -76,6 +122,29 @@ class CatalogEntry:
     @property
     def known(self) -> KnownFile:
         return self.variant.files.get(self.quant, KnownFile())
+
+    @property
+    def size(self) -> tuple[int, bool] | None:
+        """(bytes, approximate) of the file: exact where known, else the catalog's rounded
+        `approx_size` for the variant's default quant; None when neither is known."""
+        if self.known.size:
+            return self.known.size, False
+        if self.quant == self.variant.default_quant and self.variant.approx_size:
+            return self.variant.approx_size, True
+        return None
+
+    def model_info(self, size: int | None = None) -> ModelInfo | None:
+        """What `memory.estimate` needs for this file, its weights counted as the whole file
+        (`size`, else the catalog's size); None without a shape or a size, rather than a guess."""
+        if size is None:
+            known = self.size
+            size = known[0] if known else None
+        if self.variant.shape is None or size is None:
+            return None
+        return self.variant.shape.model_info(
+            weights_bytes=size, context_length=self.variant.context, name=self.name,
+            quant=self.quant,
+        )  # fmt: skip
 
 
 class Catalog:
@@ -140,8 +209,24 @@ def _family(name: str, d: dict[str, Any]) -> Family:
             approx_size=int(v.get("approx_size", 0)),
             split=bool(v.get("split", False)),
             files=files,
+            shape=_shape(v["shape"]) if "shape" in v else None,
         )
     return Family(name, d.get("description", ""), d.get("license", ""), d["default"], variants)
+
+
+def _shape(d: dict[str, Any]) -> Shape:
+    names = {f.name for f in fields(Shape)}
+    if unknown := set(d) - names:
+        raise ValueError(f"unknown shape keys {sorted(unknown)}")
+    counts = {  # a missing required key is a KeyError, as elsewhere in the catalog
+        f.name: int(d[f.name]) if f.name in d or f.default is MISSING else f.default
+        for f in fields(Shape)
+        if f.name != "architecture"
+    }
+    shape = Shape(architecture=str(d["architecture"]), **counts)
+    if min(shape.layers, shape.heads, shape.kv_heads, shape.head_dim_k, shape.head_dim_v) <= 0:
+        raise ValueError(f"shape {d} has an impossible value")
+    return shape
 
 
 @cache

@@ -4,13 +4,15 @@ Plain functions over the catalog, the store's records and the free memory, so th
 draws rows. A catalog entry's fit is estimated only from what is known for certain:
 
 - the KV cache and compute buffer need the model's shape (layers, KV heads, head size, vocabulary),
-  which the catalog does not carry. Every quant of a variant has the same shape, so it is taken from
-  any quant of that variant that is stored or ships in an installed package;
+  which the catalog carries per variant (every quant of a variant has the same shape);
 - the weights need the file's size: exact where the catalog or a package knows it, the catalog's
-  rounded `approx_size` for a variant's default quant, otherwise unknown.
+  rounded `approx_size` for a variant's default quant, otherwise unknown. The whole file counts as
+  weights, unless a quant of the same variant is stored or packaged: then its real tensor bytes
+  are known and the other quants' differ from them by the difference in file size.
 
-With both, `memory.estimate` decides. With the size alone, a file larger than the free memory is
-"NO" (llama.cpp maps the whole file); anything else is "?", never a guess.
+With both, `memory.estimate` decides, as for stored models. Without a size the mark is "?", never a
+guess; for a catalog entry without a shape, a file larger than the free memory is still "NO"
+(llama.cpp maps the whole file).
 """
 
 from __future__ import annotations
@@ -179,6 +181,8 @@ def catalog_rows(
             # same for every quant of a variant, so the tensor bytes differ by the size difference.
             weights = max(0, shape.weights_bytes + size - shape.file_size)
             info = dataclasses.replace(shape, weights_bytes=weights, file_size=size)
+            fits = fits_mark(info, ctx=ctx, kv=kv, free=free)
+        elif (info := e.model_info(size)) is not None:  # the catalog's shape, the whole file
             fits = fits_mark(info, ctx=ctx, kv=kv, free=free)
         elif size is not None and free is not None and size > free.bytes:
             fits = "NO"

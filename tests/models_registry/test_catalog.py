@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from pathlib import Path
 
 import pytest
 
-from localllm.errors import ModelNotFound, StoreError
+from localllm.errors import LocalLLMError, ModelNotFound, StoreError
+from localllm.model_info import read_model_info
 from localllm.models_registry.catalog import Catalog, default_catalog, ensure_local, find_local
 from localllm.models_registry.names import parse_name
 from localllm.models_registry.store import Store
@@ -104,4 +106,97 @@ def test_not_found_says_what_to_do(name: str, message: str) -> None:
 def test_broken_catalog_is_one_clear_error(tmp_path: Path) -> None:
     (tmp_path / "c.toml").write_text("[x]\ndefault = 1\n")
     with pytest.raises(Exception, match="catalog .* is broken"):
+        Catalog.load(tmp_path / "c.toml")
+
+
+def test_every_variant_carries_its_shape() -> None:
+    variants = {(f.name, v.tag): v for f in default_catalog().families.values()
+                for v in f.variants.values()}  # fmt: skip
+    assert all(v.shape is not None for v in variants.values())
+    gemma = variants[("gemma3", "1b-it")].shape
+    assert (gemma.architecture, gemma.layers, gemma.kv_heads, gemma.head_dim_k) == (
+        "gemma3",
+        26,
+        1,
+        256,
+    )
+    assert (gemma.sliding_window, gemma.sliding_window_pattern) == (512, 6)  # 5 local : 1 global
+    mistral = variants[("mistral", "7b")].shape
+    assert (mistral.layers, mistral.heads, mistral.kv_heads, mistral.sliding_window) == (
+        32,
+        32,
+        8,
+        0,
+    )
+    phi = variants[("phi3.5", "3.8b")].shape
+    assert phi.head_dim_k * phi.heads == phi.n_embd == 3072
+
+
+@pytest.mark.parametrize(
+    ("which", "name"),
+    [("default_model_path", "smollm2:135m-instruct-q4_1"), ("gemma_model_path", "gemma3:270m")],
+)
+def test_packaged_files_match_their_catalog_shape(
+    which: str, name: str, request: pytest.FixtureRequest
+) -> None:
+    """The oracle for the catalog's numbers: the GGUF header of the two files installed here."""
+    path = request.getfixturevalue(which)
+    real = read_model_info(str(path))
+    entry = default_catalog().resolve(parse_name(name))
+    assert entry.size == (path.stat().st_size, False)
+    ours = entry.model_info()
+    assert ours.weights_bytes == ours.file_size == path.stat().st_size  # the whole file, exactly
+    # everything the KV cache and compute buffer read is the file's own; the rest is not claimed
+    assert ours == dataclasses.replace(
+        real, name=entry.name, parameters=0, weights_bytes=ours.weights_bytes,
+        file_size=ours.file_size, has_chat_template=False, license="",
+    )  # fmt: skip
+
+
+def test_catalog_file_sizes_decide_what_can_be_estimated() -> None:
+    cat = default_catalog()
+    exact, approx, unknown = (cat.resolve(parse_name(n)) for n in
+                              ("smollm2", "qwen2.5:0.5b", "qwen2.5:0.5b-q8_0"))  # fmt: skip
+    assert exact.size == (98362432, False) and approx.size == (491_000_000, True)
+    assert unknown.size is None and unknown.model_info() is None  # no guessed size
+    info = approx.model_info()
+    assert (info.weights_bytes, info.context_length, info.n_layers) == (491_000_000, 32768, 24)
+    assert info.kv_heads == (2,) * 24 and info.quant == "Q4_K_M"
+    assert unknown.model_info(size=600_000_000).weights_bytes == 600_000_000
+
+
+TINY = """
+[tiny]
+default = "x"
+[tiny.variants.x]
+params = "1M"
+context = 2048
+repo = "org/tiny-GGUF"
+file = "tiny-{QUANT}.gguf"
+quants = ["Q8_0"]
+default_quant = "Q8_0"
+approx_size = 1000
+"""
+
+
+def test_a_catalog_without_shapes_still_loads(tmp_path: Path) -> None:
+    (tmp_path / "c.toml").write_text(TINY)
+    entry = Catalog.load(tmp_path / "c.toml").resolve(parse_name("tiny"))
+    assert entry.variant.shape is None and entry.size == (1000, True)
+    assert entry.model_info() is None  # no shape: nothing to estimate with
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        "layers = 2",  # most keys missing
+        'architecture = "llama"\nlayers = 2\nn_embd = 8\nheads = 2\nkv_heads = 2\n'
+        "head_dim_k = 4\nhead_dim_v = 4\nn_ff = 16\nvocab_size = 10\nslidingwindow = 3",
+        'architecture = "llama"\nlayers = 0\nn_embd = 8\nheads = 2\nkv_heads = 2\n'
+        "head_dim_k = 4\nhead_dim_v = 4\nn_ff = 16\nvocab_size = 10",
+    ],
+)
+def test_a_bad_shape_is_a_broken_catalog(tmp_path: Path, shape: str) -> None:
+    (tmp_path / "c.toml").write_text(TINY + "[tiny.variants.x.shape]\n" + shape + "\n")
+    with pytest.raises(LocalLLMError, match="catalog .* is broken"):
         Catalog.load(tmp_path / "c.toml")

@@ -61,19 +61,24 @@ def test_empty_store_lists_the_built_in_model_and_the_catalog(
             assert "mistral:7b-q4_k_m" in first and "smollm2:135m-instruct-q8_0" not in first
             # Name, Params, Size, Context, Fits, From
             assert available[BUILT_IN] == (BUILT_IN, "135M", "93.8 MiB", "8,192", "yes", "package")
-            # a default quant: the catalog's rounded size; no shape known, so no fit claimed
-            assert available["qwen2.5:0.5b-q4_k_m"][2:] == ("~468.3 MiB", "32,768", "?", "hub")
-            # a file larger than the free memory cannot fit, whatever its shape
+            # a default quant: the catalog's rounded size and shape, estimated at the chosen context
+            assert available["qwen2.5:0.5b-q4_k_m"][2:] == ("~468.3 MiB", "32,768", "yes", "hub")
+            assert available["llama3.2:1b-q4_k_m"][4] == "NO"  # 771 MiB + KV + logits > 1 GiB
             assert available["mistral:7b-q4_k_m"][4] == "NO"
             # no size known: nothing is claimed
             assert available["qwen2.5:0.5b-q8_0"][2:5] == ("?", "32,768", "?")
+            # a fit for every row whose size is known, "?" only where it is not
+            assert {r[2] == "?" for r in available.values() if r[4] == "?"} == {True}
+            assert {r[4] for r in available.values() if r[2] != "?"} == {"yes", "NO"}
 
             # at 128K context the built-in model's KV cache (~3 GiB at f16) no longer fits in 1 GiB
             for _ in range(4):
                 await pilot.press("x")
             assert app.settings.get("ctx") == 131072
             assert rows_of(screen.query_one("#models"))[BUILT_IN][6] == "NO"
-            assert rows_of(screen.query_one("#available"))[BUILT_IN][4] == "NO"
+            available = rows_of(screen.query_one("#available"))
+            assert available[BUILT_IN][4] == "NO"
+            assert available["qwen2.5:0.5b-q4_k_m"][4] == "NO"  # 1.5 GiB of KV cache at 128K
 
     asyncio.run(go())
 
@@ -111,6 +116,33 @@ size = {2 * size}
     assert rows(need)["tiny:x-q4_k_m"] == (size, "yes", "stored")
     assert rows(need)["tiny:x-f16"] == (None, "?", "hub")
     assert rows(size)["tiny:x-f16"][1] == "?"  # no size: not even a file-size verdict
+
+
+@pytest.mark.parametrize(
+    "name", ["qwen2.5:0.5b-q4_k_m", "gemma3:1b-it-q4_k_m", "mistral:7b-q4_k_m"]
+)
+def test_catalog_fit_is_the_memory_estimate_at_the_chosen_context_and_kv_type(name: str) -> None:
+    """A model not pulled yet: the catalog's shape and size, and the same estimate as local ones."""
+    catalog = default_catalog()
+    (entry,) = [e for e in entries(catalog) if e.name == name]
+    info = entry.model_info()
+    assert info is not None and info.weights_bytes == entry.variant.approx_size
+
+    def need(ctx: int, kv: str) -> int:
+        free = memory.Available("cpu", 0, 0)
+        return memory.estimate(info, ctx=ctx, kv_cache=kv, available=free).total_bytes
+
+    def fits(ctx: int, kv: str, free: int) -> str:
+        avail = memory.Available("cpu", free, free)
+        rows = catalog_rows(catalog, [], ctx=ctx, kv=kv, free=avail)
+        return next(r.fits for r in rows if r.name == name)
+
+    assert need(16384, "q8_0") < need(16384, "f16") < need(32768, "f16")
+    at = need(16384, "q8_0")
+    assert (fits(16384, "q8_0", at), fits(16384, "q8_0", at - 1)) == ("yes", "NO")
+    assert fits(16384, "f16", at) == "NO"  # the same memory, a wider cache
+    assert fits(32768, "q8_0", at) == "NO"  # the same memory, a longer context
+    assert fits(16384, "q8_0", at) == fits(16384, "q8_0", need(16384, "f16")) == "yes"
 
 
 def test_enter_on_the_built_in_model_registers_it_and_chats(
