@@ -396,9 +396,7 @@ def _checked(
             return Found(path, origin, name, digest, skipped="not a regular file")
         info = read_model_info(str(path))
     except GGUFFormatError as e:
-        return Found(
-            path, origin, name, digest, skipped=_one_line(f"{e.what}: {e.reason}")
-        )
+        return Found(path, origin, name, digest, skipped=_one_line(f"{e.what}: {e.reason}"))
     except LocalLLMError as e:
         return Found(path, origin, name, digest, skipped=_one_line(str(e)))
     except OSError as e:

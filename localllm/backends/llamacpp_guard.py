@@ -308,7 +308,8 @@ def check_load(
         raise BackendUnavailable(f"llama-cpp-python is not installed; fix: {INSTALL_FIX}")
     store = _home(home)
     entry_key = f"{key}:{'gpu' if n_gpu_layers else 'cpu'}"
-    cached = _read_cache(store).get("loads", {}).get(digest)
+    loads = _read_cache(store).get("loads")
+    cached = loads.get(digest) if isinstance(loads, dict) else None
     if isinstance(cached, dict) and cached.get("key") == entry_key:
         if cached.get("ok"):
             return
