@@ -203,3 +203,34 @@ class RawGGUF:
     def write(self, path: Path) -> Path:
         path.write_bytes(self.build())
         return path
+
+
+def copy_gguf(src: Path, dst: Path, changes: dict[str, object]) -> Path:
+    """A copy of a GGUF with some metadata values replaced (tensors copied byte for byte)."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    arch = changes.get("general.architecture", reader.get_field("general.architecture").contents())
+    writer = gguf.GGUFWriter(str(dst), arch=str(arch))
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        value = changes.get(f.name, f.contents())
+        name = f.name
+        if name.startswith(f"{reader.get_field('general.architecture').contents()}."):
+            name = f"{arch}." + name.split(".", 1)[1]
+        vtype = f.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(name, value, vtype, sub_type=f.types[-1])
+        else:
+            writer.add_key_value(name, value, vtype)
+    for key, value in changes.items():
+        if key not in reader.fields and key != "general.architecture":
+            writer.add_string(key, str(value))
+    for t in reader.tensors:
+        writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)  # byte shape for quant types
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

@@ -316,9 +316,10 @@ class ChatScreen(Screen):
                 "tokens_per_s": result.timings.tokens_per_s(result.usage.completion_tokens)}  # fmt: skip
             self.db.update_message(msg_id, content=text, status=status, meta=meta)
             call(self._finished, result, None)
-        except LocalLLMError as e:
-            self.db.update_message(msg_id, content=text, status="error", meta={"error": str(e)})
-            call(self._finished, None, str(e))
+        except Exception as e:  # noqa: BLE001 - one notification; the app stays alive
+            said = str(e) if isinstance(e, LocalLLMError) else f"{type(e).__name__}: {e}"
+            self.db.update_message(msg_id, content=text, status="error", meta={"error": said})
+            call(self._finished, None, said.splitlines()[0] if said else "failed")
         finally:
             self.stream = None
 

@@ -21,6 +21,8 @@ from localllm.backends import llamacpp_guard as guard
 from localllm.errors import BackendUnavailable, LocalLLMError
 from localllm.models_registry.store import Store
 
+from ggufs import copy_gguf
+
 SIGILL_SELF = (
     "import os, signal; signal.signal(signal.SIGILL, signal.SIG_DFL); "
     "os.kill(os.getpid(), signal.SIGILL)"
@@ -188,37 +190,6 @@ def test_real_abort_in_a_child(tmp_path: Path, tiny_llama: Path) -> None:
 
 
 # -- what a user sees when a load fails ------------------------------------------------------------
-
-
-def copy_gguf(src: Path, dst: Path, changes: dict[str, object]) -> Path:
-    """A copy of a GGUF with some metadata values replaced (tensors copied byte for byte)."""
-    import gguf
-
-    reader = gguf.GGUFReader(src)
-    arch = changes.get("general.architecture", reader.get_field("general.architecture").contents())
-    writer = gguf.GGUFWriter(str(dst), arch=str(arch))
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        value = changes.get(field.name, field.contents())
-        name = field.name
-        if name.startswith(f"{reader.get_field('general.architecture').contents()}."):
-            name = f"{arch}." + name.split(".", 1)[1]
-        vtype = field.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(name, value, vtype, sub_type=field.types[-1])
-        else:
-            writer.add_key_value(name, value, vtype)
-    for key, value in changes.items():
-        if key not in reader.fields and key != "general.architecture":
-            writer.add_string(key, str(value))
-    for t in reader.tensors:
-        writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)  # byte shape for quant types
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
 
 
 def test_load_failure_names_the_model_and_llama_cpp_reason(
