@@ -8,6 +8,7 @@ cancellation every token, and the StreamingLLM-style context shift when the cach
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import math
 import os
@@ -125,7 +126,6 @@ def quiet_llama_log():  # noqa: ANN201 - the llama_cpp module
             cb = llama_cpp.llama_log_callback(_on_log)
             _log_state["callback"] = cb  # kept alive: llama.cpp holds only the C pointer
             llama_cpp.llama_log_set(cb, ctypes.c_void_p(0))
-            _no_template_compiling(llama_cpp)
     return llama_cpp
 
 
@@ -152,10 +152,21 @@ class _TemplateNotCompiled:
         return refuse
 
 
-def _no_template_compiling(llama_cpp) -> None:  # noqa: ANN001
+_swap_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def templates_not_compiled() -> Iterator[None]:
+    """While a `Llama` is built, its template formatter is ours (restored afterwards)."""
     import llama_cpp.llama_chat_format as formats
 
-    formats.Jinja2ChatFormatter = _TemplateNotCompiled  # type: ignore[misc, assignment]
+    with _swap_lock:
+        original = formats.Jinja2ChatFormatter
+        formats.Jinja2ChatFormatter = _TemplateNotCompiled  # type: ignore[misc, assignment]
+        try:
+            yield
+        finally:
+            formats.Jinja2ChatFormatter = original  # type: ignore[misc]
 
 
 def _strip_prefix(line: str) -> str:
@@ -196,19 +207,20 @@ class LlamaCppBackend:
             flash_attn = True
         mark = log_mark()
         try:
-            self.llm = llama_cpp.Llama(
-                model_path=str(path),
-                n_ctx=n_ctx,
-                n_batch=min(512, n_ctx),
-                n_threads=n_threads or default_threads(),
-                n_gpu_layers=n_gpu_layers,
-                flash_attn=bool(flash_attn),
-                type_k=_GGML_TYPE[type_k],
-                type_v=_GGML_TYPE[type_v],
-                seed=seed if seed is not None else llama_cpp.LLAMA_DEFAULT_SEED,
-                chat_handler=_TemplateNotCompiled("").to_chat_handler(),
-                verbose=False,
-            )
+            with templates_not_compiled():
+                self.llm = llama_cpp.Llama(
+                    model_path=str(path),
+                    n_ctx=n_ctx,
+                    n_batch=min(512, n_ctx),
+                    n_threads=n_threads or default_threads(),
+                    n_gpu_layers=n_gpu_layers,
+                    flash_attn=bool(flash_attn),
+                    type_k=_GGML_TYPE[type_k],
+                    type_v=_GGML_TYPE[type_v],
+                    seed=seed if seed is not None else llama_cpp.LLAMA_DEFAULT_SEED,
+                    chat_handler=_TemplateNotCompiled("").to_chat_handler(),
+                    verbose=False,
+                )
         except (ValueError, RuntimeError) as e:  # llama-cpp-python's words hide llama.cpp's reason
             said = [ln for ln in recent_errors(mark) if "error" in ln.lower()] or recent_errors(mark)
             reason = said[-1] if said else str(e).split(":")[0]
@@ -371,11 +383,12 @@ class LlamaCppBackend:
         """Mean-pooled, L2-normalised embeddings from a second context made for embedding."""
         with self._embed_lock:
             if self._embedder is None:
-                self._embedder = self._lib.Llama(
-                    model_path=self.llm.model_path, n_ctx=self.n_ctx, n_batch=self.n_ctx,
-                    n_ubatch=self.n_ctx, n_threads=self.llm.n_threads, embedding=True,
-                    pooling_type=self._lib.LLAMA_POOLING_TYPE_MEAN, verbose=False,
-                )  # fmt: skip
+                with templates_not_compiled():
+                    self._embedder = self._lib.Llama(
+                        model_path=self.llm.model_path, n_ctx=self.n_ctx, n_batch=self.n_ctx,
+                        n_ubatch=self.n_ctx, n_threads=self.llm.n_threads, embedding=True,
+                        pooling_type=self._lib.LLAMA_POOLING_TYPE_MEAN, verbose=False,
+                    )  # fmt: skip
             for t in texts:
                 n = len(self._embedder.tokenize(t.encode("utf-8"), special=True))
                 if n > self.n_ctx:
