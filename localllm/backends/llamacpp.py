@@ -201,9 +201,13 @@ class LlamaCppBackend:
                 raise LocalLLMError(
                     f"the llama.cpp backend has no {t} KV cache (it has {', '.join(_GGML_TYPE)})"
                 )
-        if type_v not in ("f32", "f16", "bf16"):
-            if flash_attn is False:
-                raise LocalLLMError("a quantized V cache needs flash attention")
+        if type_v not in ("f32", "f16", "bf16") and flash_attn is False:
+            raise LocalLLMError("a quantized V cache needs flash attention")
+        if flash_attn is None:
+            # On, as llama.cpp's own default (auto) has it on CPU: its non-flash path with an f16 KV
+            # cache evaluated prompt batches wrongly on an AMD EPYC (Zen 3) here, llama-cpp-python
+            # 0.3.36, any build (answers like "🌟🌟🌟" where token-by-token evaluation was right);
+            # with flash attention a batch and token-by-token evaluation agree exactly.
             flash_attn = True
         mark = log_mark()
         try:

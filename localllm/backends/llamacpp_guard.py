@@ -25,6 +25,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import platform
 import random
@@ -464,24 +465,46 @@ def write_probe_model(path: Path, *, n_embd: int = 256, n_ff: int = 512, n_layer
 
 
 def _child_probe(folder: str) -> int:
-    """Evaluate a prompt batch and single-token steps on the tiny model; logits must be finite."""
-    import math
+    """Evaluate the tiny model as a prompt batch and token by token: both must run, give finite
+    logits, and agree (a kernel that computes wrong numbers on this CPU is as bad as a crash)."""
 
     path = write_probe_model(Path(folder) / "probe.gguf")
     from localllm.backends.llamacpp import quiet_llama_log
 
     llama_cpp = quiet_llama_log()
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_batch=32, n_threads=_threads(),
-                          n_gpu_layers=0, verbose=False)  # fmt: skip
-    llm.eval([1] + [3 + (i * 37) % 256 for i in range(15)])  # a batch: the matrix-matrix kernels
-    for t in (10, 20, 30):  # single tokens: the matrix-vector kernels
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_batch=32, n_threads=_threads(),
+                          n_gpu_layers=0, flash_attn=True, verbose=False)  # fmt: skip
+    ids = [1] + [3 + (i * 37) % 256 for i in range(23)]
+
+    def last_logits() -> list[float]:
+        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return [ptr[i] for i in range(llm.n_vocab())]
+
+    llm.eval(ids)  # a batch: the matrix-matrix kernels
+    batch = last_logits()
+    llm.reset()
+    for t in ids:  # single tokens: the matrix-vector kernels
         llm.eval([t])
-    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-    if not all(math.isfinite(ptr[i]) for i in range(llm.n_vocab())):
-        print("error: the test model's logits are not finite")
-        return 3
+    single = last_logits()
     llm.close()
+    problem = logits_disagree(batch, single)
+    if problem:
+        print(f"error: llama.cpp computes wrong numbers on this machine: {problem}")
+        return 3
     return 0
+
+
+def logits_disagree(batch: list[float], single: list[float]) -> str:
+    """Why two evaluations of the same tokens disagree, or "" when they agree."""
+    if not all(math.isfinite(x) for x in batch + single):
+        return "the logits are not finite"
+    scale = max(1.0, max(abs(x) for x in single))
+    diff = max(abs(a - b) for a, b in zip(batch, single))
+    if diff > 1e-2 * scale or batch.index(max(batch)) != single.index(max(single)):
+        return (
+            f"a prompt batch and token-by-token evaluation differ by {diff:.3g} (scale {scale:.3g})"
+        )
+    return ""
 
 
 def _child_load(path: str, n_gpu_layers: str) -> int:
@@ -490,11 +513,26 @@ def _child_load(path: str, n_gpu_layers: str) -> int:
 
     try:
         backend = LlamaCppBackend(path, n_ctx=128, n_gpu_layers=int(n_gpu_layers))
-        ids = backend.tokenize("Hello, world", add_special=True)[:8] or [0]
-        backend.llm.eval(ids)
-        backend.close()
     except LocalLLMError as e:
         print(json.dumps({"reason": str(e)}))
+        return 3
+    llm, lib = backend.llm, backend._lib
+    ids = backend.tokenize("Hello, world! How are you?", add_special=True)[:8] or [0]
+
+    def last_logits() -> list[float]:
+        ptr = lib.llama_get_logits_ith(llm.ctx, -1)
+        return [ptr[i] for i in range(llm.n_vocab())]
+
+    llm.eval(ids)
+    batch = last_logits()
+    llm.reset()
+    for t in ids:
+        llm.eval([t])
+    problem = logits_disagree(batch, last_logits())
+    backend.close()
+    if problem:
+        reason = f"llama.cpp computes wrong numbers for it on this machine: {problem}"
+        print(json.dumps({"reason": reason}))
         return 3
     return 0
 

@@ -29,8 +29,9 @@ def reference(default_model_path: Path):  # noqa: ANN201
     import llama_cpp
 
     llm = llama_cpp.Llama(
-        str(default_model_path), n_ctx=4096, n_threads=default_threads(), verbose=False
-    )
+        str(default_model_path), n_ctx=4096, n_threads=default_threads(), flash_attn=True,
+        verbose=False,
+    )  # fmt: skip
     yield llm
     llm.close()
 
@@ -202,3 +203,32 @@ def test_embeddings(model: Model) -> None:
     assert model.embed("The cat sat on the mat.")[0] == pytest.approx(a, abs=1e-5)
     with pytest.raises(ContextOverflow):
         model.embed(["word " * 5000])
+
+
+def test_a_prompt_batch_equals_token_by_token(default_model_path: Path) -> None:
+    """The oracle that needs no other program: evaluating a prompt in one batch or one token at a
+    time must give the same next-token logits. llama.cpp's non-flash attention with an f16 cache
+    broke this on an AMD EPYC here (and so did every answer's first tokens)."""
+    import numpy as np
+
+    from localllm.backends.llamacpp import LlamaCppBackend
+
+    prompt = "<|im_start|>user\nSay hello<|im_end|>\n<|im_start|>assistant\n"
+
+    def last_logits(batch: bool) -> np.ndarray:
+        b = LlamaCppBackend(default_model_path, n_ctx=256)
+        try:
+            ids = b.tokenize(prompt, add_special=False)
+            if batch:
+                b.llm.eval(ids)
+            else:
+                for t in ids:
+                    b.llm.eval([t])
+            ptr = b._lib.llama_get_logits_ith(b.llm.ctx, -1)
+            return np.ctypeslib.as_array(ptr, shape=(b.llm.n_vocab(),)).copy()
+        finally:
+            b.close()
+
+    batch, single = last_logits(True), last_logits(False)
+    assert batch.argmax() == single.argmax()
+    assert np.abs(batch - single).max() <= 1e-2 * max(1.0, float(np.abs(single).max()))

@@ -300,3 +300,24 @@ def test_hostile_template_through_the_python_api(hostile_copies: dict) -> None:
         assert time.monotonic() - t0 < 60 and "\n" not in str(e.value)
         # the model still answers a raw prompt: one bad template costs nothing else
         assert llm.complete("Once upon a time", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_logits_disagree() -> None:
+    same = [0.5, 3.0, -1.0]
+    assert guard.logits_disagree(same, list(same)) == ""
+    assert guard.logits_disagree([0.5, 3.0, -1.001], same) == ""  # rounding between kernels
+    assert "differ by" in guard.logits_disagree([4.0, 3.0, -1.0], same)  # another argmax
+    assert "differ by 0.5" in guard.logits_disagree([0.5, 3.0, -0.5], same)
+    assert "not finite" in guard.logits_disagree([float("nan"), 3.0, -1.0], same)
+
+
+def test_wrong_numbers_are_refused_at_first_load(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel that computes wrong numbers for a model makes its first load fail, with the why."""
+    monkeypatch.setattr(guard, "_run", lambda args, timeout, env=None: guard._Exit(
+        3, json.dumps({"reason": "llama.cpp computes wrong numbers for it on this machine: "
+                                 "a prompt batch and token-by-token evaluation differ by 0.58"}), ""
+    ))  # fmt: skip
+    with pytest.raises(LocalLLMError, match=r"^tiny:latest: llama.cpp computes wrong numbers"):
+        guard.check_load(tiny_llama, "ef" * 32, "tiny:latest")
