@@ -39,7 +39,6 @@ Names and data keys are stable; a check whose own code fails is ✗ with empty d
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
 import json
 import os
@@ -57,14 +56,13 @@ from urllib.parse import urlsplit
 
 from localllm.errors import LocalLLMError
 from localllm.model_info import human_bytes
-from localllm.models_registry.store import Store
+from localllm.models_registry.store import Store, sha256_file
 
 MIN_FREE_MEMORY = 512 << 20  # the default model needs ~300 MB (weights, 4K KV cache, compute)
 MIN_FREE_DISK = 1 << 30  # room for the smallest catalog models and the store's 64 MB margin
 TORCH_TIMEOUT_S = 120  # importing torch cold, with CUDA, takes seconds to tens of seconds
 HF_DEFAULT_ENDPOINT = "https://huggingface.co"
 _TRUE = {"1", "on", "yes", "true"}  # what huggingface_hub reads as true in HF_HUB_OFFLINE
-_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -410,14 +408,6 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'s' * (n != 1)}"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _file_problem(path: Path, size: int) -> str | None:
     """Why the file at `path` cannot hold `size` recorded bytes, or None."""
     try:
@@ -484,7 +474,7 @@ def check_store(store: Store, *, deep: bool) -> Check:
         why = _file_problem(path, r.size)
         if why is None and deep:
             try:
-                digest = hashed.get(path) or hashed.setdefault(path, _sha256(path))
+                digest = hashed.get(path) or hashed.setdefault(path, sha256_file(path))
             except OSError as e:
                 why = f"cannot read {path.name}: {e.strerror or e}"
             else:

@@ -238,7 +238,7 @@ class Store:
             linked = link and len(paths) == 1 and _try_link(paths[0], tmp)
             if not linked:
                 _copy_parts(paths, tmp)
-            digest = _sha256_file(tmp)  # re-read what is on disk, not what we meant to write
+            digest = sha256_file(tmp)  # re-read what is on disk, not what we meant to write
             if expected and digest != expected:
                 raise StoreError(
                     f"sha256 mismatch for {key}: expected {expected}, got {digest}; nothing registered"
@@ -321,7 +321,7 @@ class Store:
             raise StoreError(f"{real} is inside the store; it cannot be registered by reference")
         info = read_checked_info(str(real))  # hostile until checked
         try:
-            sha = check_digest(digest) if digest else _sha256_file(real)
+            sha = check_digest(digest) if digest else sha256_file(real)
             after = os.stat(real)
         except OSError as e:
             raise StoreError(f"cannot read {real}: {e.strerror or e}") from None
@@ -427,7 +427,8 @@ def _copy_parts(paths: list[Path], dst: Path) -> None:
         os.fsync(out.fileno())
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The sha256 of a file's bytes as they are on disk (hex)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):

@@ -178,7 +178,7 @@ def test_known_digests_are_not_hashed(
     def no_hashing(path: Path) -> str:
         raise AssertionError(f"hashed {path}")
 
-    monkeypatch.setattr(store_mod, "_sha256_file", no_hashing)
+    monkeypatch.setattr(store_mod, "sha256_file", no_hashing)
     results = register_found(Store(), scan(roots(tmp_path)))
     assert [r.status for r in results] == ["registered", "registered"]
 
