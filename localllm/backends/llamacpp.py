@@ -137,7 +137,7 @@ class _TemplateNotCompiled:
 
     `Llama.__init__` builds one for every `tokenizer.chat_template*` key in the file, whatever
     `chat_format` or `chat_handler` it is given, and so compiles a stranger's template with jinja2 in
-    our process: a template whose constants jinja2 folds at compile time (`9**9**9`) hangs the load
+    our process: a template whose constants jinja2 folds at compile time (`7 ** 999999999`) hangs the load
     before our sandbox ever sees it. We render templates ourselves (`localllm.chat`, in a limited
     child) and never call `create_chat_completion`, so this keeps the text and compiles nothing.
     """
