@@ -12,6 +12,12 @@ from pathlib import Path
 import pytest
 
 
+def _answer_started(shot: str) -> bool:
+    lines = shot.splitlines()
+    starts = [i for i, ln in enumerate(lines) if ln.strip() == "assistant"]
+    return bool(starts) and any(ln.strip() for ln in lines[starts[-1] + 1 : starts[-1] + 3])
+
+
 class Tmux:
     def __init__(self, command: str, home: Path) -> None:
         if shutil.which("tmux") is None:
@@ -34,6 +40,21 @@ class Tmux:
                 return shot
             time.sleep(0.2)
         raise AssertionError(f"never saw {text!r}:\n{self.screen()}")
+
+    def answer(self, prompt: str) -> str:
+        """Ask; once the answer streams, stop it; return the screen with its status line.
+
+        The app samples (temperature 0.8, no token limit): one answer in a few is a long ramble,
+        and on a busy 2-core machine it can outlast any fixed wait. Stopping it is what a person
+        does, and the status line (tokens/s, the context meter, "stopped") follows either way.
+        """
+        self.keys(prompt, "Enter")
+        end = time.monotonic() + 120
+        while not _answer_started(self.screen()):
+            assert time.monotonic() < end, f"no answer began:\n{self.screen()}"
+            time.sleep(0.2)
+        self.keys("Escape")
+        return self.wait("tokens/s", timeout=120)
 
     def keys(self, *k: str) -> None:
         subprocess.run(["tmux", "send-keys", "-t", self.session, *k], check=True)
@@ -65,8 +86,7 @@ def test_models_then_chat(default_model_path: Path, localllm_home: Path) -> None
         assert "Models" in shot and "llama" in shot
         t.keys("Enter")
         t.wait("Message (Enter to send")
-        t.keys("Say hello", "Enter")
-        shot = t.wait("tokens/s", timeout=120)
+        shot = t.answer("Say hello")
         assert "/4,096" in shot  # the context meter (a long answer may scroll the labels away)
         print(shot)  # what a person saw (pytest -s shows it)
         t.quit()
@@ -81,8 +101,7 @@ def test_readme_main_command_on_a_fresh_store(
     t = Tmux("chat smollm2", localllm_home)
     try:
         t.wait("Message (Enter to send")
-        t.keys("Say hello", "Enter")
-        shot = t.wait("tokens/s", timeout=120)
+        shot = t.answer("Say hello")
         assert "smollm2" in shot and "/4,096" in shot
         t.keys("C-o")  # to Models: the default model is registered now (it was "built in")
         shot = t.wait("smollm2:135m-instruct-q4_1  llama")  # a Local row (Available has no Arch)
@@ -100,8 +119,7 @@ def test_first_screen_on_a_fresh_store(default_model_path: Path, localllm_home: 
         assert "Nothing downloaded yet" in shot and "qwen2.5:0.5b-q4_k_m" in shot
         t.keys("Enter")  # registers smollm2 from its package, then opens the chat
         t.wait("Message (Enter to send")
-        t.keys("Say hello", "Enter")
-        shot = t.wait("tokens/s", timeout=120)
+        shot = t.answer("Say hello")
         assert "smollm2:135m-instruct-q4_1" in shot
         t.quit()
     finally:
