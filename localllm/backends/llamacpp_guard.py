@@ -86,9 +86,10 @@ def library_files() -> list[Path]:
     pkg = _package_dir()
     if pkg is None:
         return []
-    found = [p for p in pkg.rglob("*") if p.is_file() and p.suffix in (".so", ".dylib", ".dll")]
-    found += [p for p in pkg.rglob("*.so.*") if p.is_file()]
-    return sorted(set(found))
+    suffixes = (".so", ".dylib", ".dll")
+    return sorted(
+        p for p in pkg.rglob("*") if p.is_file() and (p.suffix in suffixes or ".so." in p.name)
+    )
 
 
 def cpu_flags() -> str:
@@ -465,33 +466,53 @@ def write_probe_model(path: Path, *, n_embd: int = 256, n_ff: int = 512, n_layer
 
 
 def _child_probe(folder: str) -> int:
-    """Evaluate the tiny model as a prompt batch and token by token: both must run, give finite
-    logits, and agree (a kernel that computes wrong numbers on this CPU is as bad as a crash)."""
+    """Evaluate the tiny model the way the backend would: it must run and compute right numbers."""
+    from localllm.backends.llamacpp import LlamaCppBackend
 
     path = write_probe_model(Path(folder) / "probe.gguf")
-    from localllm.backends.llamacpp import quiet_llama_log
-
-    llama_cpp = quiet_llama_log()
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_batch=32, n_threads=_threads(),
-                          n_gpu_layers=0, flash_attn=True, verbose=False)  # fmt: skip
-    ids = [1] + [3 + (i * 37) % 256 for i in range(23)]
-
-    def last_logits() -> list[float]:
-        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-        return [ptr[i] for i in range(llm.n_vocab())]
-
-    llm.eval(ids)  # a batch: the matrix-matrix kernels
-    batch = last_logits()
-    llm.reset()
-    for t in ids:  # single tokens: the matrix-vector kernels
-        llm.eval([t])
-    single = last_logits()
-    llm.close()
-    problem = logits_disagree(batch, single)
+    backend = LlamaCppBackend(path, n_ctx=128, n_gpu_layers=0)
+    problem = _batch_vs_single(backend, [1] + [3 + (i * 37) % 256 for i in range(23)])
+    backend.close()
     if problem:
         print(f"error: llama.cpp computes wrong numbers on this machine: {problem}")
         return 3
     return 0
+
+
+def _child_load(path: str, n_gpu_layers: str) -> int:
+    """Load the model as the backend would and evaluate a few tokens."""
+    from localllm.backends.llamacpp import LlamaCppBackend
+
+    try:
+        backend = LlamaCppBackend(path, n_ctx=128, n_gpu_layers=int(n_gpu_layers))
+    except LocalLLMError as e:
+        print(json.dumps({"reason": str(e)}))
+        return 3
+    ids = backend.tokenize("Hello, world! How are you?", add_special=True)[:8] or [0]
+    problem = _batch_vs_single(backend, ids)
+    backend.close()
+    if problem:
+        reason = f"llama.cpp computes wrong numbers for it on this machine: {problem}"
+        print(json.dumps({"reason": reason}))
+        return 3
+    return 0
+
+
+def _batch_vs_single(backend: Any, ids: list[int]) -> str:
+    """Evaluate `ids` as one batch (the matrix-matrix kernels), then one token at a time (the
+    matrix-vector kernels); "" when the next-token logits agree, else why not."""
+    llm, lib = backend.llm, backend._lib
+
+    def last_logits() -> list[float]:
+        ptr = lib.llama_get_logits_ith(llm.ctx, -1)
+        return [ptr[i] for i in range(llm.n_vocab())]
+
+    llm.eval(ids)
+    batch = last_logits()
+    llm.reset()
+    for t in ids:
+        llm.eval([t])
+    return logits_disagree(batch, last_logits())
 
 
 def logits_disagree(batch: list[float], single: list[float]) -> str:
@@ -507,36 +528,6 @@ def logits_disagree(batch: list[float], single: list[float]) -> str:
     return ""
 
 
-def _child_load(path: str, n_gpu_layers: str) -> int:
-    """Load the model as the backend would and evaluate a few tokens."""
-    from localllm.backends.llamacpp import LlamaCppBackend
-
-    try:
-        backend = LlamaCppBackend(path, n_ctx=128, n_gpu_layers=int(n_gpu_layers))
-    except LocalLLMError as e:
-        print(json.dumps({"reason": str(e)}))
-        return 3
-    llm, lib = backend.llm, backend._lib
-    ids = backend.tokenize("Hello, world! How are you?", add_special=True)[:8] or [0]
-
-    def last_logits() -> list[float]:
-        ptr = lib.llama_get_logits_ith(llm.ctx, -1)
-        return [ptr[i] for i in range(llm.n_vocab())]
-
-    llm.eval(ids)
-    batch = last_logits()
-    llm.reset()
-    for t in ids:
-        llm.eval([t])
-    problem = logits_disagree(batch, last_logits())
-    backend.close()
-    if problem:
-        reason = f"llama.cpp computes wrong numbers for it on this machine: {problem}"
-        print(json.dumps({"reason": reason}))
-        return 3
-    return 0
-
-
 def _child_info() -> int:
     from localllm.backends.llamacpp import quiet_llama_log
 
@@ -546,10 +537,6 @@ def _child_info() -> int:
         "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()),
     }))  # fmt: skip
     return 0
-
-
-def _threads() -> int:
-    return max(1, min(os.cpu_count() or 1, 8))
 
 
 def main(argv: list[str]) -> int:
