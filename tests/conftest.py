@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,18 @@ import pytest
 from ggufs import tokenizer_metadata, write_small, write_tiny_llama
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Python that dies by SIGILL, as a build using instructions the CPU traps does. It resets the
+# signal's disposition first: the result must not depend on what the test runner inherited.
+SIGILL_SELF = (
+    "import os, signal; signal.signal(signal.SIGILL, signal.SIG_DFL); "
+    "os.kill(os.getpid(), signal.SIGILL)"
+)
+
+
+def python_command(code: str) -> str:
+    """A shell command running `code` with this Python (for LOCALLLM_LLAMACPP_PROBE)."""
+    return f"{shlex.quote(sys.executable)} -c {shlex.quote(code)}"
 
 
 def need(module: str, install: str) -> None:

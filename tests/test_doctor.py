@@ -18,6 +18,8 @@ from localllm import doctor
 from localllm.cli import main
 from localllm.models_registry.store import Store
 
+from conftest import SIGILL_SELF, python_command
+
 NAMES = ["python", "llama_cpp", "llama_cpp_probe", "torch", "memory", "disk", "store",
          "huggingface", "store_write", "conversations"]  # fmt: skip
 HEAVY = ("torch", "llama_cpp", "textual")
@@ -33,10 +35,7 @@ DATA_KEYS = {  # documented in localllm/doctor.py: the same keys whether a check
     "store_write": {"path"},
     "conversations": {"path", "conversations"},
 }
-SIGILL_PROBE = (
-    f"{sys.executable} -c 'import os, signal; signal.signal(signal.SIGILL, signal.SIG_DFL); "
-    "os.kill(os.getpid(), signal.SIGILL)'"
-)
+SIGILL_PROBE = python_command(SIGILL_SELF)
 
 
 @pytest.fixture(autouse=True)

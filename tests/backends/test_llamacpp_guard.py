@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import subprocess
 import sys
 import time
@@ -21,19 +20,15 @@ from localllm.backends import llamacpp_guard as guard
 from localllm.errors import BackendUnavailable, LocalLLMError
 from localllm.models_registry.store import Store
 
+from conftest import SIGILL_SELF, python_command
 from ggufs import copy_gguf
-
-SIGILL_SELF = (
-    "import os, signal; signal.signal(signal.SIGILL, signal.SIG_DFL); "
-    "os.kill(os.getpid(), signal.SIGILL)"
-)
 
 
 def counting_command(tmp_path: Path, body: str) -> tuple[str, Path]:
     """A shell command that notes each run in a file, then runs `body` in Python."""
     count = tmp_path / "probe-runs"
     code = f"open({str(count)!r}, 'a').write('x'); {body}"
-    return f"{shlex.quote(sys.executable)} -c {shlex.quote(code)}", count
+    return python_command(code), count
 
 
 def runs(count: Path) -> int:

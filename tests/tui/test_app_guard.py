@@ -6,8 +6,6 @@ Both must end as one notification in a live app, never as a crashed process or a
 from __future__ import annotations
 
 import asyncio
-import shlex
-import sys
 import time
 from pathlib import Path
 
@@ -18,12 +16,8 @@ from localllm.models_registry.store import Store
 from localllm.tui.app import LocalLLMApp
 from localllm.tui.chat_screen import ChatScreen
 
+from conftest import SIGILL_SELF, python_command
 from ggufs import copy_gguf
-
-SIGILL_SELF = (
-    "import os, signal; signal.signal(signal.SIGILL, signal.SIG_DFL); "
-    "os.kill(os.getpid(), signal.SIGILL)"
-)
 
 
 def notes(app: LocalLLMApp) -> list[str]:
@@ -34,7 +28,7 @@ def test_llama_cpp_unavailable_is_a_notification(
     monkeypatch: pytest.MonkeyPatch, default_model_path: Path
 ) -> None:
     """The real loader, with a probe that dies by SIGILL: the chat says why, the app lives on."""
-    command = f"{shlex.quote(sys.executable)} -c {shlex.quote(SIGILL_SELF)}"
+    command = python_command(SIGILL_SELF)
     monkeypatch.setenv("LOCALLLM_LLAMACPP_PROBE", command)
 
     async def go() -> None:
