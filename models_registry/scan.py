@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from localllm.errors import GGUFFormatError, InvalidName, LocalLLMError
-from localllm.model_check import read_checked_info as read_model_info  # parsed, then checked
+from localllm.model_check import read_checked_info
 from localllm.model_info import ModelInfo
 from localllm.models_registry.names import DEFAULT_TAG, check_digest, parse_name
 from localllm.models_registry.store import ModelRecord, Store, full_name
@@ -394,7 +394,7 @@ def _checked(
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
             return Found(path, origin, name, digest, skipped="not a regular file")
-        info = read_model_info(str(path))
+        info = read_checked_info(str(path))
     except GGUFFormatError as e:
         return Found(path, origin, name, digest, skipped=_one_line(f"{e.what}: {e.reason}"))
     except LocalLLMError as e:

@@ -247,8 +247,8 @@ def test_ollama_hostile_digest_is_skipped_and_nothing_outside_is_read(
         root, ("registry.ollama.ai", "library", "evil", "latest"), model_manifest(digest, 10)
     )
     read: list[str] = []
-    real_read = scan_mod.read_model_info
-    monkeypatch.setattr(scan_mod, "read_model_info", lambda p: read.append(p) or real_read(p))
+    real_read = scan_mod.read_checked_info
+    monkeypatch.setattr(scan_mod, "read_checked_info", lambda p: read.append(p) or real_read(p))
     found = scan(roots(tmp_path))
     assert len(found) == 1 and "bad model digest" in found[0].skipped
     assert read == []
