@@ -142,13 +142,14 @@ def _shapes(catalog: Catalog, records: Iterable[ModelRecord]) -> dict[tuple[str,
     return shapes
 
 
-def _size(e: CatalogEntry, stored: ModelRecord | None) -> tuple[int | None, bool]:
+def _size(
+    e: CatalogEntry, stored: ModelRecord | None, found: tuple[list[Path], str] | None
+) -> tuple[int | None, bool]:
     if stored is not None:
         return stored.size, False
     if e.known.size:
         return e.known.size, False
-    found = packaged_files(e.known)
-    if found is not None:
+    if found is not None:  # the installed package's files
         try:
             return sum(p.stat().st_size for p in found[0]), False
         except OSError:
@@ -172,7 +173,8 @@ def catalog_rows(
     rows = []
     for e in entries(catalog):
         record = stored.get(e.name)
-        size, approx = _size(e, record)
+        found = packaged_files(e.known)
+        size, approx = _size(e, record, found)
         shape = shapes.get((e.family.name, e.variant.tag))
         if record is not None:
             fits = fits_mark(record.info, ctx=ctx, kv=kv, free=free)
@@ -190,7 +192,7 @@ def catalog_rows(
             fits = "?"
         if record is not None:
             where = "stored"
-        elif packaged_files(e.known) is not None:
+        elif found is not None:
             where = "package"
         else:
             where = "hub"
