@@ -183,6 +183,17 @@ class Catalog:
         fam = self.families[family]
         return [f"{v.tag}-{q.lower()}" for v in fam.variants.values() for q in v.quants]
 
+    def refuse_unknown_tag(self, name: ModelName) -> None:
+        """When `resolve(name)` gave None for a family the catalog knows (so the tag is what is
+        wrong): raise ModelNotFound naming some of the family's tags. Otherwise return."""
+        if name.name not in self.families:
+            return
+        tags = self.tags(name.name)
+        more = ", ..." if len(tags) > 8 else ""
+        raise ModelNotFound(
+            f"{name.name} has no tag {name.tag!r} (try: {', '.join(tags[:8])}{more})"
+        )
+
 
 def _family(name: str, d: dict[str, Any]) -> Family:
     parse_name(name)  # catalog names obey the same rules as user names
@@ -292,9 +303,7 @@ def ensure_local(text: str, store: Store, catalog: Catalog | None = None) -> Mod
     name = parse_name(text)
     entry = catalog.resolve(name)
     if entry is None:
-        if name.name in catalog.families:
-            tags = ", ".join(catalog.tags(name.name)[:8])
-            raise ModelNotFound(f"{name.name} has no tag {name.tag!r} (try: {tags}, ...)")
+        catalog.refuse_unknown_tag(name)
         if name.is_hf:
             raise ModelNotFound(f"model {text!r} is not in the store; run `localllm pull {text}`")
         raise ModelNotFound(f"unknown model {text!r}: not in the store nor in the catalog")

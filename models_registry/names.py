@@ -91,10 +91,26 @@ def hf_store_name(name: ModelName) -> str:
     return f"{name.name}:{name.tag or DEFAULT_TAG}"
 
 
+# A part of a split GGUF as llama.cpp's gguf-split names it: `STEM-00001-of-00003.gguf`. The
+# numbering is matched exactly as llama.cpp writes it (ASCII digits, lower-case `-of-`); only the
+# extension may be in any case, since other tools' folders (scan) hold `.GGUF` files too. Pulls see
+# lower-case `.gguf` only (the hub listing is filtered on it) and build part names with
+# `split_gguf_name`, which this pattern parses back. Use it with `fullmatch` (it has no anchors).
+SPLIT_GGUF = re.compile(r"(?P<stem>.+)-(?P<part>[0-9]{5})-of-(?P<total>[0-9]{5})(?i:\.gguf)")
 _UNSAFE = re.compile(r"[^a-z0-9._-]+")
+
+
+def split_gguf_name(stem: str, part: int, total: int) -> str:
+    """The file name of part `part` (from 1) of `total` of a split GGUF; `SPLIT_GGUF` matches it."""
+    return f"{stem}-{part:05d}-of-{total:05d}.gguf"
+
+
+def slug(text: str, limit: int) -> str:
+    """`text` lower-cased, each run of characters outside [a-z0-9._-] made one '-', trimmed of
+    '-', '.', '_' at both ends, at most `limit` characters; "" when nothing is left."""
+    return _UNSAFE.sub("-", text.lower()).strip("-._")[:limit].rstrip("-._")
 
 
 def name_from_file(path: str | os.PathLike[str]) -> str:
     """A model name for an imported file: its stem, lower case, safe characters only."""
-    stem = _UNSAFE.sub("-", Path(path).stem.lower()).strip("-._") or "model"
-    return stem[:96]
+    return slug(Path(path).stem, 96) or "model"

@@ -34,7 +34,6 @@ import http.client
 import os
 import re
 import secrets
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 from localllm.errors import GGUFFormatError, InvalidName, LocalLLMError, ModelNotFound, StoreError
+from localllm.model_info import human_bytes
 from localllm.models_registry.catalog import (
     Catalog,
     CatalogEntry,
@@ -54,18 +54,18 @@ from localllm.models_registry.catalog import (
 from localllm.models_registry.names import (
     DEFAULT_QUANT,
     HF_PREFIX,
+    SPLIT_GGUF,
     check_digest,
     hf_store_name,
     parse_name,
+    split_gguf_name,
 )
-from localllm.models_registry.store import ModelRecord, Store, _alive
+from localllm.models_registry.store import ModelRecord, Store, ensure_free_space, pid_alive
 
 CHUNK = 1 << 20
 RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0, 8.0)  # then give up; reset whenever bytes arrive again
 MAX_REDIRECTS = 10
-SPACE_MARGIN = 64 << 20
 _GIT_OID = re.compile(r"[0-9a-f]{40}")
-_SPLIT = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 _QUANT = re.compile(
     r"(?<![A-Za-z0-9])((?:I|T)?Q[1-8](?:_[A-Za-z0-9]+)*|[BF]F16|F16|F32|FP16)(?![A-Za-z0-9])",
     re.IGNORECASE,
@@ -209,7 +209,7 @@ def _safe_remote_path(path: str) -> bool:
 
 def _quant_of(path: str) -> str | None:
     base = path.rsplit("/", 1)[-1]
-    m = _SPLIT.match(base)
+    m = SPLIT_GGUF.fullmatch(base)
     stem = m.group("stem") if m else base[: -len(".gguf")]
     found = _QUANT.findall(stem)
     return found[-1].upper() if found else None
@@ -218,12 +218,12 @@ def _quant_of(path: str) -> str | None:
 def _with_parts(files: dict[str, RemoteFile], first: str) -> list[RemoteFile]:
     """`first` alone, or all parts of the split GGUF it begins."""
     base = first.rsplit("/", 1)[-1]
-    m = _SPLIT.match(base)
+    m = SPLIT_GGUF.fullmatch(base)
     if not m:
         return [files[first]]
-    n = int(m.group("n"))
+    n = int(m.group("total"))
     prefix = first[: len(first) - len(base)] + m.group("stem")
-    names = [f"{prefix}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+    names = [split_gguf_name(prefix, i, n) for i in range(1, n + 1)]
     missing = [p for p in names if p not in files]
     if missing:
         raise LocalLLMError(f"split model {first} is missing part(s): {', '.join(missing)}")
@@ -235,7 +235,7 @@ def _pick_quant(files: dict[str, RemoteFile], repo: str, quant: str) -> list[Rem
         (p for p in files if "mmproj" not in p.lower() and _quant_of(p) == quant.upper()),
         key=lambda p: (p.count("/"), len(p), p),
     )
-    firsts = [p for p in candidates if not _SPLIT.match(p.rsplit("/", 1)[-1]) or "-00001-of-" in p]
+    firsts = [p for p in candidates if _is_first_part(p)]
     if not firsts:
         have = sorted({q for p in files if "mmproj" not in p.lower() and (q := _quant_of(p))})
         if not have:
@@ -245,6 +245,12 @@ def _pick_quant(files: dict[str, RemoteFile], repo: str, quant: str) -> list[Rem
             f"(pull hf.co/{repo}:{have[0]})"
         )
     return _with_parts(files, firsts[0])
+
+
+def _is_first_part(path: str) -> bool:
+    """A whole GGUF, or the first part of a split one."""
+    m = SPLIT_GGUF.fullmatch(path.rsplit("/", 1)[-1])
+    return m is None or int(m.group("part")) == 1
 
 
 def plan(text: str, *, revision: str | None = None, catalog: Catalog | None = None) -> PullPlan:
@@ -273,9 +279,7 @@ def plan(text: str, *, revision: str | None = None, catalog: Catalog | None = No
         return _remote_plan(key, chosen)
     entry = catalog.resolve(name)
     if entry is None:
-        if name.name in catalog.families:
-            tags = ", ".join(catalog.tags(name.name)[:8])
-            raise ModelNotFound(f"{name.name} has no tag {name.tag!r} (try: {tags}, ...)")
+        catalog.refuse_unknown_tag(name)
         raise ModelNotFound(
             f"unknown model {text!r}: not in the catalog; name a Hugging Face repo as "
             f"hf.co/ORG/REPO[:QUANT]"
@@ -296,8 +300,11 @@ def _catalog_plan(entry: CatalogEntry, revision: str | None) -> PullPlan:
     files = _remote_files(_repo_info(repo, revision), repo)
     filename = entry.filename
     if entry.variant.split:
+        stem = filename[: -len(".gguf")]
         firsts = [
-            p for p in files if _SPLIT.match(p) and p.startswith(filename[:-5] + "-00001-of-")
+            p
+            for p in files
+            if (m := SPLIT_GGUF.fullmatch(p)) and m["stem"] == stem and int(m["part"]) == 1
         ]
         if not firsts:
             raise ModelNotFound(f"{repo} no longer has {filename} (split)")
@@ -469,18 +476,13 @@ class _Puller:
         need = self.plan.total - on_disk
         if len(self.plan.files) > 1:
             need += self.plan.total  # the joined file is written beside the parts
-        free = shutil.disk_usage(self.store.blobs).free
-        if free < need + SPACE_MARGIN:
-            raise StoreError(
-                f"not enough disk space for {self.plan.name} in {self.store.blobs}: "
-                f"needs {_mb(need + SPACE_MARGIN)}, {_mb(free)} free"
-            )
+        ensure_free_space(self.store.blobs, need, self.plan.name)
 
     def _check_cancel(self) -> None:
         if self.cancel is not None and self.cancel.is_set():
             raise PullCancelled(
-                f"pull of {self.plan.name} cancelled; {_mb(self.done)} of {_mb(self.plan.total)} "
-                "kept: pull again to resume"
+                f"pull of {self.plan.name} cancelled; {human_bytes(self.done)} of "
+                f"{human_bytes(self.plan.total)} kept: pull again to resume"
             )
 
     # -- one file ------------------------------------------------------------------------------
@@ -495,7 +497,7 @@ class _Puller:
         for p in self.store.blobs.glob(f".partial-{f.key}-*"):
             m = _PARTIAL.match(p.name)
             pid = int(m.group("pid")) if m else -1
-            if m and (pid == os.getpid() or not _alive(pid)):
+            if m and (pid == os.getpid() or not pid_alive(pid)):
                 with contextlib.suppress(OSError):
                     candidates.append((p.stat().st_size, p))
         for _size, p in sorted(candidates, reverse=True):
@@ -524,7 +526,7 @@ class _Puller:
         self.done += have
         if have:
             self.emit(PullEvent(self.plan.name, "downloading", file=f.path, done=self.done,
-                                total=self.plan.total, message=f"resuming at {_mb(have)}"))  # fmt: skip
+                                total=self.plan.total, message=f"resuming at {human_bytes(have)}"))  # fmt: skip
         hasher = _TrailingHash(path, git_size=None if f.sha256 else f.size)
         try:
             hasher.advance(have)  # the bytes already there are re-read while the rest arrives
@@ -590,7 +592,7 @@ class _Puller:
                 if attempt >= len(RETRY_DELAYS):
                     raise LocalLLMError(
                         f"download of {f.path} failed after {attempt + 1} tries ({error}); "
-                        f"{_mb(self.done)} kept: pull again to resume"
+                        f"{human_bytes(self.done)} kept: pull again to resume"
                     )
                 delay = RETRY_DELAYS[attempt]
                 attempt += 1
@@ -694,7 +696,7 @@ class _Puller:
         p = self.plan
         self.emit(PullEvent(p.name, "joining", done=self.done, total=p.total,
                             message=f"joining {len(paths)} parts"))  # fmt: skip
-        tmp = self.store.blobs / f".tmp-{os.getpid()}-{secrets.token_hex(6)}"
+        tmp = self.store.temp_path()
         try:
             merge_split(paths, tmp)
             self.emit(PullEvent(p.name, "registering", done=self.done, total=p.total))
@@ -894,7 +896,3 @@ class _TrailingHash:
                 pos += len(data)
         except BaseException as e:  # handed to the writer by finish()
             self.error = e
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:,.1f} MB"

@@ -45,7 +45,13 @@ from typing import Any
 from localllm.errors import GGUFFormatError, InvalidName, LocalLLMError
 from localllm.model_check import read_checked_info
 from localllm.model_info import ModelInfo
-from localllm.models_registry.names import DEFAULT_TAG, check_digest, parse_name
+from localllm.models_registry.names import (
+    DEFAULT_TAG,
+    SPLIT_GGUF,
+    check_digest,
+    parse_name,
+    slug,
+)
 from localllm.models_registry.store import ModelRecord, Store, full_name
 
 HUGGINGFACE, OLLAMA, LMSTUDIO = "huggingface", "ollama", "lmstudio"
@@ -56,8 +62,6 @@ MAX_NAME_TRIES = 99
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
-_SPLIT = re.compile(r"(?P<stem>.+)-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf", re.IGNORECASE)
-_UNSAFE = re.compile(r"[^a-z0-9._-]+")
 
 
 # -- where to look -----------------------------------------------------------------------------
@@ -418,7 +422,7 @@ def _gguf_candidates(
             continue
         if "mmproj" in lower:
             continue  # a vision projector is not a model on its own
-        m = _SPLIT.fullmatch(path.name)
+        m = SPLIT_GGUF.fullmatch(path.name)
         if m:
             key = (path.parent, m["stem"], m["total"])
             splits[key] = min(splits.get(key, path), path)
@@ -489,17 +493,13 @@ def _stem(filename: str) -> str:
     return filename[:-5] if filename.lower().endswith(".gguf") else filename
 
 
-def _slug(text: str, limit: int) -> str:
-    return _UNSAFE.sub("-", text.lower()).strip("-._")[:limit].rstrip("-._")
-
-
 def _safe_name(parts: list[str], tag: str | None) -> str:
     """A valid store name from arbitrary folder and file names: lowercase, [a-z0-9._-], at most
     one '/'; "" when nothing usable is left."""
-    segments = [s for s in (_slug(p, 96) for p in parts[-2:]) if s]
+    segments = [s for s in (slug(p, 96) for p in parts[-2:]) if s]
     if not segments:
         return ""
-    tag_slug = _slug(tag, 128) if tag else ""
+    tag_slug = slug(tag, 128) if tag else ""
     name = "/".join(segments) + (f":{tag_slug}" if tag_slug else "")
     if _valid(name):
         return name

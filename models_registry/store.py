@@ -2,7 +2,7 @@
 
     $LOCALLLM_HOME/               (else the platformdirs user data dir)
       blobs/sha256-<hex>          model bytes, named by their sha256
-      blobs/.tmp-<pid>-<rand>     one temporary file per write attempt
+      blobs/.tmp-<pid>-<rand>     one temporary file per write attempt (`temp_path`)
       index.json                  {"version": 1, "models": {"name:tag": record}}
       .lock                       flock: one writer at a time
 
@@ -41,13 +41,13 @@ from typing import Any
 
 from localllm.errors import LocalLLMError, ModelNotFound, StoreError
 from localllm.model_check import read_checked_info
-from localllm.model_info import ModelInfo
+from localllm.model_info import ModelInfo, human_bytes
 from localllm.models_registry.names import DEFAULT_TAG, check_digest, parse_name
 
 INDEX_VERSION = 1
-_TMP = re.compile(r"\.tmp-(\d+)-[0-9a-f]+$")
+_TMP = re.compile(r"\.tmp-([0-9]+)-[0-9a-f]+$")  # what `temp_path` names; `gc` parses it back
 _CHUNK = 1 << 20
-_SPACE_MARGIN = 64 << 20  # keep this much free beyond what a write needs
+SPACE_MARGIN = 64 << 20  # keep this much free beyond what a write needs
 
 
 def default_home() -> Path:
@@ -199,8 +199,10 @@ class Store:
         data = json.dumps({"version": INDEX_VERSION, "models": models}, indent=1, sort_keys=True)
         _atomic_write(self.index_path, data.encode())
 
-    def _tmp_path(self) -> Path:
-        return self.blobs / f".tmp-{os.getpid()}-{secrets.token_hex(6)}"
+    def temp_path(self) -> Path:
+        """A fresh temporary file name in `blobs/` for a write that may end up as a blob (see
+        `temp_path`, the function): `gc` removes it once the process that made it is dead."""
+        return temp_path(self.blobs)
 
     def add_file(
         self,
@@ -233,11 +235,11 @@ class Store:
         expected = check_digest(expected_sha256) if expected_sha256 else None
         self.blobs.mkdir(parents=True, exist_ok=True)
         self.gc()
-        tmp = self._tmp_path()
+        tmp = self.temp_path()
         try:
             linked = link and len(paths) == 1 and _try_link(paths[0], tmp)
             if not linked:
-                _copy_parts(paths, tmp)
+                _copy_parts(paths, tmp, key)
             digest = sha256_file(tmp)  # re-read what is on disk, not what we meant to write
             if expected and digest != expected:
                 raise StoreError(
@@ -373,13 +375,13 @@ class Store:
         with self.lock():
             used = {d.get("digest") for d in self._read_index().values() if _is_blob_record(d)}
             for p in [*self.blobs.iterdir(), *self.home.iterdir()]:
-                tmp = _TMP.search(p.name)
+                writer = temp_writer(p.name)
                 orphan = (
                     p.parent == self.blobs
                     and p.name.startswith("sha256-")
                     and p.name[7:] not in used
                 )
-                if (tmp and not _alive(int(tmp.group(1)))) or orphan:
+                if (writer is not None and not pid_alive(writer)) or orphan:
                     with contextlib.suppress(FileNotFoundError):
                         p.unlink()
                         removed.append(p)
@@ -389,7 +391,23 @@ class Store:
 # -- file helpers ------------------------------------------------------------------------------
 
 
-def _alive(pid: int) -> bool:
+def temp_path(folder: Path, prefix: str = "") -> Path:
+    """A fresh temporary file name in `folder`: `<prefix>.tmp-<pid>-<rand>`.
+
+    Every temporary file of the store is named here, and `temp_writer` (which `gc` uses) parses
+    the name back, so `gc` removes exactly the temporary files whose writer is dead.
+    """
+    return Path(folder) / f"{prefix}.tmp-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def temp_writer(filename: str) -> int | None:
+    """The pid in a name `temp_path` made, or None for any other name."""
+    m = _TMP.search(filename)
+    return int(m.group(1)) if m else None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (this one always does; another user's counts as alive)."""
     if pid == os.getpid():
         return True
     try:
@@ -409,16 +427,19 @@ def _try_link(src: Path, dst: Path) -> bool:
     return True
 
 
-def _check_space(folder: Path, need: int) -> None:
+def ensure_free_space(folder: Path, need: int, what: str) -> None:
+    """Raise StoreError unless the filesystem of `folder` has `need` bytes free for `what` (a
+    model name), plus SPACE_MARGIN so that the index and other programs still have room."""
     free = shutil.disk_usage(folder).free
-    if free < need + _SPACE_MARGIN:
+    if free < need + SPACE_MARGIN:
         raise StoreError(
-            f"not enough disk space in {folder}: need {need + _SPACE_MARGIN} bytes, {free} free"
+            f"not enough disk space for {what} in {folder}: "
+            f"needs {human_bytes(need + SPACE_MARGIN)}, {human_bytes(free)} free"
         )
 
 
-def _copy_parts(paths: list[Path], dst: Path) -> None:
-    _check_space(dst.parent, sum(p.stat().st_size for p in paths))
+def _copy_parts(paths: list[Path], dst: Path, what: str) -> None:
+    ensure_free_space(dst.parent, sum(p.stat().st_size for p in paths), what)
     with open(dst, "xb") as out:
         for p in paths:
             with open(p, "rb") as f:
@@ -447,7 +468,7 @@ def _fsync_dir(folder: Path) -> None:
 def _atomic_write(path: Path, data: bytes) -> None:
     """Write to a temporary file in the same folder, fsync, rename, fsync the folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(6)}")
+    tmp = temp_path(path.parent, f".{path.name}")
     try:
         with open(tmp, "xb") as f:
             f.write(data)

@@ -200,3 +200,14 @@ def test_a_bad_shape_is_a_broken_catalog(tmp_path: Path, shape: str) -> None:
     (tmp_path / "c.toml").write_text(TINY + "[tiny.variants.x.shape]\n" + shape + "\n")
     with pytest.raises(LocalLLMError, match="catalog .* is broken"):
         Catalog.load(tmp_path / "c.toml")
+
+
+def test_an_unknown_tag_is_one_error_for_pull_and_run() -> None:
+    from localllm.models_registry.pull import plan
+
+    with pytest.raises(ModelNotFound) as pulled:
+        plan("smollm2:999b")  # refused before the hub is asked
+    with pytest.raises(ModelNotFound) as run:
+        ensure_local("smollm2:999b", Store())
+    assert str(pulled.value) == str(run.value)
+    assert str(run.value).startswith("smollm2 has no tag '999b' (try: 135m-instruct-")

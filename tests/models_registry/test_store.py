@@ -161,7 +161,7 @@ def test_not_enough_space_is_refused_before_writing(
     full = SimpleNamespace(total=1 << 30, used=(1 << 30) - 1000, free=1000)
     monkeypatch.setattr(store_mod.shutil, "disk_usage", lambda path: full)
     store = Store()
-    with pytest.raises(StoreError, match="not enough disk space"):
+    with pytest.raises(StoreError, match=r"not enough disk space for tiny:latest .*, 1000 B free$"):
         store.add_file(tiny_llama, "tiny", source="x")
     assert store.list() == []
     assert_consistent(store)
@@ -209,6 +209,29 @@ def test_gc_removes_dead_writers_and_orphans(tiny_llama: Path) -> None:
     assert live.exists() and store.path_of(r).exists()
     live.unlink()
     assert_consistent(store)
+
+
+def test_gc_reads_the_temporary_names_the_writers_make(localllm_home: Path) -> None:
+    """`temp_path` (blob writes, pulls' joins, the index) and `gc` agree on the name: a dead
+    writer's file goes, a live one's stays, and nothing else is taken for one."""
+    store = Store()
+    store.blobs.mkdir(parents=True)
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True).stdout)  # fmt: skip
+    index_tmp = store_mod.temp_path(store.home, ".index.json")
+    for p in (store.temp_path(), index_tmp):
+        assert p.parent in (store.blobs, store.home)
+        assert store_mod.temp_writer(p.name) == os.getpid()
+    assert index_tmp.name.startswith(".index.json.tmp-")
+    assert store.temp_path() != store.temp_path()
+    assert store_mod.temp_writer("sha256-" + "a" * 64) is None
+    assert store_mod.temp_writer(".partial-" + "a" * 64 + "-12-ab") is None
+    mine = store.temp_path()
+    theirs = mine.with_name(mine.name.replace(f"-{os.getpid()}-", f"-{dead}-"))
+    for p in (mine, theirs):
+        p.write_bytes(b"x")
+    assert store.gc() == [theirs] and mine.exists()
+    assert store_mod.pid_alive(os.getpid()) and not store_mod.pid_alive(dead)
 
 
 _IMPORTER = textwrap.dedent(
