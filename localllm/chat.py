@@ -207,6 +207,8 @@ class ChatTemplate:
     eos_token: str = ""
     time_limit: float = TIME_LIMIT_S
     max_output: int = MAX_OUTPUT
+    origin: str = "model file"  # or "<family> family (built in)", or "plain text"
+    note: str = ""  # said once to the user when the template is not the file's own
 
     @property
     def supports_tools(self) -> bool:
@@ -239,6 +241,54 @@ class ChatTemplate:
         return render_limited(
             self.source, context, time_limit=self.time_limit, max_output=self.max_output
         )
+
+
+# Templates for architectures whose files may lack one: the family's own format, as in llama.cpp's
+# built-in list (llama-chat.cpp). An architecture shared by many chat formats (llama: Llama 2,
+# Llama 3, Mistral, SmolLM's ChatML) has none here: guessing wrong is worse than plain text.
+GEMMA = (
+    "{{ bos_token }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set sys = messages[0]['content'] + '\\n\\n' %}{% set rest = messages[1:] %}"
+    "{% else %}{% set sys = '' %}{% set rest = messages %}{% endif %}"
+    "{% for message in rest %}{% set role = 'model' if message['role'] == 'assistant' else 'user' %}"
+    "{{ '<start_of_turn>' + role + '\\n' + (sys if loop.first else '') + message['content']"
+    " + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+PHI3 = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+PLAIN = (
+    "{% for message in messages %}{{ message['content'] }}"
+    "{% if not loop.last %}{{ '\n\n' }}{% endif %}{% endfor %}"
+)
+FAMILY_TEMPLATES = {
+    "gemma": ("gemma", GEMMA), "gemma2": ("gemma", GEMMA), "gemma3": ("gemma", GEMMA),
+    "gemma3n": ("gemma", GEMMA), "phi3": ("phi3", PHI3),
+    "qwen2": ("chatml", CHATML), "qwen2moe": ("chatml", CHATML), "qwen3": ("chatml", CHATML),
+    "qwen3moe": ("chatml", CHATML),
+}  # fmt: skip
+
+
+def template_for(metadata: Any, *, bos_token: str = "", eos_token: str = "") -> ChatTemplate:
+    """The chat template a model's messages render with: the file's own; else its architecture's
+    family template; else plain text (messages joined by blank lines), with a note saying so."""
+    own = metadata.get("tokenizer.chat_template")
+    if isinstance(own, str) and own.strip():
+        return ChatTemplate(own, bos_token=bos_token, eos_token=eos_token)
+    arch = str(metadata.get("general.architecture") or "unknown")
+    if arch in FAMILY_TEMPLATES:
+        family, source = FAMILY_TEMPLATES[arch]
+        return ChatTemplate(source, bos_token=bos_token, eos_token=eos_token,
+                            origin=f"{family} family (built in)",
+                            note=f"the file has no chat template; using the {family} format of "
+                                 f"its architecture ({arch})")  # fmt: skip
+    return ChatTemplate(PLAIN, bos_token=bos_token, eos_token=eos_token, origin="plain text",
+                        note=f"the file has no chat template and its architecture ({arch}) has no "
+                             "single format: messages are sent as plain text")  # fmt: skip
 
 
 def _with_tool_system_prompt(

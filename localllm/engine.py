@@ -1,30 +1,36 @@
-"""The engine: turns a `Request` into a stream of `Chunk`s on one worker thread per loaded model.
+"""The engine: sequences in slots, one scheduler thread per loaded model, one output assembler.
 
-    front door ──submit(Request)──▶ queue ──▶ worker thread ──▶ backend.steps() (tokens)
-         ◀──────── Chunk … Chunk(result=Result) ◀── detokenize, stop strings, limits, tool calls
+    front doors ──submit(Request)──▶ queue ──▶ scheduler thread ──▶ backend.step(plan)
+          ◀──── Chunk … Chunk(result=Result) ◀── Assembler (UTF-8, stop strings, limits, tools)
 
-Front doors only submit and consume; cancellation is a flag the worker checks every token. What
-is shared by every backend (prompt rendering, honest context checks, UTF-8-safe incremental text,
-stop strings, finish reasons, timings) lives here, once.
+Front doors only submit and consume. The scheduler admits waiting requests into free slots between
+steps, evaluates new prompts in bounded chunks beside the decode steps of running sequences (so a
+long prompt does not stall the others), and checks every sequence's cancel flag before each step.
+What every backend shares — prompt rendering, honest context checks, refusing what a backend cannot
+do, UTF-8-safe incremental text, stop strings, finish reasons, timings — lives here, once.
 """
 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from localllm.backends.base import Backend
+from localllm.backends import Capabilities
+from localllm.backends.base import Backend, OneSlot, Seq, Step
 from localllm.chat import parse_tool_calls
-from localllm.errors import ContextOverflow, LocalLLMError
+from localllm.errors import ContextOverflow, LocalLLMError, Unsupported
 from localllm.types import (
     Chunk,
     ContextPolicy,
     FinishReason,
+    LoadOptions,
     Message,
     Request,
     Result,
@@ -32,7 +38,74 @@ from localllm.types import (
     Timings,
     TokenLogprob,
     Usage,
+    speculative_mode,
 )
+
+# -- refuse, never ignore ------------------------------------------------------------------------
+
+
+def _kv_types(spec: str) -> tuple[str, str]:
+    from localllm.memory import parse_kv_cache
+
+    return parse_kv_cache(spec)
+
+
+def check_options(options: LoadOptions, caps: Capabilities, backend: str) -> None:
+    """Every load option the backend lacks is one `Unsupported` line, before anything loads."""
+    def no(what: str, has: Sequence[str] | None = None) -> Unsupported:
+        tail = f" (it has: {', '.join(has)})" if has else ""
+        return Unsupported(f"the {backend} backend has no {what}{tail}")
+
+    for t in dict.fromkeys(_kv_types(options.kv_cache)):
+        if t not in caps.kv_cache_types:
+            raise no(f"{t} KV cache", caps.kv_cache_types)
+    if options.streaming and not caps.streaming:
+        raise no("context shift (--streaming)")
+    if options.evict:
+        kind = options.evict.partition(":")[0]
+        if kind not in caps.eviction:
+            raise no(f"{kind} eviction (--evict)", caps.eviction or ("none",))
+    mode = speculative_mode(options.speculative)
+    if mode not in caps.speculative:
+        raise no(f"speculative mode {mode!r}", caps.speculative)
+    if options.device not in ("auto", *caps.devices):
+        raise no(f"{options.device} device", caps.devices)
+    if options.dtype not in ("auto", *caps.dtypes):
+        raise no(f"{options.dtype} working dtype", caps.dtypes)
+
+
+def check_supported(request: Request, caps: Capabilities, backend: str) -> None:
+    """Every request field the backend lacks is one `Unsupported` line, never silently ignored."""
+    rf = request.response_format
+    if rf is not None:
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise Unsupported(f"response_format type {kind!r} is not one of text, json_object, json_schema")
+        if kind != "text" and not caps.grammar:
+            raise Unsupported(
+                f"the {backend} backend has no constrained decoding, so no response_format {kind}"
+            )
+    tc = request.tool_choice
+    if tc not in (None, "auto", "none"):
+        if tc != "required" and not (isinstance(tc, dict) and tc.get("type") == "function"):
+            raise Unsupported(f"tool_choice {tc!r} is not auto, none, required or a function")
+        if not caps.grammar:
+            raise Unsupported(
+                f"the {backend} backend has no constrained decoding, so tool_choice can only be "
+                "auto or none"
+            )
+        if not request.tools:
+            raise Unsupported("tool_choice names tools but the request has none")
+    mode = speculative_mode(request.speculative)
+    if mode not in caps.speculative:
+        raise Unsupported(
+            f"the {backend} backend has no speculative mode {mode!r} (it has: {', '.join(caps.speculative)})"
+        )
+    if request.context.enabled and not caps.streaming:
+        raise Unsupported(f"the {backend} backend cannot shift its context (--streaming)")
+
+
+# -- prompts and context -------------------------------------------------------------------------
 
 
 class StopMatcher:
@@ -99,98 +172,176 @@ def check_context(
         )
 
 
-def generate(
-    backend: Backend,
-    request: Request,
-    cancel: threading.Event,
-    *,
-    submitted: float,
-    load_s: float = 0.0,
-) -> Iterator[Chunk]:
-    """Run one request to its end. The last chunk carries the Result."""
-    s, policy = request.sampling, request.context
-    if policy.enabled and not backend.capabilities.streaming:
-        raise LocalLLMError(f"the {backend.name} backend cannot shift its context (--streaming)")
-    ids = prompt_ids(backend, request)
-    check_context(len(ids), backend.n_ctx, s, policy)
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    stops = StopMatcher(s.stop)
-    out: list[int] = []
-    texts: list[str] = []
-    logprobs: list[TokenLogprob] = []
-    cached = shifts = discarded = 0
-    finish: FinishReason = "length"
-    stop_hit = False
-    t_start = time.perf_counter()
-    t_first = t_last = 0.0
-    if s.max_tokens != 0:
-        for i, step in enumerate(backend.steps(ids, s, policy, cancel)):
-            t_last = time.perf_counter()
-            if i == 0:
-                t_first, cached = t_last, step.cached
-            shifts += len(step.shifted)
-            discarded += sum(step.shifted)
-            if backend.is_end(step.token):
-                finish = "stop"
-                break
-            out.append(step.token)
-            piece = decoder.decode(backend.token_bytes(step.token))
-            lp: tuple[TokenLogprob, ...] = ()
-            if step.logprob is not None:
-                lp = (TokenLogprob(piece, step.token, step.logprob,
-                                   tuple((backend.detokenize([t]), v) for t, v in step.top)),)  # fmt: skip
-                logprobs.extend(lp)
-            text, hit = stops.feed(piece)
-            if text or lp:
-                texts.append(text)
-                yield Chunk(text, (step.token,), lp)
-            if hit:
-                finish, stop_hit = "stop", True
-                break
-            if s.max_tokens and len(out) >= s.max_tokens:
-                break
-            if not policy.enabled and len(ids) + len(out) >= backend.n_ctx:
-                break  # the context is full: `length`, said in the result, never silent
-            if cancel.is_set():
-                finish = "cancelled"
-                break
-        else:
-            finish = "cancelled" if cancel.is_set() else "length"
-    # text held back as a possible stop-string prefix belongs to the answer unless a stop string hit
-    tail = "" if stop_hit else stops.flush() + decoder.decode(b"", final=True)
-    texts.append(tail)
-    text = "".join(texts)
-    tool_calls: tuple = ()
-    if request.tools and finish == "stop":
-        content, calls = parse_tool_calls(text)
-        if calls:
-            text, tool_calls, finish = content, tuple(calls), "tool_calls"
-    now = time.perf_counter()
-    timings = Timings(
-        load_s=load_s,
-        prompt_s=(t_first - t_start) if t_first else 0.0,
-        ttft_s=(t_first - submitted) if t_first else 0.0,
-        decode_s=(t_last - t_first) if t_first else 0.0,
-        total_s=now - submitted,
-    )
-    usage = Usage(prompt_tokens=len(ids), completion_tokens=len(out), cached_tokens=cached)
-    result = Result(
-        text=text, token_ids=tuple(out), finish_reason=finish, usage=usage, timings=timings,
-        tool_calls=tool_calls, context_shifts=shifts, discarded_tokens=discarded,
-        logprobs=tuple(logprobs) if s.logprobs is not None else None,
-    )  # fmt: skip
-    yield Chunk(tail, (), result=result)
+# -- one sequence's output ------------------------------------------------------------------------
+
+
+class Assembler:
+    """Turns one sequence's `Step`s into `Chunk`s and its `Result`: the same for every backend.
+
+    UTF-8 pieces are decoded incrementally, stop strings are found across chunk borders (text that
+    could begin one is held back), limits end the sequence, and every generated token appears in
+    exactly one chunk's `token_ids` (tokens whose text is held back ride with a later chunk).
+    """
+
+    def __init__(self, backend: Any, request: Request, n_prompt: int, *, submitted: float,
+                 load_s: float = 0.0) -> None:  # fmt: skip
+        self.backend = backend
+        self.request = request
+        self.n_prompt = n_prompt
+        self.submitted = submitted
+        self.load_s = load_s
+        self.t_start = time.perf_counter()
+        self.t_first = self.t_last = 0.0
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.stops = StopMatcher(request.sampling.stop)
+        self.out: list[int] = []
+        self.pending: list[int] = []  # tokens not yet handed out in a chunk
+        self.texts: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.cached = self.shifts = self.discarded = 0
+        self.finish_reason: FinishReason | None = None
+        self.stop_hit = False
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def feed(self, step: Step) -> Chunk | None:
+        """Take one token; returns a chunk to hand out (or None). Sets `finish_reason` when done."""
+        s, b = self.request.sampling, self.backend
+        self.t_last = time.perf_counter()
+        if not self.t_first:
+            self.t_first = self.t_last
+            self.cached = max(self.cached, step.cached)
+        self.shifts += len(step.shifted)
+        self.discarded += sum(step.shifted)
+        if b.is_end(step.token):
+            self.finish_reason = "stop"
+            return None
+        self.out.append(step.token)
+        self.pending.append(step.token)
+        piece = self.decoder.decode(b.token_bytes(step.token))
+        lp: tuple[TokenLogprob, ...] = ()
+        if step.logprob is not None and s.logprobs is not None:
+            lp = (TokenLogprob(piece, step.token, step.logprob,
+                               tuple((b.detokenize([t]), v) for t, v in step.top)),)  # fmt: skip
+            self.logprobs.extend(lp)
+        text, hit = self.stops.feed(piece)
+        chunk = None
+        if text or lp:
+            self.texts.append(text)
+            chunk = Chunk(text, tuple(self.pending), lp)
+            self.pending = []
+        if hit:
+            self.finish_reason, self.stop_hit = "stop", True
+        elif s.max_tokens and len(self.out) >= s.max_tokens:
+            self.finish_reason = "length"
+        elif not self.request.context.enabled and self.n_prompt + len(self.out) >= b.n_ctx:
+            self.finish_reason = "length"  # the context is full: said in the result, never silent
+        return chunk
+
+    def finish(self, reason: FinishReason | None = None, error: str | None = None) -> Chunk:
+        """The last chunk: the rest of the text, the remaining tokens and the `Result`."""
+        finish: FinishReason = "error" if error else reason or self.finish_reason or "length"
+        # text held back as a possible stop-string prefix belongs to the answer unless one hit
+        tail = "" if self.stop_hit else self.stops.flush() + self.decoder.decode(b"", final=True)
+        self.texts.append(tail)
+        text = "".join(self.texts)
+        tool_calls: tuple = ()
+        if self.request.tools and self.request.tool_choice != "none" and finish == "stop":
+            content, calls = parse_tool_calls(text)
+            if calls:
+                text, tool_calls, finish = content, tuple(calls), "tool_calls"
+        now = time.perf_counter()
+        t_first, t_last = self.t_first, self.t_last
+        timings = Timings(
+            load_s=self.load_s,
+            prompt_s=(t_first - self.t_start) if t_first else 0.0,
+            ttft_s=(t_first - self.submitted) if t_first else 0.0,
+            decode_s=(t_last - t_first) if t_first else 0.0,
+            total_s=now - self.submitted,
+        )
+        n = len(self.out)
+        usage = Usage(prompt_tokens=self.n_prompt, completion_tokens=n, cached_tokens=self.cached)
+        result = Result(
+            text=text, token_ids=tuple(self.out), finish_reason=finish, usage=usage,
+            timings=timings, tool_calls=tool_calls, context_shifts=self.shifts,
+            discarded_tokens=self.discarded, error=error,
+            logprobs=tuple(self.logprobs) if self.request.sampling.logprobs is not None else None,
+        )  # fmt: skip
+        ids, self.pending = tuple(self.pending), []
+        return Chunk(tail, ids, result=result)
 
 
 _END = object()
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
     request: Request
     submitted: float
     cancel: threading.Event = field(default_factory=threading.Event)
     out: queue.Queue = field(default_factory=queue.Queue)
+
+
+@dataclass(eq=False)
+class _Live:
+    """A job holding a slot."""
+
+    job: _Job
+    seq: Seq
+    asm: Assembler
+    left: int  # prompt tokens not yet evaluated
+
+
+class Scheduler:
+    """Chooses what each step evaluates: every decoding sequence, plus a bounded prefill chunk.
+
+    With nothing decoding, a prompt goes in `max_batch`-token steps. While sequences decode, a new
+    prompt gets a chunk sized so that the step costs about `PREFILL_SHARE` decode steps more than a
+    decode step alone (measured as it runs): running streams slow down by a bounded factor instead of
+    stalling for a whole long prompt (Sarathi-style chunked prefill).
+    """
+
+    PREFILL_SHARE = 1.5  # extra decode-step times one step may spend on prompt tokens
+    MIN_CHUNK = 16
+
+    def __init__(self, max_batch: int) -> None:
+        self.max_batch = max(1, max_batch)
+        self.t_decode = 0.0  # seconds per decode-only step (moving average)
+        self.t_token = 0.0  # seconds per prompt token (moving average)
+
+    def chunk(self, decoding: int) -> int:
+        if not decoding:
+            return self.max_batch
+        if not (self.t_decode and self.t_token):
+            return min(self.max_batch, 64)
+        n = int(self.PREFILL_SHARE * self.t_decode / self.t_token)
+        return max(min(self.MIN_CHUNK, self.max_batch), min(self.max_batch, n))
+
+    def plan(self, running: Sequence[_Live]) -> dict[_Live, int]:
+        decoding = [r for r in running if r.left == 0]
+        plan = {r: 0 for r in decoding}
+        budget = min(self.chunk(len(decoding)), self.max_batch - len(decoding))
+        for r in running:
+            if r.left and budget > 0:
+                plan[r] = n = min(r.left, budget)
+                budget -= n
+        return plan
+
+    def observe(self, plan: Mapping[_Live, int], seconds: float) -> None:
+        prompt = sum(plan.values())
+        decoding = sum(1 for n in plan.values() if n == 0)
+
+        def avg(old: float, new: float) -> float:
+            return new if not old else 0.8 * old + 0.2 * new
+
+        if not prompt:
+            self.t_decode = avg(self.t_decode, seconds)
+        elif decoding and self.t_decode:
+            self.t_token = avg(self.t_token, max(0.0, seconds - self.t_decode) / prompt)
+        elif not decoding:
+            self.t_token = avg(self.t_token, seconds / prompt)
 
 
 class Stream:
@@ -238,65 +389,172 @@ class Stream:
         self.close()
 
 
-class Model:
-    """A loaded model: one backend, one worker thread, a queue. The Python API's `llm`."""
 
-    def __init__(self, backend: Backend, name: str, *, load_s: float = 0.0,
-                 context: ContextPolicy | None = None) -> None:  # fmt: skip
+
+class Model:
+    """A loaded model: one backend, one scheduler thread, a queue. The Python API's `llm`."""
+
+    def __init__(self, backend: Backend | Any, name: str, *, load_s: float = 0.0,
+                 options: LoadOptions | None = None,
+                 sampling_defaults: Mapping[str, Any] | None = None) -> None:  # fmt: skip
+        if not hasattr(backend, "admit"):
+            backend = OneSlot(backend)
         self.backend = backend
         self.name = name
         self.load_s = load_s
-        self.context = context or ContextPolicy()
+        self.options = options or LoadOptions()
+        self.context = self.options.context
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.parallel = max(1, min(self.options.parallel, int(getattr(backend, "n_slots", 1))))
+        self.scheduler = Scheduler(int(getattr(backend, "max_batch", 512)))
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._work, name=f"localllm:{name}", daemon=True)
         self._closed = False
+        self._first = True
         self._thread.start()
 
     @property
-    def capabilities(self):  # noqa: ANN201
+    def capabilities(self) -> Capabilities:
         return self.backend.capabilities
 
     @property
     def n_ctx(self) -> int:
         return self.backend.n_ctx
 
+    # -- the scheduler thread --------------------------------------------------------------------
+
     def _work(self) -> None:
-        first = True
-        while (job := self._queue.get()) is not None:
+        waiting: deque[_Job] = deque()
+        running: list[_Live] = []
+        closing = False
+        while True:
+            block = not running and not waiting and not closing
             try:
-                for chunk in generate(self.backend, job.request, job.cancel, submitted=job.submitted,
-                                      load_s=self.load_s if first else 0.0):  # fmt: skip
-                    job.out.put(chunk)
-                first = False
-            except LocalLLMError as e:
-                job.out.put(e)
-            except Exception as e:  # noqa: BLE001 - reported to the consumer as one line
-                job.out.put(LocalLLMError(f"generation failed: {type(e).__name__}: {e}"))
-            finally:
+                while True:  # everything submitted since the last step
+                    job = self._queue.get(block=block)
+                    block = False
+                    if job is None:
+                        closing = True
+                    else:
+                        waiting.append(job)
+            except queue.Empty:
+                pass
+            if closing:
+                for live in running:
+                    self._end(live, live.asm.finish("cancelled"))
+                for job in waiting:
+                    job.out.put(LocalLLMError("the model was closed"))
+                    job.out.put(_END)
+                return
+            while waiting and len(running) < self.parallel:
+                live = self._admit(waiting.popleft())
+                if live is not None:
+                    running.append(live)
+            for live in [r for r in running if r.job.cancel.is_set()]:
+                running.remove(live)
+                self._end(live, live.asm.finish("cancelled"))
+            if running:
+                self._step(running)
+
+    def _admit(self, job: _Job) -> _Live | None:
+        """Prepare a waiting job and give it a slot; errors go to its consumer, not the model."""
+        try:
+            request = job.request
+            ids = prompt_ids(self.backend, request)
+            check_context(len(ids), self.backend.n_ctx, request.sampling, request.context)
+            asm = Assembler(self.backend, request, len(ids), submitted=job.submitted,
+                            load_s=self.load_s if self._first else 0.0)  # fmt: skip
+            self._first = False
+            if job.cancel.is_set() or request.sampling.max_tokens == 0:
+                job.out.put(asm.finish("cancelled" if job.cancel.is_set() else "length"))
                 job.out.put(_END)
+                return None
+            seq = Seq(ids, request.sampling, request.context, request.speculative)
+            asm.cached = cached = self.backend.admit(seq)
+            return _Live(job, seq, asm, left=len(ids) - cached)
+        except Exception as e:  # noqa: BLE001 - reported to the consumer as one line
+            job.out.put(_one_line(e))
+            job.out.put(_END)
+            return None
+
+    def _step(self, running: list[_Live]) -> None:
+        plan = self.scheduler.plan(running)
+        t0 = time.perf_counter()
+        try:
+            got = self.backend.step({live.seq: n for live, n in plan.items()})
+        except Exception as e:  # noqa: BLE001 - every sequence in the step fails; the model lives
+            error = _one_line(e)
+            for live in plan:
+                running.remove(live)
+                if live.asm.out or live.asm.t_first:
+                    self._end(live, live.asm.finish(error=str(error)), keep=False)
+                else:
+                    self._release(live, keep=False)
+                    live.job.out.put(error)
+                    live.job.out.put(_END)
+            return
+        self.scheduler.observe(plan, time.perf_counter() - t0)
+        for live, n in plan.items():
+            steps = got.get(live.seq, [])
+            if live.left and not steps:
+                live.left = max(0, live.left - n)
+                continue
+            live.left = 0
+            if not steps:  # a decoding sequence that cannot go on: its context is full
+                running.remove(live)
+                self._end(live, live.asm.finish("length"))
+                continue
+            for st in steps:
+                chunk = live.asm.feed(st)
+                if chunk is not None:
+                    live.job.out.put(chunk)
+                if live.asm.done:
+                    break
+            if live.asm.done:
+                running.remove(live)
+                self._end(live, live.asm.finish())
+
+    def _release(self, live: _Live, keep: bool) -> None:
+        with contextlib.suppress(Exception):  # a slot that cannot be kept is the backend's to drop
+            self.backend.release(live.seq, keep)
+
+    def _end(self, live: _Live, last: Chunk, keep: bool = True) -> None:
+        self._release(live, keep)
+        live.job.out.put(last)
+        live.job.out.put(_END)
+
+    # -- submitting ----------------------------------------------------------------------------
 
     def submit(self, request: Request) -> Stream:
+        """Queue a request; unsupported fields are refused here, before it waits for a slot."""
         if self._closed:
             raise LocalLLMError("the model is closed")
         if request.context == ContextPolicy() and self.context.enabled:
-            from dataclasses import replace
-
             request = replace(request, context=self.context)
+        check_supported(request, self.capabilities, self.backend.name)
         job = _Job(request, time.perf_counter())
         self._queue.put(job)
         return Stream(job)
 
     # -- the Python API (PRODUCT.md) -----------------------------------------------------------
 
+    def sampling(self, **kw: Any) -> SamplingParams:
+        """Sampling options over this model's defaults (GGUF, else catalog, else global)."""
+        given = {k: v for k, v in kw.items() if v is not None}
+        return SamplingParams.from_kwargs(**(self.sampling_defaults | given))
+
     def _request(self, prompt: str | Sequence[Message], **kw: Any) -> Request:
         tools = kw.pop("tools", ())
         tool_choice = kw.pop("tool_choice", None)
-        sampling = SamplingParams.from_kwargs(**kw)
+        response_format = kw.pop("response_format", None)
+        speculative = kw.pop("speculative", None)
+        sampling = self.sampling(**kw)
         if isinstance(prompt, str):
-            return Request(prompt=prompt, sampling=sampling)
-        return Request(
-            messages=tuple(prompt), tools=tuple(tools), tool_choice=tool_choice, sampling=sampling
-        )
+            return Request(prompt=prompt, sampling=sampling, response_format=response_format,
+                           speculative=speculative)  # fmt: skip
+        return Request(messages=tuple(prompt), tools=tuple(tools), tool_choice=tool_choice,
+                       response_format=response_format, speculative=speculative,
+                       sampling=sampling)  # fmt: skip
 
     def stream(self, prompt: str | Sequence[Message], **kw: Any) -> Iterator[Chunk]:
         """A string is a raw completion; a list of messages goes through the chat template."""
@@ -318,7 +576,7 @@ class Model:
     def embed(self, texts: str | Sequence[str]) -> list[list[float]]:
         """One normalised vector per text (a separate context: generation is not disturbed)."""
         if not self.capabilities.embeddings:
-            raise LocalLLMError(f"the {self.backend.name} backend has no embeddings")
+            raise Unsupported(f"the {self.backend.name} backend has no embeddings")
         return self.backend.embed([texts] if isinstance(texts, str) else list(texts))
 
     def close(self) -> None:
@@ -335,84 +593,97 @@ class Model:
         self.close()
 
 
-BACKENDS = ("auto", "llama.cpp", "torch")
+def _one_line(e: BaseException) -> LocalLLMError:
+    if isinstance(e, LocalLLMError):
+        return e
+    return LocalLLMError(f"generation failed: {type(e).__name__}: {e}")
 
 
-def load(
-    model: str,
-    *,
-    backend: str = "auto",
-    device: str = "auto",
-    ctx: int | None = None,
-    kv_cache: str = "f16",
-    streaming: str | tuple[int, int] | None = None,
-    speculative: str | None = None,
-    n_threads: int | None = None,
-    check_memory: bool = True,
-) -> Model:
-    """Load a model by name (registering the offline default on first use) and start its worker."""
+# -- loading -----------------------------------------------------------------------------------
+
+_GGUF_SAMPLING = {  # GGUF general.sampling.* → SamplingParams
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repeat_penalty",
+    "general.sampling.penalty_last_n": "repeat_last_n",
+}
+
+
+def sampling_defaults(path: Any, catalog: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], str]:
+    """A model's sampling defaults and where they came from: its GGUF `general.sampling.*` keys,
+    else its catalog entry's, else none (the global defaults of `SamplingParams`)."""
+    from localllm.gguf_file import GGUFFile
+
+    found: dict[str, Any] = {}
+    try:
+        with GGUFFile(path) as gf:
+            for key, name in _GGUF_SAMPLING.items():
+                v = gf.get(key)
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    found[name] = int(v) if name in ("top_k", "repeat_last_n") else float(v)
+    except (LocalLLMError, OSError):
+        found = {}
+    if found:
+        try:
+            SamplingParams.from_kwargs(**found)
+            return found, "model file"
+        except LocalLLMError:
+            pass  # a file with impossible defaults gets none of them
+    if catalog:
+        return dict(catalog), "catalog"
+    return {}, "global"
+
+
+def load(model: str, options: LoadOptions | None = None, *, check_memory: bool = True,
+         **kw: Any) -> Model:  # fmt: skip
+    """Load a model by name (registering the offline default on first use) and start its worker.
+
+    `options` (or keyword options, which override it: `ctx=2048, kv_cache="q8_0"`) fix the engine;
+    the backend is chosen by the registry, and everything it cannot do is refused before loading.
+    """
+    from localllm import backends
     from localllm.errors import DoesNotFit
-    from localllm.memory import estimate, resolve_ctx
+    from localllm.memory import resolve_ctx
     from localllm.model_info import human_bytes
-    from localllm.models_registry.catalog import ensure_local
+    from localllm.models_registry.catalog import ensure_local, sampling_for
     from localllm.models_registry.store import Store
 
-    if backend not in BACKENDS:
-        raise LocalLLMError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
-    if device not in ("auto", "cpu", "cuda", "mps"):
-        raise LocalLLMError(f"unknown device {device!r} (auto, cpu, cuda, mps)")
-    if backend == "torch":
-        raise LocalLLMError(
-            "the torch backend is not part of this build yet; use --backend llama.cpp"
-        )
-    policy = ContextPolicy.parse(streaming)
-    if speculative not in (None, "off"):
-        raise LocalLLMError(
-            f"the llama.cpp backend has no speculative mode {speculative!r} (it has: off)"
-        )
+    if "n_threads" in kw:
+        kw["threads"] = kw.pop("n_threads")
+    opts = (options or LoadOptions()).replace(**kw) if kw else (options or LoadOptions())
+    spec = backends.describe(opts.backend)
+    check_options(opts, spec.capabilities, spec.name)
     store = Store()
     record = ensure_local(model, store)
-    n_ctx = resolve_ctx(record.info, ctx)
+    opts = opts.replace(ctx=resolve_ctx(record.info, opts.ctx))
     if check_memory:
-        est = estimate(
-            record.info, ctx=n_ctx, kv_cache=kv_cache, device="cpu" if device == "cpu" else "auto"
-        )
+        est = spec.estimate(record.info, opts)
         if not est.fits:
+            per = f" for {opts.parallel} sequences" if opts.parallel > 1 else ""
             raise DoesNotFit(
-                f"{record.name} at context {n_ctx} needs {human_bytes(est.total_bytes)} "
+                f"{record.name} at context {opts.ctx}{per} needs {human_bytes(est.total_bytes)} "
                 f"(weights {human_bytes(est.weights_bytes)}, KV {human_bytes(est.kv_bytes)}, "
                 f"compute {human_bytes(est.compute_bytes)}) but {human_bytes(est.available_bytes)} "
-                f"is free on {est.device}; try a smaller --ctx or --kv-cache q8_0"
+                f"is free on {est.device}; try a smaller --ctx, --parallel or --kv-cache q8_0"
             )
-    choose_backend(backend)
-    from localllm.backends.llamacpp import LlamaCppBackend
-    from localllm.backends.llamacpp_guard import check_load
-
+    chosen = backends.choose(opts.backend)
+    if chosen is not spec:
+        check_options(opts, chosen.capabilities, chosen.name)
     path = store.path_of(record)
-    n_gpu_layers = 0 if device == "cpu" else -1
+    defaults, _source = sampling_defaults(path, sampling_for(record))
     t0 = time.perf_counter()
-    # the first load of a file runs in a child: a file llama.cpp would abort on is refused here
-    check_load(path, record.digest, record.name, n_gpu_layers=n_gpu_layers, home=store.home)
     try:
-        b = LlamaCppBackend(path, n_ctx=n_ctx, kv_cache=kv_cache, n_threads=n_threads,
-                            n_gpu_layers=n_gpu_layers)  # fmt: skip
+        b = chosen.open(path, opts, name=record.name, digest=record.digest, home=store.home)
     except LocalLLMError as e:
         raise LocalLLMError(f"{record.name}: {e}") from None
-    return Model(b, record.name, load_s=time.perf_counter() - t0, context=policy)
+    return Model(b, record.name, load_s=time.perf_counter() - t0, options=opts,
+                 sampling_defaults=defaults)  # fmt: skip
 
 
 def choose_backend(backend: str = "auto") -> str:
-    """The backend a load will use, or `BackendUnavailable` saying why none can run here.
+    """The name of the backend a load will use, or `BackendUnavailable` saying why none can run."""
+    from localllm import backends
 
-    llama.cpp is probed once per build and machine (in a child: a build that dies on this CPU
-    becomes one line, not a signal). `auto` would move on to the next backend; the torch engine
-    is the next one, and it is not part of this build yet.
-    """
-    from localllm.backends.llamacpp_guard import probe
-    from localllm.errors import BackendUnavailable
-
-    verdict = probe()
-    if verdict.ok:
-        return "llama.cpp"
-    also = " (and no other backend is installed)" if backend == "auto" else ""
-    raise BackendUnavailable(f"llama.cpp cannot run on this machine{also}: {verdict.message()}")
+    return backends.choose(backend).name

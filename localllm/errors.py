@@ -52,3 +52,7 @@ class ContextOverflow(LocalLLMError):
 
 class BackendUnavailable(LocalLLMError):
     """A backend cannot run on this machine (not installed, or its probe crashed): reason and fix."""
+
+
+class Unsupported(LocalLLMError):
+    """A request field or load option the chosen backend cannot honour (refused, never ignored)."""

@@ -156,8 +156,12 @@ def estimate(
     kv_cache: str = "f16",
     device: str = "auto",
     available: Available | None = None,
+    parallel: int = 1,
 ) -> MemoryEstimate:
-    """Estimate what loading `info` with the llama.cpp backend needs, and what is free."""
+    """Estimate what loading `info` with the llama.cpp backend needs, and what is free.
+
+    `parallel` sequences each get a cache of `ctx` positions (llama.cpp's per-sequence cache).
+    """
     n = resolve_ctx(info, ctx)
     padded = -(-n // LLAMACPP_CTX_PAD) * LLAMACPP_CTX_PAD
     type_k, type_v = parse_kv_cache(kv_cache)
@@ -167,7 +171,7 @@ def estimate(
         type_k=type_k,
         type_v=type_v,
         weights_bytes=info.weights_bytes,
-        kv_bytes=kv_cache_bytes(info, padded, type_k, type_v),
+        kv_bytes=kv_cache_bytes(info, padded, type_k, type_v) * max(1, parallel),
         compute_bytes=compute_buffer_bytes(info),
         device=avail.device,
         available_bytes=avail.bytes,

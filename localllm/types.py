@@ -99,6 +99,110 @@ class ContextPolicy:
         return self.sinks is not None
 
 
+_DEVICES = ("auto", "cpu", "cuda", "mps")
+_DTYPES = ("auto", "f32", "f16", "bf16")
+DEFAULT_PARALLEL = 4
+
+
+def _parse_evict(spec: str | None) -> str | None:
+    if spec in (None, "", "off"):
+        return None
+    kind, _, budget = spec.partition(":")
+    if kind != "h2o" or not budget.isdigit() or int(budget) < 8:
+        raise LocalLLMError(f"bad --evict {spec!r}: use h2o:BUDGET, e.g. h2o:1024")
+    return spec
+
+
+def _parse_speculative(spec: str | None) -> str | None:
+    if spec in (None, "", "off"):
+        return None
+    mode, _, model = spec.partition(":")
+    if mode in ("lookup", "self") and not model:
+        return spec
+    if mode == "draft" and model:
+        return spec
+    raise LocalLLMError(f"bad speculative mode {spec!r}: use off, lookup, self or draft:MODEL")
+
+
+def speculative_mode(spec: str | None) -> str:
+    """`draft:smollm2` → `draft`; None → `off` (what `Capabilities.speculative` lists)."""
+    return (spec or "off").partition(":")[0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """How to load a model: everything that fixes the loaded engine (changing one means a reload).
+
+    Checked when built, so a bad value is one line before anything loads. `to_dict` writes only what
+    differs from the defaults; `from_dict` ignores keys it does not know (a conversation saved by a
+    newer localllm still opens) — it keeps them in `unknown` for the caller to mention.
+    """
+
+    backend: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    ctx: int | None = None  # per sequence; None: 4096 capped by the model's own
+    kv_cache: str = "f16"
+    streaming: str | None = None  # SINKS:WINDOW
+    evict: str | None = None  # h2o:BUDGET
+    speculative: str | None = None  # off, lookup, self, draft:MODEL
+    threads: int | None = None
+    parallel: int = DEFAULT_PARALLEL  # sequences decoded together (continuous batching)
+
+    def __post_init__(self) -> None:
+        from localllm import backends
+        from localllm.memory import parse_kv_cache
+
+        if self.backend not in backends.names():
+            raise LocalLLMError(
+                f"unknown backend {self.backend!r} (choose from {', '.join(backends.names())})"
+            )
+        if self.device not in _DEVICES:
+            raise LocalLLMError(f"unknown device {self.device!r} ({', '.join(_DEVICES)})")
+        if self.dtype not in _DTYPES:
+            raise LocalLLMError(f"unknown dtype {self.dtype!r} ({', '.join(_DTYPES)})")
+        if self.ctx is not None and (isinstance(self.ctx, bool) or not isinstance(self.ctx, int)
+                                     or self.ctx < 16):  # fmt: skip
+            raise LocalLLMError(f"--ctx must be a whole number of at least 16, got {self.ctx!r}")
+        k, v = parse_kv_cache(self.kv_cache)
+        object.__setattr__(self, "kv_cache", k if k == v else f"k={k},v={v}")
+        if self.streaming in ("", "off"):
+            object.__setattr__(self, "streaming", None)
+        policy = ContextPolicy.parse(self.streaming)
+        if policy.enabled:
+            object.__setattr__(self, "streaming", f"{policy.sinks}:{policy.window}")
+        object.__setattr__(self, "evict", _parse_evict(self.evict))
+        object.__setattr__(self, "speculative", _parse_speculative(self.speculative))
+        if self.threads is not None and not (isinstance(self.threads, int) and 1 <= self.threads <= 1024):
+            raise LocalLLMError(f"--threads must be between 1 and 1024, got {self.threads!r}")
+        if isinstance(self.parallel, bool) or not isinstance(self.parallel, int) or not 1 <= self.parallel <= 64:
+            raise LocalLLMError(f"--parallel must be between 1 and 64, got {self.parallel!r}")
+
+    @property
+    def context(self) -> ContextPolicy:
+        return ContextPolicy.parse(self.streaming)
+
+    def replace(self, **kw: Any) -> LoadOptions:
+        return replace(self, **kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        default = LoadOptions()
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> LoadOptions:
+        """Known keys only; None values are defaults. Bad values raise (one line)."""
+        known = {f.name for f in fields(cls)}
+        d = d or {}
+        return cls(**{k: v for k, v in d.items() if k in known and v is not None})
+
+    @staticmethod
+    def unknown(d: dict[str, Any] | None) -> list[str]:
+        known = {f.name for f in fields(LoadOptions)}
+        return sorted(k for k in (d or {}) if k not in known)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Request:
     """One generation. Exactly one of `prompt` (raw text) or `messages` (chat) is set."""

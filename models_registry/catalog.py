@@ -89,6 +89,7 @@ class Variant:
     split: bool = False
     files: dict[str, KnownFile] = field(default_factory=dict)
     shape: Shape | None = None  # None for entries that do not carry one
+    sampling: dict[str, Any] = field(default_factory=dict)  # the model card's suggested defaults
 
     def filename(self, quant: str) -> str:
         return self.file.replace("{QUANT}", quant.upper()).replace("{quant}", quant.lower())
@@ -221,8 +222,32 @@ def _family(name: str, d: dict[str, Any]) -> Family:
             split=bool(v.get("split", False)),
             files=files,
             shape=_shape(v["shape"]) if "shape" in v else None,
+            sampling=_sampling(v.get("sampling", {})),
         )
     return Family(name, d.get("description", ""), d.get("license", ""), d["default"], variants)
+
+
+def _sampling(d: dict[str, Any]) -> dict[str, Any]:
+    from localllm.types import SamplingParams
+
+    SamplingParams.from_kwargs(**d)  # unknown keys or impossible values: the catalog is broken
+    return dict(d)
+
+
+def sampling_for(record: ModelRecord, catalog: Catalog | None = None) -> dict[str, Any]:
+    """The catalog's suggested sampling for a stored model: by its name, else by its bytes."""
+    catalog = catalog or default_catalog()
+    try:
+        entry = catalog.resolve(parse_name(record.name))
+    except LocalLLMError:
+        entry = None
+    if entry is not None:
+        return dict(entry.variant.sampling)
+    for fam in catalog.families.values():
+        for v in fam.variants.values():
+            if any(f.sha256 == record.digest for f in v.files.values()):
+                return dict(v.sampling)
+    return {}
 
 
 def _shape(d: dict[str, Any]) -> Shape:

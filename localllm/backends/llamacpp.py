@@ -17,9 +17,12 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from threading import Event
+from typing import Any
 
-from localllm.backends.base import Capabilities, Step
-from localllm.chat import CHATML, ChatTemplate
+from localllm.backends import LLAMACPP as CAPABILITIES
+from localllm.backends import LLAMACPP_KV_TYPES
+from localllm.backends.base import Step
+from localllm.chat import template_for
 from localllm.errors import ContextOverflow, LocalLLMError
 from localllm.memory import parse_kv_cache
 from localllm.types import ContextPolicy, SamplingParams
@@ -35,14 +38,19 @@ _GGML_TYPE = {
     "iq4_nl": 20,
     "bf16": 30,
 }
-CAPABILITIES = Capabilities(
-    kv_cache_types=tuple(_GGML_TYPE),
-    streaming=True,
-    speculative=("off",),
-    batching=False,
-    embeddings=True,
-    grammar=False,
-)
+assert set(_GGML_TYPE) == set(LLAMACPP_KV_TYPES)
+
+
+def open_backend(path: str | Path, options: Any, *, name: str, digest: str,
+                 home: Path | None = None) -> LlamaCppBackend:  # fmt: skip
+    """The registry's factory: the first load of a file runs in a child (a file llama.cpp would
+    abort on is refused there), then the model loads here with the options' context and cache."""
+    from localllm.backends.llamacpp_guard import check_load
+
+    n_gpu_layers = 0 if options.device == "cpu" else -1
+    check_load(path, digest, name, n_gpu_layers=n_gpu_layers, home=home)
+    return LlamaCppBackend(path, n_ctx=options.ctx, kv_cache=options.kv_cache,
+                           n_threads=options.threads, n_gpu_layers=n_gpu_layers)  # fmt: skip
 
 
 def default_threads() -> int:
@@ -236,8 +244,8 @@ class LlamaCppBackend:
         self._embed_lock = threading.Lock()
         meta = self.llm.metadata
         bos, eos = self.llm.token_bos(), self.llm.token_eos()
-        self.chat_template = ChatTemplate(
-            meta.get("tokenizer.chat_template") or CHATML,
+        self.chat_template = template_for(
+            meta,
             bos_token=self._piece(bos) if bos >= 0 else "",
             eos_token=self._piece(eos) if eos >= 0 else "",
         )
