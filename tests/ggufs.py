@@ -226,7 +226,12 @@ def copy_gguf(src: Path, dst: Path, changes: dict[str, object]) -> Path:
             writer.add_key_value(name, value, vtype)
     for key, value in changes.items():
         if key not in reader.fields and key != "general.architecture":
-            writer.add_string(key, str(value))
+            if isinstance(value, float):
+                writer.add_float32(key, value)
+            elif isinstance(value, int) and not isinstance(value, bool):
+                writer.add_int32(key, value)
+            else:
+                writer.add_string(key, str(value))
     for t in reader.tensors:
         writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)  # byte shape for quant types
     writer.write_header_to_file()

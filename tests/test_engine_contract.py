@@ -13,11 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fakebackend import FakeBatch, FakeSimple
 
 from localllm.engine import Model, load
 from localllm.errors import ContextOverflow, LocalLLMError, Unsupported
 from localllm.types import Chunk, Request, SamplingParams
-from fakebackend import FakeBatch, FakeSimple
 
 
 @pytest.fixture(scope="module")
