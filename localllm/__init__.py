@@ -13,10 +13,12 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from localllm.engine import Model
+    from localllm.types import LoadOptions
 
 
-def load(model: str, **options: Any) -> Model:
-    """Load a model by name; see `localllm.engine.load` for the options."""
+def load(model: str, options: LoadOptions | None = None, **kw: Any) -> Model:
+    """Load a model by name with `LoadOptions` (or its fields as keywords: `ctx=2048,
+    kv_cache="q8_0", streaming=(4, 1020)`); see `localllm.engine.load`."""
     from localllm.engine import load as _load
 
-    return _load(model, **options)
+    return _load(model, options, **kw)
