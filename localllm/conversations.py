@@ -16,6 +16,11 @@ marked finished, the next open turns it into 'partial' — the text so far is ke
 One connection is shared by the app's threads (Textual workers are threads) behind one lock, and
 every failure a user can meet — a file that is not SQLite or is damaged, a database from a newer
 localllm, a full disk — is one `ConversationStoreError` line naming the file.
+
+A conversation's `settings` are JSON with two parts that front doors read through
+`ChatSettings.from_dict`: `sampling` (SamplingParams keywords) and `load` (`LoadOptions.to_dict()`:
+what fixes the loaded engine). Keys this localllm does not know, or values it cannot use, are
+dropped and listed in `ignored`, so a conversation saved by another version still opens.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Any, Literal
 
 from localllm.errors import LocalLLMError
 from localllm.models_registry.store import default_home
+from localllm.types import LoadOptions, SamplingParams
 
 ROLES = ("system", "user", "assistant", "tool")
 STATUSES = ("complete", "streaming", "partial", "error", "cancelled")
@@ -72,17 +78,75 @@ def default_db_path() -> Path:
 
 
 @dataclass(frozen=True)
+class ChatSettings:
+    """A conversation's sampling and engine options, as saved in its `settings`.
+
+    Stored as `{"sampling": {...}, "load": LoadOptions.to_dict()}`; the flat dicts of earlier
+    versions (`{"temperature": 0.2, "ctx": 2048, "kv_cache": "q8_0"}`) read the same way.
+    """
+
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams keywords
+    options: LoadOptions = field(default_factory=LoadOptions)
+    ignored: tuple[str, ...] = ()  # saved keys dropped on reading: unknown here, or bad values
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.sampling:
+            out["sampling"] = dict(self.sampling)
+        if load := self.options.to_dict():
+            out["load"] = load
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> ChatSettings:
+        d = dict(d or {})
+        ignored: list[str] = []
+        if "sampling" in d or "load" in d:
+            sampling = d.pop("sampling", None)
+            load = d.pop("load", None)
+            sampling = sampling if isinstance(sampling, dict) else {}
+            load = load if isinstance(load, dict) else {}
+            ignored += list(d)
+            prefix = ("sampling.", "load.")
+        else:  # the flat form of earlier versions
+            known_load = set(LoadOptions.__dataclass_fields__)
+            load = {k: v for k, v in d.items() if k in known_load}
+            sampling = {k: v for k, v in d.items() if k not in known_load}
+            prefix = ("", "")
+        kept: dict[str, Any] = {}
+        for k, v in sampling.items():
+            try:  # one key at a time, so one bad value costs only itself
+                SamplingParams.from_kwargs(**{k: v})
+            except (LocalLLMError, TypeError, ValueError, AttributeError):
+                ignored.append(prefix[0] + k)
+                continue
+            if v is not None:
+                kept[k] = v
+        ignored += [prefix[1] + k for k in LoadOptions.unknown(load)]
+        options = LoadOptions()
+        for k, v in load.items():
+            if k in LoadOptions.__dataclass_fields__ and v is not None:
+                try:
+                    options = options.replace(**{k: v})
+                except (LocalLLMError, TypeError, ValueError, AttributeError):
+                    ignored.append(prefix[1] + k)
+        return cls(kept, options, tuple(ignored))
+
+
+@dataclass(frozen=True)
 class Conversation:
     id: int
     title: str | None  # None until the first user message or a rename gives one
     model: str
     system_prompt: str | None
-    settings: dict[str, Any] = field(
-        hash=False
-    )  # sampling and engine settings, as the app saved them
+    settings: dict[str, Any] = field(hash=False)  # as saved; read it with `chat_settings`
     current_leaf: int | None  # last message of the current branch; None while empty
     created: float
     updated: float  # last message written; the list is ordered by it
+
+    @property
+    def chat_settings(self) -> ChatSettings:
+        return ChatSettings.from_dict(self.settings)
 
 
 @dataclass(frozen=True)
@@ -298,7 +362,7 @@ class Conversations:
         Matching is case-insensitive for all of Unicode (SQLite's LIKE folds only ASCII) and
         literal: `%` and `_` are ordinary characters.
         """
-        sql = "SELECT * FROM conversations"
+        sql = f"SELECT {_CONV_COLS} FROM conversations"
         args: builtins.list[Any] = []
         if search and search.strip():
             sql += (
@@ -434,12 +498,13 @@ class Conversations:
             if leaf is None:
                 return []
             rows = self._conn.execute(
-                """WITH RECURSIVE path(id, depth) AS (
+                f"""WITH RECURSIVE path(id, depth) AS (
                        SELECT ?, 0
                        UNION ALL
                        SELECT m.parent_id, path.depth + 1 FROM messages m JOIN path ON m.id = path.id
                        WHERE m.parent_id IS NOT NULL)
-                   SELECT messages.* FROM path JOIN messages USING (id) ORDER BY depth DESC""",
+                   SELECT {_MSG_COLS_Q} FROM path JOIN messages USING (id)
+                   ORDER BY depth DESC""",
                 (leaf,),
             )
             return [_to_message(r) for r in rows]
@@ -449,7 +514,7 @@ class Conversations:
         with self._read():
             self._message(msg_id)
             rows = self._conn.execute(
-                "SELECT * FROM messages WHERE parent_id = ? ORDER BY id", (msg_id,)
+                f"SELECT {_MSG_COLS} FROM messages WHERE parent_id = ? ORDER BY id", (msg_id,)
             )
             return [_to_message(r) for r in rows]
 
@@ -459,7 +524,8 @@ class Conversations:
         with self._read():
             m = self._message(msg_id)
             rows = self._conn.execute(
-                "SELECT * FROM messages WHERE conversation_id = ? AND parent_id IS ? ORDER BY id",
+                f"SELECT {_MSG_COLS} FROM messages WHERE conversation_id = ? AND parent_id IS ?"
+                " ORDER BY id",
                 (m.conversation_id, m.parent_id),
             )
             return [_to_message(r) for r in rows]
@@ -516,19 +582,34 @@ class Conversations:
     # -- rows ----------------------------------------------------------------------------------
 
     def _conversation(self, conv_id: int) -> Conversation:
-        row = self._conn.execute("SELECT * FROM conversations WHERE id = ?", (conv_id,)).fetchone()
+        row = self._conn.execute(
+            f"SELECT {_CONV_COLS} FROM conversations WHERE id = ?", (conv_id,)
+        ).fetchone()
         if row is None:
             raise ConversationNotFound(f"no conversation with id {conv_id}")
         return _to_conversation(row)
 
     def _message(self, msg_id: int, conv_id: int | None = None) -> Message:
-        row = self._conn.execute("SELECT * FROM messages WHERE id = ?", (msg_id,)).fetchone()
+        row = self._conn.execute(
+            f"SELECT {_MSG_COLS} FROM messages WHERE id = ?", (msg_id,)
+        ).fetchone()
         if row is None:
             raise MessageNotFound(f"no message with id {msg_id}")
         m = _to_message(row)
         if conv_id is not None and m.conversation_id != conv_id:
             raise MessageNotFound(f"message {msg_id} is not in conversation {conv_id}")
         return m
+
+
+# Rows are read by naming their columns, never with `SELECT *` by position: a column added by a
+# later schema (or by hand) must not shift what the reader takes for the settings or the leaf.
+_CONV_COLUMNS = ("id", "title", "model", "system_prompt", "settings_json", "current_leaf",
+                 "created", "updated")  # fmt: skip
+_MSG_COLUMNS = ("id", "conversation_id", "parent_id", "role", "content", "status", "meta_json",
+                "created")  # fmt: skip
+_CONV_COLS = ", ".join(_CONV_COLUMNS)
+_MSG_COLS = ", ".join(_MSG_COLUMNS)
+_MSG_COLS_Q = ", ".join(f"messages.{c}" for c in _MSG_COLUMNS)
 
 
 def _to_conversation(row: tuple[Any, ...]) -> Conversation:

@@ -540,7 +540,7 @@ def check_store_write(home: Path) -> Check:
 
 
 def _conversations_path() -> Path:
-    from localllm.tui.conversations import default_db_path  # sqlite only: no textual import
+    from localllm.conversations import default_db_path  # sqlite only: no textual import
 
     return default_db_path()
 
@@ -603,7 +603,7 @@ def _read_conversations(path: Path) -> tuple[int, bool]:
     Returns (count, busy): busy when another connection holds the write lock right now. Raises
     sqlite3.Error for a damaged file or one from a newer localllm.
     """
-    from localllm.tui.conversations import SCHEMA_VERSION
+    from localllm.conversations import SCHEMA_VERSION
 
     conn = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=2)
     try:

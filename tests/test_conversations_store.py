@@ -15,15 +15,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from localllm.errors import LocalLLMError
-from localllm.tui import conversations as conv_mod
-from localllm.tui.conversations import (
+from localllm import conversations as conv_mod
+from localllm.conversations import (
     ConversationNotFound,
     Conversations,
     ConversationStoreError,
     MessageNotFound,
     default_db_path,
 )
+from localllm.errors import LocalLLMError
 
 
 @pytest.fixture
@@ -282,7 +282,7 @@ def test_export_markdown(store: Conversations) -> None:
 STREAMER = textwrap.dedent(
     """
     import sys, time
-    from localllm.tui.conversations import Conversations
+    from localllm.conversations import Conversations
 
     store = Conversations(sys.argv[1])
     c = store.create("tiny")
@@ -468,3 +468,70 @@ def test_closed_store_says_so(tmp_path: Path) -> None:
     s.close()
     with pytest.raises(ConversationStoreError, match="closed"):
         s.get(c.id)
+
+
+def test_rows_are_read_by_column_name(tmp_path: Path) -> None:
+    """A column added to either table (by a later schema, or by hand) does not shift the reading."""
+    db = tmp_path / "conversations.db"
+    with Conversations(db) as s:
+        c = s.create("m", title="kept", settings={"sampling": {"temperature": 0.5}})
+        m = s.add_message(c.id, "user", "hello", meta={"k": 1})
+    conn = sqlite3.connect(db)
+    conn.execute("ALTER TABLE conversations ADD COLUMN pinned INTEGER DEFAULT 1")
+    conn.execute("ALTER TABLE messages ADD COLUMN tokens INTEGER DEFAULT 7")
+    conn.commit()
+    conn.close()
+    with Conversations(db) as s:
+        conv = s.get(c.id)
+        assert (conv.title, conv.model, conv.current_leaf) == ("kept", "m", m.id)
+        assert conv.settings == {"sampling": {"temperature": 0.5}}
+        assert [x.id for x in s.list()] == [c.id]
+        (msg,) = s.branch(c.id)
+        assert (msg.role, msg.content, msg.status, msg.meta) == ("user", "hello", "complete", {"k": 1})
+        assert s.siblings(m.id) == [msg] and s.children(m.id) == []
+        s.add_message(c.id, "assistant", "hi")  # and writes still work
+        assert [x.content for x in s.branch(c.id)] == ["hello", "hi"]
+
+
+# -- settings: sampling and load options -----------------------------------------------------
+
+
+def test_chat_settings_round_trip(store: Conversations) -> None:
+    from localllm.conversations import ChatSettings
+    from localllm.types import LoadOptions
+
+    cs = ChatSettings({"temperature": 0.0, "max_tokens": 32},
+                      LoadOptions(ctx=2048, kv_cache="q8_0", streaming="4:1020"))  # fmt: skip
+    saved = cs.to_dict()
+    assert saved == {"sampling": {"temperature": 0.0, "max_tokens": 32},
+                     "load": {"ctx": 2048, "kv_cache": "q8_0", "streaming": "4:1020"}}  # fmt: skip
+    c = store.create("m", settings=saved)
+    back = store.get(c.id).chat_settings
+    assert back == cs and back.ignored == ()
+    assert ChatSettings().to_dict() == {}
+
+
+def test_chat_settings_read_the_flat_form_of_earlier_versions() -> None:
+    from localllm.conversations import ChatSettings
+    from localllm.types import LoadOptions
+
+    cs = ChatSettings.from_dict({"temperature": 0.2, "ctx": 2048, "kv_cache": "q8_0",
+                                 "streaming": "4:2044"})  # fmt: skip
+    assert cs.sampling == {"temperature": 0.2}
+    assert cs.options == LoadOptions(ctx=2048, kv_cache="q8_0", streaming="4:2044")
+    assert cs.ignored == ()
+
+
+def test_unknown_or_bad_saved_options_are_dropped_and_listed() -> None:
+    from localllm.conversations import ChatSettings
+    from localllm.types import LoadOptions
+
+    cs = ChatSettings.from_dict({
+        "sampling": {"temperature": 0.3, "top_p": 7, "mirostat": 2},
+        "load": {"ctx": 1024, "kv_cache": "q9_9", "mlx_layers": 3, "backend": "vllm"},
+        "theme": "dark",
+    })  # fmt: skip
+    assert cs.sampling == {"temperature": 0.3}
+    assert cs.options == LoadOptions(ctx=1024)
+    assert sorted(cs.ignored) == ["load.backend", "load.kv_cache", "load.mlx_layers",
+                                  "sampling.mirostat", "sampling.top_p", "theme"]  # fmt: skip

@@ -247,7 +247,7 @@ def test_read_only_store_folder(
 
 
 def test_conversations_database(capsys: pytest.CaptureFixture[str], localllm_home: Path) -> None:
-    from localllm.tui.conversations import Conversations
+    from localllm.conversations import Conversations
 
     with Conversations() as conversations:
         conversations.create("tiny:latest")
@@ -259,7 +259,7 @@ def test_conversations_database(capsys: pytest.CaptureFixture[str], localllm_hom
 
 
 def test_conversations_in_use(capsys: pytest.CaptureFixture[str], localllm_home: Path) -> None:
-    from localllm.tui.conversations import Conversations
+    from localllm.conversations import Conversations
 
     Conversations().close()
     writer = sqlite3.connect(localllm_home / "conversations.db")
@@ -290,7 +290,7 @@ def test_conversations_damaged(capsys: pytest.CaptureFixture[str], localllm_home
 def test_conversations_newer_schema(
     capsys: pytest.CaptureFixture[str], localllm_home: Path
 ) -> None:
-    from localllm.tui.conversations import SCHEMA_VERSION
+    from localllm.conversations import SCHEMA_VERSION
 
     localllm_home.mkdir()
     conn = sqlite3.connect(localllm_home / "conversations.db")

@@ -106,7 +106,7 @@ class LocalLLMApp(App):
     def conversations(self) -> Any:
         """The saved conversations (SQLite beside the store), opened on first use."""
         if self._conversations is None:
-            from localllm.tui.conversations import Conversations
+            from localllm.conversations import Conversations
 
             self._conversations = Conversations(self.store.home / "conversations.db")
         return self._conversations

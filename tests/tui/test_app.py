@@ -245,7 +245,7 @@ def test_conversation_saved_branched_and_reopened(tiny_llama: Path) -> None:
             assert "branch 1/2" in notes[0] and "branch 2/2" in notes[1]
 
     asyncio.run(second())
-    from localllm.tui.conversations import Conversations
+    from localllm.conversations import Conversations
 
     db = Conversations(Store().home / "conversations.db")
     assert {m.content for m in db.siblings(db.branch(conv_id)[0].id)} == {"2+2?", "3+3?"}
@@ -315,7 +315,7 @@ def test_settings_apply_per_conversation(tiny_llama: Path) -> None:
 
 
 def test_conversations_search_rename_export_delete(tiny_llama: Path) -> None:
-    from localllm.tui.conversations import Conversations
+    from localllm.conversations import Conversations
 
     db = Conversations(Store().home / "conversations.db")
     for title in ("Sailing in 100% wind", "Bread recipe"):
