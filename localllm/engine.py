@@ -280,6 +280,7 @@ _END = object()
 class _Job:
     request: Request
     submitted: float
+    ids: list[int]  # the prompt's tokens
     cancel: threading.Event = field(default_factory=threading.Event)
     out: queue.Queue = field(default_factory=queue.Queue)
 
@@ -459,9 +460,7 @@ class Model:
     def _admit(self, job: _Job) -> _Live | None:
         """Prepare a waiting job and give it a slot; errors go to its consumer, not the model."""
         try:
-            request = job.request
-            ids = prompt_ids(self.backend, request)
-            check_context(len(ids), self.backend.n_ctx, request.sampling, request.context)
+            request, ids = job.request, job.ids
             asm = Assembler(self.backend, request, len(ids), submitted=job.submitted,
                             load_s=self.load_s if self._first else 0.0)  # fmt: skip
             self._first = False
@@ -526,13 +525,18 @@ class Model:
     # -- submitting ----------------------------------------------------------------------------
 
     def submit(self, request: Request) -> Stream:
-        """Queue a request; unsupported fields are refused here, before it waits for a slot."""
+        """Queue a request. What cannot run is refused here, in the caller's thread, before it
+        waits for a slot: unsupported fields, a template that fails, a prompt that does not fit.
+        (Rendering and tokenizing here also keeps them off the thread that steps the model.)"""
         if self._closed:
             raise LocalLLMError("the model is closed")
+        submitted = time.perf_counter()
         if request.context == ContextPolicy() and self.context.enabled:
             request = replace(request, context=self.context)
         check_supported(request, self.capabilities, self.backend.name)
-        job = _Job(request, time.perf_counter())
+        ids = prompt_ids(self.backend, request)
+        check_context(len(ids), self.backend.n_ctx, request.sampling, request.context)
+        job = _Job(request, submitted, ids)
         self._queue.put(job)
         return Stream(job)
 
