@@ -168,6 +168,8 @@ class ModelPool:
         """Give back a model from `acquire`. The last release starts its idle time."""
         to_close = None
         with self._cond:
+            if self._closed:  # close() unloaded everything already
+                return
             entry = next((e for e in self._entries.values() if e.model is model and e.refs > 0),
                          None)  # fmt: skip
             if entry is None:

@@ -3,33 +3,34 @@
 Everything slow — loading a model, generating, pulling, scanning — runs in a worker thread; the UI
 thread only draws. Errors reach the user as a notification with the one-line message. The app is
 built from small parts: a screen per job (`models_screen.py`, `chat_screen.py`), settings in one
-JSON file beside the store, and a `loader` that turns a model name into something with
-`submit(Request) -> stream` (the engine's `localllm.load`, or a fake in tests).
+JSON file beside the store, and one `ModelPool` (`localllm.pool`) that owns the loaded models:
+screens acquire a model for (name, LoadOptions) and release it, so two chats with the same model
+and options share one, and reopening a chat within the idle time does not load it again. The pool's
+`loader` turns a name and options into something with `submit(Request) -> stream` (the engine's
+`localllm.load`, or a fake in tests).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+import os
 from pathlib import Path
 from typing import Any
 
 from textual.app import App
 from textual.binding import Binding
 
-from localllm.models_registry.store import Store
+from localllm.errors import LocalLLMError
+from localllm.models_registry.store import Store, temp_path
+from localllm.pool import Loader, ModelPool
 
-Loader = Callable[..., Any]
-
-
-def default_loader(name: str, **options: Any) -> Any:
-    from localllm.engine import load
-
-    return load(name, **options)
+KEEP_LOADED_S = 300.0  # a model no chat uses stays loaded this long (settings: keep_loaded_s)
 
 
 class Settings:
-    """App settings (`settings.json` in the store folder): the default model, the theme."""
+    """App settings (`settings.json` in the store folder): the default model, the theme, the
+    context and KV type chosen on Models. Written atomically: a kill never leaves half a file."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -44,11 +45,27 @@ class Settings:
         return self.data.get(key, default)
 
     def set(self, key: str, value: Any) -> None:
+        """Change one setting and save: a temporary file in the same folder, fsynced, renamed."""
         self.data[key] = value
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1))
-        tmp.replace(self.path)
+        data = json.dumps(self.data, indent=1).encode()
+        folder = self.path.parent
+        tmp = temp_path(folder, f".{self.path.name}")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "xb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            fd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # the rename itself survives a power cut
+            finally:
+                os.close(fd)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise LocalLLMError(f"cannot save {self.path}: {e.strerror or e}") from None
 
 
 class LocalLLMApp(App):
@@ -76,13 +93,19 @@ class LocalLLMApp(App):
     """
 
     def __init__(self, *, chat_model: str | None = None, store: Store | None = None,
-                 loader: Loader | None = None) -> None:  # fmt: skip
+                 loader: Loader | None = None, pool: ModelPool | None = None) -> None:  # fmt: skip
+        """`loader(name, options)` replaces the engine's load (tests); `pool` replaces the pool."""
         super().__init__()
         self.store = store or Store()
-        self.loader = loader or default_loader
         self.settings = Settings(self.store.home / "settings.json")
+        try:
+            keep = float(self.settings.get("keep_loaded_s", KEEP_LOADED_S))
+        except (TypeError, ValueError):
+            keep = KEEP_LOADED_S
+        self.pool = pool or ModelPool(loader, idle_s=max(0.0, keep), store=self.store)
         self.chat_model = chat_model
         self._conversations: Any = None
+        self._said: set[str] = set()  # notes already shown this session (template, ignored keys)
         self.theme = self.settings.get("theme", "textual-dark")
 
     def on_mount(self) -> None:
@@ -117,8 +140,22 @@ class LocalLLMApp(App):
         self.push_screen(ChatScreen(model, conversation_id))
 
     def on_unmount(self) -> None:
+        self.pool.close()
         if self._conversations is not None:
             self._conversations.close()
+
+    def remember(self, key: str, value: Any) -> None:
+        """Save one app setting; a failure (disk full, read-only) is a notification."""
+        try:
+            self.settings.set(key, value)
+        except LocalLLMError as e:
+            self.fail(str(e))
+
+    def say_once(self, key: str, message: str) -> None:
+        """A note the user needs once per session (a model's template, ignored saved options)."""
+        if key not in self._said:
+            self._said.add(key)
+            self.notify(message, severity="warning", timeout=10)
 
     def get_system_commands(self, screen: Any) -> Any:
         """The command palette (Ctrl+P): Textual's own entries, then ours."""
@@ -156,7 +193,7 @@ class LocalLLMApp(App):
 
     def action_toggle_theme(self) -> None:
         self.theme = "textual-light" if self.theme == "textual-dark" else "textual-dark"
-        self.settings.set("theme", self.theme)
+        self.remember("theme", self.theme)
 
     def action_help(self) -> None:
         from localllm.tui.help_screen import HelpScreen

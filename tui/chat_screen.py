@@ -8,10 +8,15 @@ while it streams, so a kill keeps what was shown, marked as interrupted.
 The context meter counts prompt + answer against the model's context and turns to warning at 80%
 and danger at 95%; an overflow is refused by the engine with the numbers (a notification), never
 truncated silently — unless the conversation's engine settings turn context shift on.
+
+The screen does not own its model: it acquires one from the app's `ModelPool` for (model name,
+the conversation's `LoadOptions`) and releases it when it goes or when the options change, so a
+reload happens exactly when the options differ from those the model was acquired with.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -23,6 +28,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, Markdown, Static
 
 from localllm.errors import LocalLLMError
+from localllm.types import LoadOptions
 
 SAVE_EVERY_S = 0.5  # how often a streaming answer is written to the database
 # Streamed text is handed to the UI in batches. Each hand-over re-renders the answer and lays out
@@ -31,7 +37,6 @@ SAVE_EVERY_S = 0.5  # how often a streaming answer is written to the database
 # one core while an answer streams, never updating faster than UI_MIN_S nor slower than UI_MAX_S.
 UI_CPU_BUDGET = 0.03
 UI_MIN_S, UI_MAX_S = 0.1, 1.0
-ENGINE_KEYS = ("ctx", "kv_cache")  # settings that need the model loaded again
 
 
 class MessageView(Vertical, can_focus=True):
@@ -76,10 +81,13 @@ class ChatScreen(Screen):
         super().__init__()
         self.model_name = model
         self.conv_id = conversation_id
-        self.llm: Any = None
-        self.llm_settings: dict[str, Any] = {}  # the settings the loaded model was loaded with
-        self.settings: dict[str, Any] = {}
+        self.llm: Any = None  # acquired from app.pool; released on unmount or an options change
+        self.llm_options: LoadOptions | None = None  # what `llm` was acquired with
+        self.sampling: dict[str, Any] = {}  # SamplingParams keywords over the model's defaults
+        self.options = LoadOptions()  # the conversation's engine options
         self.system_prompt: str | None = None
+        self._llm_lock = threading.Lock()  # the worker acquires, unmount releases
+        self._gone = False
         self.stream: Any = None
         self.md_stream: Any = None
         self.answer = ""
@@ -115,17 +123,33 @@ class ChatScreen(Screen):
             conv = self.db.get(self.conv_id)
             self.model_name = conv.model
             self.system_prompt = conv.system_prompt
-            self.settings = dict(conv.settings)
+            saved = conv.chat_settings
+            self.sampling, self.options = dict(saved.sampling), saved.options
+            if saved.ignored:  # saved by another localllm: it still opens, and the user knows
+                self.app.say_once(f"ignored:{self.conv_id}",
+                                  "this conversation's saved settings include options this localllm "
+                                  f"does not know or cannot use, ignored: {', '.join(saved.ignored)}")  # fmt: skip
             await self._render_branch()
         else:  # a new chat starts from the context and KV type chosen on the Models screen
-            chosen = {
-                "ctx": self.app.settings.get("ctx"),
-                "kv_cache": self.app.settings.get("kv_cache"),
-            }
-            defaults = {"ctx": 4096, "kv_cache": "f16"}
-            self.settings.update({k: v for k, v in chosen.items() if v and v != defaults[k]})
+            self.options = self._models_screen_options()
         self.sub_title = f"Chat — {self.model_name}"
         self._status(f"{self.model_name}: loads on the first message")
+
+    def _models_screen_options(self) -> LoadOptions:
+        from localllm.memory import DEFAULT_CTX
+
+        ctx = self.app.settings.get("ctx")
+        kv = self.app.settings.get("kv_cache")
+        try:
+            return LoadOptions(ctx=ctx if ctx and ctx != DEFAULT_CTX else None, kv_cache=kv or "f16")
+        except (LocalLLMError, TypeError, ValueError, AttributeError):
+            return LoadOptions()  # a hand-edited settings.json: the defaults
+
+    @property
+    def saved_settings(self) -> dict[str, Any]:
+        from localllm.conversations import ChatSettings
+
+        return ChatSettings(self.sampling, self.options).to_dict()
 
     async def _render_branch(self) -> None:
         box = self.query_one("#messages")
@@ -151,7 +175,7 @@ class ChatScreen(Screen):
         event.input.value = ""
         if self.conv_id is None:
             conv = self.db.create(self.model_name, system_prompt=self.system_prompt,
-                                  settings=self.settings)  # fmt: skip
+                                  settings=self.saved_settings)  # fmt: skip
             self.conv_id = conv.id
         if self.editing is not None:
             msg = self.db.edit(self.editing, text)  # a new branch; the old one stays
@@ -246,51 +270,72 @@ class ChatScreen(Screen):
         self.app.push_screen(ConversationsScreen())
 
     def action_settings(self) -> None:
-        from localllm.tui.settings_screen import ChatSettings
+        from localllm.tui.settings_screen import SettingsScreen
 
-        caps = getattr(self.llm, "capabilities", None)
-        self.app.push_screen(ChatSettings(self.system_prompt, self.settings, caps),
+        self.app.push_screen(SettingsScreen(self.system_prompt, self.sampling, self.options),
                              self._apply_settings)  # fmt: skip
 
-    def _apply_settings(self, result: tuple[str | None, dict[str, Any]] | None) -> None:
+    def _apply_settings(self, result: tuple[str | None, dict[str, Any], LoadOptions] | None) -> None:
         if result is None:
             return
-        system, settings = result
-        self.system_prompt, self.settings = system, settings
+        system, sampling, options = result
+        reload = options != self.options
+        self.system_prompt, self.sampling, self.options = system, sampling, options
         if self.conv_id is not None:
-            self.db.update_settings(self.conv_id, system_prompt=system or "", settings=settings)
-        self.notify("settings saved; engine changes apply from the next message")
+            self.db.update_settings(self.conv_id, system_prompt=system or "",
+                                    settings=self.saved_settings)  # fmt: skip
+        self.notify("settings saved" + ("; the model reloads with the new engine options at the "
+                                        "next message" if reload else ""))  # fmt: skip
 
     # -- the worker ----------------------------------------------------------------------------
 
-    def _request(self, messages: list[dict[str, str]]) -> Any:
-        from localllm.types import ContextPolicy, Request, SamplingParams
+    def _request(self, llm: Any, messages: list[dict[str, str]]) -> Any:
+        from localllm.types import Request, SamplingParams
 
-        s = self.settings
-        sampling = SamplingParams.from_kwargs(**{k: s.get(k) for k in (
-            "temperature", "top_p", "top_k", "min_p", "max_tokens", "seed")})  # fmt: skip
-        return Request(messages=tuple(messages), sampling=sampling,
-                       context=ContextPolicy.parse(s.get("streaming") or None))  # fmt: skip
+        # over the model's own defaults (its GGUF, else the catalog) when it has them
+        given = {k: v for k, v in self.sampling.items() if v is not None}
+        sampling_for = getattr(llm, "sampling", None)
+        sampling = sampling_for(**given) if callable(sampling_for) else \
+            SamplingParams.from_kwargs(**given)  # fmt: skip
+        return Request(messages=tuple(messages), sampling=sampling, context=self.options.context)
+
+    def _model(self) -> Any:
+        """(Worker thread.) The model for this conversation's options, from the app's pool."""
+        pool = self.app.pool
+        options = self.options.replace(parallel=1)  # a chat decodes one answer at a time
+        with self._llm_lock:
+            old = self.llm if self.llm is not None and self.llm_options != options else None
+            if old is not None:  # acquired with other options (settings changed): give it back
+                self.llm = self.llm_options = None
+        if old is not None:
+            pool.release(old)
+        if self.llm is not None:
+            return self.llm
+        self.app.call_from_thread(self._status, f"loading {self.model_name}…")
+        t0 = time.monotonic()
+        llm = pool.acquire(self.model_name, options)
+        with self._llm_lock:
+            gone = self._gone
+            if not gone:
+                self.llm, self.llm_options = llm, options
+        if gone:  # the screen went while the model loaded
+            pool.release(llm)
+            raise LocalLLMError("the chat was closed")
+        note = getattr(getattr(getattr(llm, "backend", None), "chat_template", None), "note", "")
+        if note:
+            self.app.call_from_thread(self.app.say_once, f"template:{llm.name}", f"{llm.name}: {note}")
+        self.app.call_from_thread(self._status,
+                                  f"{self.model_name} ready in {time.monotonic() - t0:.1f} s")  # fmt: skip
+        return llm
 
     @work(thread=True, exclusive=True, group="generate")
     def _generate(self, messages: list[dict[str, str]], msg_id: int) -> None:
         call = self.app.call_from_thread
         text, status, meta = "", "error", {}
         try:
-            request = self._request(messages)
-            options = {k: self.settings[k] for k in ENGINE_KEYS if self.settings.get(k)}
-            if self.llm is not None and any(
-                self.llm_settings.get(k) != self.settings.get(k) for k in ENGINE_KEYS
-            ):  # loaded with other engine settings (another conversation's)
-                self.llm.close()
-                self.llm = None
-            if self.llm is None:
-                call(self._status, f"loading {self.model_name}…")
-                t0 = time.monotonic()
-                self.llm = self.app.loader(self.model_name, **options)
-                self.llm_settings = dict(self.settings)
-                call(self._status, f"{self.model_name} loaded in {time.monotonic() - t0:.1f} s")
-            self.stream = self.llm.submit(request)
+            llm = self._model()
+            request = self._request(llm, messages)
+            self.stream = llm.submit(request)
             pending: list[str] = []
             last_ui = last_save = time.monotonic()
             for chunk in self.stream:
@@ -375,7 +420,7 @@ class ChatScreen(Screen):
             record = find_local(self.model_name, self.app.store)
             if record is None or not n_ctx:
                 return ""
-            type_k, type_v = parse_kv_cache(self.settings.get("kv_cache") or "f16")
+            type_k, type_v = parse_kv_cache(self.options.kv_cache)
             return f" · KV {human_bytes(kv_cache_bytes(record.info, n_ctx, type_k, type_v))}"
         except (LocalLLMError, TypeError, ValueError):
             return ""
@@ -389,5 +434,8 @@ class ChatScreen(Screen):
     def on_unmount(self) -> None:
         if self.stream is not None:
             self.stream.cancel()
-        if self.llm is not None and hasattr(self.llm, "close"):
-            self.llm.close()
+        with self._llm_lock:
+            self._gone = True
+            llm, self.llm = self.llm, None
+        if llm is not None:
+            self.app.pool.release(llm)  # the pool keeps it a while for the next chat

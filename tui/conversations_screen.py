@@ -88,10 +88,9 @@ class ConversationsScreen(Screen):
         conv = self.app.conversations.get(conv_id)
         chat = ChatScreen(conv.model, conversation_id=conv_id)
         self.app.pop_screen()
-        old = self.app.screen
-        if isinstance(old, ChatScreen):  # replace the open chat, keeping its model when it fits
-            if old.model_name == conv.model and not old.generating and old.llm is not None:
-                chat.llm, chat.llm_settings, old.llm = old.llm, old.settings, None
+        # the open chat gives its model back to the app's pool; the new one gets it from there
+        # when it needs the same model with the same options
+        if isinstance(self.app.screen, ChatScreen):
             self.app.switch_screen(chat)
         else:
             self.app.push_screen(chat)

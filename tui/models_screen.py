@@ -19,6 +19,7 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import DataTable, Footer, Header, Input, Label, ProgressBar, Static
 
 from localllm.errors import LocalLLMError
+from localllm.memory import DEFAULT_CTX
 
 COLUMNS = ("Name", "Arch", "Params", "Quant", "Size", "Context", "Fits", "Source")
 AVAILABLE_COLUMNS = ("Name", "Params", "Size", "Context", "Fits", "From")  # the name has the quant
@@ -31,6 +32,27 @@ HINT_EMPTY = (
     "No local models yet. Tab moves to Available, where Enter pulls a model; p pulls any name, "
     "i imports a GGUF file, s finds models other tools downloaded."
 )
+
+
+def kv_choices(backend: str = "auto") -> tuple[str, ...]:
+    """The KV-cache types `k` cycles through: what the backend declares (the registry says, no
+    backend is imported), f16 first, then the smaller types largest first, then the larger ones."""
+    from localllm import backends
+    from localllm.gguf_file import GGML_TYPE_BY_NAME
+
+    try:
+        types = backends.describe(backend).capabilities.kv_cache_types
+    except LocalLLMError:
+        return ("f16",)
+
+    def size(t: str) -> float:  # bytes per element
+        g = GGML_TYPE_BY_NAME.get(t.upper())
+        return g.type_size / g.block_size if g else 2.0
+
+    rest = [t for t in types if t != "f16"]
+    smaller = sorted((t for t in rest if size(t) < 2.0), key=size, reverse=True)
+    larger = sorted((t for t in rest if size(t) >= 2.0), key=size)
+    return ("f16", *smaller, *larger) if "f16" in types else tuple(types)
 
 
 class ModelsScreen(Screen):
@@ -53,7 +75,6 @@ class ModelsScreen(Screen):
         Binding("k", "cycle_kv", "KV type"),
     ]
     CTX_CHOICES = (2048, 4096, 8192, 16384, 32768, 131072)
-    KV_CHOICES = ("f16", "q8_0", "q4_0")
 
     def __init__(self) -> None:
         super().__init__()
@@ -78,7 +99,10 @@ class ModelsScreen(Screen):
 
     @property
     def ctx(self) -> int:
-        return int(self.app.settings.get("ctx", 4096))
+        try:
+            return int(self.app.settings.get("ctx", DEFAULT_CTX))
+        except (TypeError, ValueError):
+            return DEFAULT_CTX
 
     @property
     def kv(self) -> str:
@@ -86,14 +110,12 @@ class ModelsScreen(Screen):
 
     def action_cycle_ctx(self) -> None:
         c = self.CTX_CHOICES
-        self.app.settings.set("ctx", c[(c.index(self.ctx) + 1) % len(c)] if self.ctx in c else 4096)
+        self.app.remember("ctx", c[(c.index(self.ctx) + 1) % len(c)] if self.ctx in c else DEFAULT_CTX)
         self.action_refresh()
 
     def action_cycle_kv(self) -> None:
-        k = self.KV_CHOICES
-        self.app.settings.set(
-            "kv_cache", k[(k.index(self.kv) + 1) % len(k)] if self.kv in k else "f16"
-        )
+        k = kv_choices()
+        self.app.remember("kv_cache", k[(k.index(self.kv) + 1) % len(k)] if self.kv in k else k[0])
         self.action_refresh()
 
     def action_refresh(self) -> None:
@@ -247,7 +269,7 @@ class ModelsScreen(Screen):
             self._make_default(name)
 
     def _make_default(self, name: str) -> None:
-        self.app.settings.set("default_model", name)
+        self.app.remember("default_model", name)
         self.notify(f"{name} is the default model")
         self.action_refresh()
 
@@ -289,10 +311,8 @@ class ModelsScreen(Screen):
         from localllm.models_registry.names import name_from_file
 
         src = Path(text).expanduser()
-        try:
-            record = self.app.store.add_file(
-                src, name_from_file(src), source=f"file:{src.resolve()}"
-            )
+        try:  # as `localllm import PATH` does, through the store's API
+            record = self.app.store.add_file(src, name_from_file(src), source=f"file:{src.resolve()}")
         except LocalLLMError as e:
             self.app.call_from_thread(self.app.fail, str(e))
             return
@@ -381,11 +401,13 @@ class PullScreen(ModalScreen[Any]):
             self._start(self.start_with)
 
     def _show(self, e: Any) -> None:
+        from localllm.model_info import human_bytes
+
         bar = self.query_one(ProgressBar)
         if e.total:
             bar.display = True
             bar.update(total=e.total, progress=e.done)
-        detail = f"{e.phase} {e.done / 1e6:,.1f} / {e.total / 1e6:,.1f} MB"
+        detail = f"{e.phase} {human_bytes(e.done)} / {human_bytes(e.total) if e.total else '?'}"
         self.query_one("#detail", Label).update(detail + (f" — {e.message}" if e.message else ""))
 
     def _failed(self, message: str) -> None:

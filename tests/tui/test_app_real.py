@@ -19,7 +19,7 @@ def test_real_model_chat_flow(default_model_path: Path) -> None:
         async with app.run_test(size=(100, 30)) as pilot:
             chat = app.screen
             assert isinstance(chat, ChatScreen)
-            chat.settings = dict(greedy)
+            chat.sampling = dict(greedy)
             pieces: list[str] = []
             append = chat._append
 
@@ -38,7 +38,7 @@ def test_real_model_chat_flow(default_model_path: Path) -> None:
             assert hello == oracle
             assert "tokens/s" in str(chat.query_one("#status").render())
 
-            chat.settings = {"temperature": 0, "max_tokens": 400}
+            chat.sampling = {"temperature": 0, "max_tokens": 400}
             await pilot.press(*"Write a long story about a lighthouse.", "enter")
             await wait_for(pilot, lambda: len(chat.answer) > 40, timeout=60)
             await pilot.press("escape")
@@ -47,7 +47,7 @@ def test_real_model_chat_flow(default_model_path: Path) -> None:
             assert stopped.status == "cancelled" and 0 < len(stopped.content) < 2000
             assert "stopped" in str(chat.query_one("#status").render())
 
-            chat.settings = dict(greedy)
+            chat.sampling = dict(greedy)
             await pilot.press("ctrl+r")  # a new answer beside the stopped one
             await wait_for(pilot, lambda: not chat.generating and chat.history[-1]["role"] ==
                            "assistant" and chat.history[-1]["content"] != stopped.content,

@@ -152,7 +152,7 @@ def test_enter_on_the_built_in_model_registers_it_and_chats(
     fake = FakeLLM([["Hello", "!"]])
     loads: list[str] = []
 
-    def loader(name: str, **options):  # noqa: ANN202
+    def loader(name: str, options):  # noqa: ANN001, ANN202
         loads.append(name)
         return fake
 
@@ -270,7 +270,7 @@ def test_backend_unavailable_is_a_notification_and_the_app_lives(
     message = "llama.cpp cannot run on this machine: the CPU lacks AVX2; rebuild llama-cpp-python"
     calls: list[str] = []
 
-    def refuse(name: str, **options):  # noqa: ANN202
+    def refuse(name: str, options=None, **kw):  # noqa: ANN001, ANN003, ANN202
         calls.append(name)
         raise unavailable(message)
 

@@ -52,7 +52,7 @@ def fixed_store(tiny_llama: Path, empty_store: Store) -> Store:
 def make_app(theme: str, *, chat: bool = False) -> LocalLLMApp:
     answer = ["Paris ", "is ", "the ", "capital ", "of ", "**France**.", "\n\n- one", "\n- two"]
     fake = FakeLLM([answer], delay=0.001)
-    app = LocalLLMApp(loader=lambda name, **o: fake, chat_model="tiny" if chat else None)
+    app = LocalLLMApp(loader=lambda name, options: fake, chat_model="tiny" if chat else None)
     app.theme = theme
     return app
 
