@@ -20,7 +20,7 @@ try:  # typer ≥ 0.26 carries its own copy of click
 except ImportError:  # pragma: no cover - older typer uses click itself
     from click import exceptions as click_exc
 
-from localllm import __version__
+from localllm import __version__, backends
 from localllm.errors import LocalLLMError
 
 app = typer.Typer(
@@ -32,6 +32,8 @@ app = typer.Typer(
 )
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print stable JSON instead of text.")]
+# every --backend flag names what the registry knows (importing it imports no backend)
+BACKEND_HELP = f"Backend: {', '.join(backends.names())} (auto: the first that runs here)."
 
 
 def _version(value: bool) -> None:
@@ -142,10 +144,13 @@ def show(
     json_out: JsonFlag = False,
 ) -> None:
     """Show a model's metadata, chat template, memory estimate and whether it fits."""
+    from localllm.chat import template_for
+    from localllm.engine import sampling_defaults
     from localllm.gguf_file import GGUFFile
     from localllm.memory import estimate
     from localllm.model_info import human_bytes, human_params, model_info
-    from localllm.models_registry.catalog import ensure_local
+    from localllm.models_registry.catalog import ensure_local, sampling_for
+    from localllm.types import LoadOptions
 
     store = _store()
     record = ensure_local(model, store)
@@ -153,8 +158,15 @@ def show(
     with GGUFFile(path) as gf:
         info = model_info(gf)
         template = gf.get("tokenizer.chat_template")
-    est = estimate(info, ctx=ctx, kv_cache=kv_cache)
+        used = template_for(gf)  # what `run` renders with: the file's own, a family's, or plain
     backend = _backend_status()
+    options = LoadOptions(ctx=ctx, kv_cache=kv_cache, parallel=1)  # checks both, in run's words
+    try:
+        spec = backends.describe(options.backend)
+        est, estimator = spec.estimate(info, options), spec.name
+    except LocalLLMError:  # no backend to ask: llama.cpp's arithmetic
+        est, estimator = estimate(info, ctx=ctx, kv_cache=kv_cache), "llama.cpp"
+    sampling, sampling_source = sampling_defaults(path, sampling_for(record))
     if json_out:
         _emit_json(
             _record_json(record)
@@ -162,12 +174,18 @@ def show(
                 "path": str(path),
                 "info": info.to_dict(),
                 "chat_template": template,
+                "template": {"origin": used.origin, "note": used.note or None},
+                "sampling_defaults": {"values": sampling, "source": sampling_source},
                 "memory": est.to_dict(),
                 "backend": backend,
             }  # fmt: skip
         )
         return
     kv_heads = sorted(set(info.kv_heads))
+    sampling_text = "the global defaults"
+    if sampling:
+        sampling_text = ", ".join(f"{k} {v}" for k, v in sampling.items())
+        sampling_text += f" (from the {sampling_source})"
     facts = [
         ("name", record.name),
         ("model", info.name or "-"),
@@ -190,7 +208,9 @@ def show(
         ("source", record.source),
         ("file", str(path)),
         ("backend", f"{backend['name']} ({backend['reason']})" if backend["available"]
-                    else f"none: {backend['reason']}"),  # fmt: skip
+                    else f"{backend['name'] or 'none'}: cannot run here: {backend['reason']}"),  # fmt: skip
+        ("can do", _capabilities_text(backend["capabilities"])),
+        ("sampling", sampling_text),
     ]
     if info.sliding_window:
         facts.insert(8, ("sliding window", f"{info.sliding_window:,}"))
@@ -198,7 +218,7 @@ def show(
         print(f"  {k:<15} {v}")
     print()
     kv = est.type_k if est.type_k == est.type_v else f"k={est.type_k},v={est.type_v}"
-    print(f"Memory at context {est.ctx:,}, KV cache {kv} (llama.cpp):")
+    print(f"Memory at context {est.ctx:,}, KV cache {kv} ({estimator}, one sequence):")
     for label, n in (("weights", est.weights_bytes), ("KV cache", est.kv_bytes),
                      ("compute", est.compute_bytes)):  # fmt: skip
         print(f"  {label:<15} {human_bytes(n):>11}")
@@ -206,22 +226,43 @@ def show(
     print(f"  {'total':<15} {human_bytes(est.total_bytes):>11}   "
           f"{human_bytes(est.available_bytes)} available on {est.device}: {verdict}")  # fmt: skip
     print()
-    if isinstance(template, str):
-        print("Chat template:")
-        print(template.rstrip())
+    if used.origin == "model file":
+        print("Chat template (model file):")
+        print(used.source.rstrip())
     else:
-        print("Chat template: none in the file (ChatML is used)")
+        print(f"Chat template: {used.origin} — {used.note}")
 
 
-def _backend_status() -> dict[str, Any]:
-    """Which backend `run` would use here, and why (llama.cpp's probe runs once, in a child)."""
-    from localllm.engine import choose_backend
+def _capabilities_text(caps: dict[str, Any] | None) -> str:
+    if not caps:
+        return "-"
+    return "; ".join([
+        f"KV {' '.join(caps['kv_cache_types'])}",
+        "context shift" if caps["streaming"] else "no context shift",
+        f"speculative {', '.join(caps['speculative'])}",
+        f"eviction {', '.join(caps['eviction'])}" if caps["eviction"] else "no eviction",
+        "constrained decoding" if caps["grammar"] else "no constrained decoding",
+        f"devices {', '.join(caps['devices'])}",
+    ])  # fmt: skip
 
+
+def _backend_status(name: str = "auto") -> dict[str, Any]:
+    """The backend `run` would use here: what it can do (the registry says, nothing is imported)
+    and whether it runs (llama.cpp's probe runs once per build and machine, in a child)."""
     try:
-        name = choose_backend("auto")
+        spec = backends.describe(name)
     except LocalLLMError as e:
-        return {"name": None, "available": False, "reason": str(e)}
-    return {"name": name, "available": True, "reason": "its probe evaluated a test model here"}
+        return {"name": None, "available": False, "reason": str(e), "capabilities": None,
+                "summary": ""}  # fmt: skip
+    status = {"name": spec.name, "capabilities": spec.capabilities.to_dict(), "summary": spec.summary}
+    try:
+        chosen = backends.choose(name)
+    except LocalLLMError as e:
+        return status | {"available": False, "reason": str(e)}
+    said = chosen.available()  # cached by now
+    return status | {"name": chosen.name, "capabilities": chosen.capabilities.to_dict(),
+                     "summary": chosen.summary, "available": True,
+                     "reason": said.reason or "its probe evaluated a test model here"}  # fmt: skip
 
 
 @app.command()
@@ -448,7 +489,7 @@ def run(
         str | None,
         typer.Argument(help="The prompt; read from stdin when absent (REPL on a terminal)."),
     ] = None,
-    backend: Annotated[str, typer.Option("--backend", help="auto, llama.cpp or torch.")] = "auto",
+    backend: Annotated[str, typer.Option("--backend", help=BACKEND_HELP)] = "auto",
     device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or mps.")] = "auto",
     max_tokens: Annotated[
         int | None, typer.Option("--max-tokens", help="Most tokens to generate.")
@@ -468,7 +509,7 @@ def run(
         typer.Option("--streaming", help="SINKS:WINDOW: shift the context instead of refusing."),
     ] = None,
     evict: Annotated[
-        str | None, typer.Option("--evict", help="h2o:BUDGET (torch backend).")
+        str | None, typer.Option("--evict", help="h2o:BUDGET: evict KV entries (where the backend can).")
     ] = None,
     speculative: Annotated[
         str | None, typer.Option("--speculative", help="off, lookup, self or draft:MODEL.")
@@ -485,34 +526,40 @@ def run(
     json_out: JsonFlag = False,
 ) -> None:
     """Chat with a model: the prompt is a user message rendered with the model's chat template."""
-    from localllm.engine import load
-    from localllm.types import ContextPolicy, Request, SamplingParams
+    from localllm.engine import check_supported, load
+    from localllm.types import LoadOptions, Request, SamplingParams
 
-    if evict is not None:
-        raise LocalLLMError(
-            "--evict needs a backend with H2O eviction; the llama.cpp backend has none"
-        )
-    if json_schema is not None:
-        raise LocalLLMError(
-            "--json-schema needs constrained decoding, which this build's backends lack"
-        )
-    sampling = SamplingParams.from_kwargs(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                          seed=seed, max_tokens=max_tokens)  # fmt: skip
-    policy = ContextPolicy.parse(streaming)
+    # `run` decodes one sequence at a time: no memory is set aside for more (PRODUCT: --parallel
+    # is for `serve`). What the backend cannot do (--evict, --speculative, a KV type) is refused
+    # by load() in the backend's words, before anything loads.
+    options = LoadOptions(backend=backend, device=device, ctx=ctx, kv_cache=kv_cache,
+                          streaming=streaming, evict=evict, speculative=speculative, parallel=1)  # fmt: skip
+    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+             "seed": seed, "max_tokens": max_tokens}  # fmt: skip
+    SamplingParams.from_kwargs(**given)  # a bad value is one line before the model loads
+    response_format = _json_schema_format(json_schema) if json_schema is not None else None
+    if response_format is not None:  # refused by the engine's own check, before loading
+        spec = backends.describe(options.backend)
+        check_supported(Request(prompt="", response_format=response_format),
+                        spec.capabilities, spec.name)  # fmt: skip
     interactive = prompt is None and sys.stdin.isatty()
     if prompt is None and not interactive:
         prompt = sys.stdin.read()
-    llm = load(model, backend=backend, device=device, ctx=ctx, kv_cache=kv_cache, streaming=None,
-               speculative=speculative)  # fmt: skip
+    llm = load(model, options)
     try:
+        sampling = llm.sampling(**given)  # over the model's own defaults (GGUF, else catalog)
+        note = getattr(getattr(llm.backend, "chat_template", None), "note", "")
+        if note and not raw and not json_out:
+            print(f"note: {note}", file=sys.stderr)
         history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
 
         def ask(text: str) -> Any:
             if raw:
-                request = Request(prompt=(system or "") + text, sampling=sampling, context=policy)
+                request = Request(prompt=(system or "") + text, sampling=sampling,
+                                  response_format=response_format)  # fmt: skip
             else:
                 request = Request(messages=(*history, {"role": "user", "content": text}),
-                                  sampling=sampling, context=policy)  # fmt: skip
+                                  sampling=sampling, response_format=response_format)  # fmt: skip
             result = _generate(llm, request, stream_out=not json_out)
             if stats:
                 _print_stats(result)
@@ -526,6 +573,19 @@ def run(
         _repl(llm, history, ask, raw)
     finally:
         llm.close()
+
+
+def _json_schema_format(path: Path) -> dict[str, Any]:
+    """`--json-schema FILE` as an OpenAI response_format (one line for a missing or bad file)."""
+    try:
+        schema = json.loads(path.expanduser().read_text())
+    except OSError as e:
+        raise LocalLLMError(f"--json-schema {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise LocalLLMError(f"--json-schema {path}: not JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise LocalLLMError(f"--json-schema {path}: a JSON schema is an object")
+    return {"type": "json_schema", "json_schema": {"name": path.stem or "schema", "schema": schema}}
 
 
 def _repl(llm: Any, history: list[dict[str, str]], ask: Any, raw: bool) -> None:

@@ -88,6 +88,16 @@ def test_show_default_model_offline(
     assert (mem["ctx"], mem["type_k"], mem["type_v"]) == (2048, "q8_0", "q8_0")
     assert mem["total_bytes"] == mem["weights_bytes"] + mem["kv_bytes"] + mem["compute_bytes"]
     assert data["info"]["n_layers"] == 30 and data["chat_template"].startswith("{% for message")
+    # what the registry says of the backend, the model's sampling defaults, the template used
+    backend = data["backend"]
+    assert backend["name"] == "llama.cpp" and "q8_0" in backend["capabilities"]["kv_cache_types"]
+    assert backend["capabilities"]["grammar"] is False and backend["capabilities"]["speculative"] == ["off"]
+    assert data["sampling_defaults"] == {"values": {"temperature": 0.2, "top_p": 0.9},
+                                         "source": "catalog"}  # fmt: skip
+    assert data["template"] == {"origin": "model file", "note": None}
+    assert "can do          KV f16" in out and "no constrained decoding" in out
+    assert "temperature 0.2, top_p 0.9 (from the catalog)" in out
+    assert "Chat template (model file):" in out
     huge = json.loads(run(["show", "smollm2", "--json", "--ctx", str(1 << 40)], capsys)[1])
     assert huge["memory"]["fits"] is False
     rc, out, _ = run(["show", "smollm2", "--ctx", str(1 << 40)], capsys)
@@ -100,7 +110,7 @@ def test_show_default_model_offline(
         (["show", "nosuchmodel"], "not in the store nor in the catalog"),
         (["show", "../etc/passwd"], "model name"),
         (["show", "smollm2", "--kv-cache", "q3"], "unknown KV cache type"),
-        (["show", "smollm2", "--ctx", "0"], "--ctx must be positive"),
+        (["show", "smollm2", "--ctx", "0"], "--ctx must be a whole number of at least 16"),
         (["rm", "nosuchmodel", "--yes"], "not in the store"),
         (["import", "/nonexistent/file.gguf"], "no such file"),
     ],
@@ -177,3 +187,76 @@ def test_console_script_end_to_end(default_model_path: Path) -> None:
     assert json.loads(p.stdout)["name"] == "smollm2:135m-instruct-q4_1"
     p = run_process(["show", "nosuchmodel"])
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
+
+
+def test_show_says_which_template_a_model_without_one_gets(
+    tmp_path: Path, default_model_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ggufs import tokenizer_metadata, write_tiny_llama
+
+    tok = {k: v for k, v in tokenizer_metadata(default_model_path).items()
+           if k != "tokenizer.chat_template"}  # fmt: skip
+    Store().add_file(write_tiny_llama(tmp_path / "bare.gguf", tok), "bare", source="test")
+    rc, out, err = run(["show", "bare"], capsys)
+    assert rc == 0, err
+    assert "Chat template: plain text — the file has no chat template" in out
+    assert "sampling        the global defaults" in out
+    data = json.loads(run(["show", "bare", "--json"], capsys)[1])
+    assert data["chat_template"] is None and data["template"]["origin"] == "plain text"
+    assert "no chat template" in data["template"]["note"]
+    assert data["sampling_defaults"] == {"values": {}, "source": "global"}
+
+
+@pytest.mark.parametrize(
+    ("args", "text"),
+    [
+        (["--evict", "h2o:64"], "the llama.cpp backend has no h2o eviction (--evict)"),
+        (["--evict", "lru"], "bad --evict 'lru'"),
+        (["--speculative", "lookup"], "the llama.cpp backend has no speculative mode 'lookup'"),
+        (["--kv-cache", "int8"], "the llama.cpp backend has no int8 KV cache"),
+        (["--backend", "vllm"], "unknown backend 'vllm' (choose from auto, llama.cpp"),
+        (["--backend", "torch"], "torch engine is not part of this build"),
+        (["--top-p", "7"], "top_p must be in (0, 1]"),
+        (["--json-schema", "SCHEMA"], "the llama.cpp backend has no constrained decoding, so no "
+                                      "response_format json_schema"),
+        (["--json-schema", "/nonexistent/schema.json"], "--json-schema /nonexistent/schema.json"),
+    ],
+)
+def test_run_refuses_what_the_backend_cannot_do_before_loading(
+    args: list[str], text: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The engine's checks refuse in one line; nothing is loaded (not even the model's name)."""
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    args = [str(schema) if a == "SCHEMA" else a for a in args]
+    from localllm.models_registry import catalog
+
+    def no_load(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("a refused run must not look the model up")
+
+    monkeypatch.setattr(catalog, "ensure_local", no_load)
+    assert_one_line_error(*run(["run", "smollm2", "hi", *args], capsys), text)
+
+
+def test_every_backend_flag_lists_the_registry() -> None:
+    from localllm import backends
+
+    p = run_process(["run", "--help"], env={**os.environ, "COLUMNS": "200"})
+    assert p.returncode == 0
+    assert f"Backend: {', '.join(backends.names())}" in " ".join(p.stdout.split())
+
+
+def test_run_says_the_template_note_once(tmp_path: Path, default_model_path: Path) -> None:
+    """A model file without a chat template: `run` says which format it uses instead, on stderr."""
+    from ggufs import tokenizer_metadata, write_tiny_llama
+
+    tok = {k: v for k, v in tokenizer_metadata(default_model_path).items()
+           if k != "tokenizer.chat_template"}  # fmt: skip
+    Store().add_file(write_tiny_llama(tmp_path / "bare.gguf", tok), "bare", source="test")
+    p = run_process(["run", "bare", "hi", "--max-tokens", "2", "--temperature", "0"])
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.count("note: the file has no chat template") == 1, p.stderr
+    p = run_process(["run", "bare", "hi", "--max-tokens", "2", "--json"])
+    assert p.returncode == 0 and "note:" not in p.stderr, p.stderr
+    assert json.loads(p.stdout)["model"] == "bare:latest"
