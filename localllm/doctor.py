@@ -10,6 +10,10 @@ failed. Checks in order, by name, with the keys of their `data`:
                      version, build, system_info, backends, blas, gpu_offload
     llama_cpp_probe  llama.cpp evaluates a tiny model in a child (cached; --deep runs it again)
                      ok, reason, cached
+    backends         every --backend name in the registry: runs here or why not, and what it can
+                     do; fails when none runs (`run` and the app need one)
+                     auto (the backend `auto` picks, or null), backends ([{name, available,
+                     reason, capabilities (null for a name this build cannot describe)}])
     torch            torch version and devices (cuda, mps, cpu); ok None when not installed
                      version, cuda_version, cuda (device names), mps
     memory           free RAM (below 512 MiB fails), and free GPU memory when nvidia-smi sees one
@@ -59,7 +63,7 @@ from localllm.model_info import human_bytes
 from localllm.models_registry.store import Store, sha256_file
 
 MIN_FREE_MEMORY = 512 << 20  # the default model needs ~300 MB (weights, 4K KV cache, compute)
-MIN_FREE_DISK = 1 << 30  # room for the smallest catalog models and the store's 64 MB margin
+MIN_FREE_DISK = 1 << 30  # room for the smallest catalog models and store.SPACE_MARGIN beside them
 TORCH_TIMEOUT_S = 120  # importing torch cold, with CUDA, takes seconds to tens of seconds
 HF_DEFAULT_ENDPOINT = "https://huggingface.co"
 _TRUE = {"1", "on", "yes", "true"}  # what huggingface_hub reads as true in HF_HUB_OFFLINE
@@ -132,6 +136,7 @@ def iter_checks(*, deep: bool = False) -> Iterator[Check]:
         ("python", check_python),
         ("llama_cpp", check_llama_cpp),
         ("llama_cpp_probe", lambda: check_llama_cpp_probe(store.home, refresh=deep)),
+        ("backends", check_backends),  # after the probe: its verdict is cached by then
         ("torch", check_torch),
         ("memory", check_memory),
         ("disk", lambda: check_disk(store.home)),
@@ -291,6 +296,38 @@ def check_llama_cpp_probe(home: Path, *, refresh: bool) -> Check:
         fix=verdict.fix or llamacpp_guard.REBUILD_FIX,
         data=data,
     )
+
+
+# -- the registry ------------------------------------------------------------------------------
+
+
+def check_backends() -> Check:
+    """What each backend name means here, from the registry (each probe runs in a child)."""
+    from localllm import backends
+
+    rows: list[dict[str, Any]] = []
+    for name in backends.names():
+        if name == "auto":
+            continue
+        try:
+            spec = backends.get(name)
+        except LocalLLMError as e:  # a name this build knows of but cannot load
+            rows.append({"name": name, "available": False, "reason": str(e), "capabilities": None})
+            continue
+        a = spec.available()
+        rows.append({"name": name, "available": a.ok, "reason": a.message(),
+                     "capabilities": spec.capabilities.to_dict()})  # fmt: skip
+    try:
+        auto: str | None = backends.choose("auto").name  # cached verdicts by now
+    except LocalLLMError:
+        auto = None
+    said = "; ".join(f"{r['name']}: " + ("runs here" if r["available"] else r["reason"])
+                     for r in rows)  # fmt: skip
+    data = {"auto": auto, "backends": rows}
+    if auto is None:
+        return Check("backends", False, f"no backend runs here ({said})",
+                     fix="see the llama_cpp lines above", data=data)  # fmt: skip
+    return Check("backends", True, f"auto uses {auto}; {said}", data=data)
 
 
 # -- torch -------------------------------------------------------------------------------------

@@ -20,13 +20,14 @@ from localllm.models_registry.store import Store
 
 from conftest import SIGILL_SELF, python_command
 
-NAMES = ["python", "llama_cpp", "llama_cpp_probe", "torch", "memory", "disk", "store",
+NAMES = ["python", "llama_cpp", "llama_cpp_probe", "backends", "torch", "memory", "disk", "store",
          "huggingface", "store_write", "conversations"]  # fmt: skip
 HEAVY = ("torch", "llama_cpp", "textual")
 DATA_KEYS = {  # documented in localllm/doctor.py: the same keys whether a check passes or fails
     "python": {"version", "implementation", "os", "os_release", "machine", "cpu_isa"},
     "llama_cpp": {"version", "build", "system_info", "backends", "blas", "gpu_offload"},
     "llama_cpp_probe": {"ok", "reason", "cached"},
+    "backends": {"auto", "backends"},
     "torch": {"version", "cuda_version", "cuda", "mps"},
     "memory": {"free_bytes", "total_bytes", "gpu"},
     "disk": {"path", "free_bytes", "total_bytes"},
@@ -140,7 +141,7 @@ def test_json_failure_exit_code(
 ) -> None:
     import_copy(tiny_llama, tmp_path).unlink()
     rc, out, err = run(["doctor", "--json"], capsys)
-    assert rc == 1 and err == "error: 1 of 10 checks failed: store\n"
+    assert rc == 1 and err == "error: 1 of 11 checks failed: store\n"
     report = json.loads(out)
     [bad] = [c for c in report["checks"] if c["ok"] is False]
     assert report["ok"] is False and bad["name"] == "store" and bad["fix"]
@@ -346,7 +347,8 @@ def test_probe_crash_fails(
     line = assert_failed(*run(["doctor"], capsys), "llama_cpp_probe")
     assert "SIGILL" in line and "cached verdict" in line
     rc, out, err = run(["doctor", "--json", "--deep"], capsys)
-    assert rc == 1 and err == "error: 1 of 10 checks failed: llama_cpp_probe\n"
+    # and so no backend runs: `run` and the app cannot work
+    assert rc == 1 and err == "error: 2 of 11 checks failed: llama_cpp_probe, backends\n"
     [probe] = [c for c in json.loads(out)["checks"] if c["name"] == "llama_cpp_probe"]
     assert probe["ok"] is False and probe["data"]["cached"] is False
 
@@ -456,3 +458,16 @@ def test_a_check_that_breaks_is_reported(
     line = assert_failed(rc, out, err, "memory")
     assert "the check itself failed: RuntimeError: psutil is confused" in line
     assert list(lines_by_name(out)) == NAMES  # the other checks still ran
+
+
+def test_backends_check_lists_the_registry(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(["doctor", "--json"], capsys)
+    [check] = [c for c in json.loads(out)["checks"] if c["name"] == "backends"]
+    assert check["ok"] is True and check["data"]["auto"] == "llama.cpp"
+    rows = {r["name"]: r for r in check["data"]["backends"]}
+    assert rows["llama.cpp"]["available"] is True
+    assert "q8_0" in rows["llama.cpp"]["capabilities"]["kv_cache_types"]
+    assert rows["torch"] == {"name": "torch", "available": False, "capabilities": None,
+                             "reason": rows["torch"]["reason"]}  # fmt: skip
+    assert "not part of this build" in rows["torch"]["reason"]
+    assert check["detail"].startswith("auto uses llama.cpp; llama.cpp: runs here; torch: ")
