@@ -676,3 +676,32 @@ def test_chats_share_one_model_and_the_template_note_is_said_once(tiny_llama: Pa
 
     asyncio.run(go())
     assert fake.closed  # the app's pool unloads everything when the app ends
+
+
+def test_settings_file_is_written_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from localllm.errors import LocalLLMError
+    from localllm.tui.app import Settings
+
+    path = tmp_path / "home" / "settings.json"
+    s = Settings(path)
+    s.set("theme", "textual-light")
+    s.set("ctx", 8192)
+    assert Settings(path).data == {"theme": "textual-light", "ctx": 8192}
+    assert os.listdir(path.parent) == ["settings.json"]  # no temporary file left behind
+
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    s.set("kv_cache", "q8_0")
+    assert len(synced) == 2  # the file, then the folder that holds the rename
+
+    def full(src, dst):  # noqa: ANN001, ANN202
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(LocalLLMError, match="cannot save .*No space left on device"):
+        s.set("theme", "textual-dark")
+    assert Settings(path).data["theme"] == "textual-light"  # the old file, whole
+    assert os.listdir(path.parent) == ["settings.json"]
