@@ -88,6 +88,7 @@ class ChatScreen(Screen):
         self.system_prompt: str | None = None
         self._llm_lock = threading.Lock()  # the worker acquires, unmount releases
         self._gone = False
+        self._stop = False  # Esc came before the answer's stream existed
         self.stream: Any = None
         self.md_stream: Any = None
         self.answer = ""
@@ -195,6 +196,7 @@ class ChatScreen(Screen):
         self.md_stream = Markdown.get_stream(view.query_one(Markdown))
         self.answer = ""
         self.generating = True
+        self._stop = False
         self._ui_clock = None
         self._generate(self.history[:-1], msg.id)  # the empty answer itself is not sent
 
@@ -206,6 +208,7 @@ class ChatScreen(Screen):
             prompt = self.query_one(Input)
             prompt.value, prompt.placeholder = "", "Message (Enter to send, Esc to stop)"
             return
+        self._stop = self.generating  # Esc while the model loads: stop as soon as it starts
         if self.stream is not None:
             self.stream.cancel()
 
@@ -336,6 +339,8 @@ class ChatScreen(Screen):
             llm = self._model()
             request = self._request(llm, messages)
             self.stream = llm.submit(request)
+            if self._stop:
+                self.stream.cancel()
             pending: list[str] = []
             last_ui = last_save = time.monotonic()
             for chunk in self.stream:
@@ -360,11 +365,13 @@ class ChatScreen(Screen):
                 "ttft_s": result.timings.ttft_s,
                 "tokens_per_s": result.timings.tokens_per_s(result.usage.completion_tokens)}  # fmt: skip
             self.db.update_message(msg_id, content=text, status=status, meta=meta)
-            call(self._finished, result, None)
+            if not self._gone:
+                call(self._finished, result, None)
         except Exception as e:  # noqa: BLE001 - one notification; the app stays alive
             said = str(e) if isinstance(e, LocalLLMError) else f"{type(e).__name__}: {e}"
             self.db.update_message(msg_id, content=text, status="error", meta={"error": said})
-            call(self._finished, None, said.splitlines()[0] if said else "failed")
+            if not self._gone:  # a chat closed mid-load says nothing; its answer is saved as error
+                call(self._finished, None, said.splitlines()[0] if said else "failed")
         finally:
             self.stream = None
 

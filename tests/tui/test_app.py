@@ -705,3 +705,28 @@ def test_settings_file_is_written_atomically(tmp_path: Path, monkeypatch: pytest
         s.set("theme", "textual-dark")
     assert Settings(path).data["theme"] == "textual-light"  # the old file, whole
     assert os.listdir(path.parent) == ["settings.json"]
+
+
+def test_escape_while_the_model_loads_stops_the_answer(tiny_llama: Path) -> None:
+    Store().add_file(tiny_llama, "tiny", source="file:x")
+    fake = FakeLLM([[f"w{i} " for i in range(400)]], delay=0.005)
+    loading = threading.Event()
+
+    def slow(name: str, options: LoadOptions) -> FakeLLM:
+        loading.set()
+        time.sleep(1.0)
+        return fake
+
+    async def go() -> None:
+        app = LocalLLMApp(pool=ModelPool(slow, fit=None), chat_model="tiny")
+        async with app.run_test(size=(80, 24)) as pilot:
+            chat = app.screen
+            await pilot.press(*"go", "enter")
+            await wait_for(pilot, loading.is_set)
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: not chat.generating)
+            (last,) = [m for m in app.conversations.branch(chat.conv_id) if m.role == "assistant"]
+            assert last.status == "cancelled" and last.content.count("w") < 400
+            assert "stopped" in str(chat.query_one("#status").render())
+
+    asyncio.run(go())
