@@ -398,10 +398,7 @@ def import_model(
         if name is not None:
             raise click_exc.UsageError("--name goes with PATH, not with --scan")
         return _import_scan(json_out)
-    src = path.expanduser()
-    from localllm.models_registry.names import name_from_file
-
-    record = _store().add_file(src, name or name_from_file(src), source=f"file:{src.resolve()}")
+    record = _store().import_file(path, name)
     if json_out:
         _emit_json(_record_json(record))
         return

@@ -106,6 +106,7 @@ class ModelPool:
         if idle_s < 0:
             raise ValueError("idle_s must be >= 0")
         self._loader = loader or _engine_load
+        self._store = store
         self.idle_s = float(idle_s)
         self._fit: Fit | None = registry_fit(store) if fit == "registry" else fit  # type: ignore[assignment]
         self._clock = clock
@@ -124,6 +125,7 @@ class ModelPool:
         does not fit beside the models in use.
         """
         options = options or LoadOptions()
+        name = self.canonical(name)
         with self._cond:
             if self._closed:
                 raise LocalLLMError("the model pool is closed")
@@ -163,6 +165,21 @@ class ModelPool:
             self._close_all([model])
             raise LocalLLMError("the model pool is closed")
         return model
+
+    def canonical(self, name: str) -> str:
+        """One key per model: `smollm2` and `smollm2:135m-instruct-q4_1` are the same one."""
+        from localllm.models_registry.catalog import default_catalog, find_local
+        from localllm.models_registry.names import parse_name
+        from localllm.models_registry.store import Store
+
+        try:
+            record = find_local(name, self._store or Store())
+            if record is not None:
+                return record.name
+            entry = default_catalog().resolve(parse_name(name))
+            return entry.name if entry is not None else name
+        except LocalLLMError:
+            return name  # the load says what is wrong with it
 
     def release(self, model: Any) -> None:
         """Give back a model from `acquire`. The last release starts its idle time."""

@@ -163,7 +163,7 @@ class LoadOptions:
             raise LocalLLMError(f"unknown dtype {self.dtype!r} ({', '.join(_DTYPES)})")
         if self.ctx is not None and (isinstance(self.ctx, bool) or not isinstance(self.ctx, int)
                                      or self.ctx < 16):  # fmt: skip
-            raise LocalLLMError(f"--ctx must be a whole number of at least 16, got {self.ctx!r}")
+            raise LocalLLMError(f"the context size (--ctx) must be a whole number of at least 16, got {self.ctx!r}")
         k, v = parse_kv_cache(self.kv_cache)
         object.__setattr__(self, "kv_cache", k if k == v else f"k={k},v={v}")
         if self.streaming in ("", "off"):

@@ -204,6 +204,14 @@ class Store:
         `temp_path`, the function): `gc` removes it once the process that made it is dead."""
         return temp_path(self.blobs)
 
+    def import_file(self, path: str | os.PathLike[str], name: str | None = None) -> ModelRecord:
+        """`localllm import PATH` and the app's import: register a GGUF the user points at, under
+        `name` or one made from the file name."""
+        from localllm.models_registry.names import name_from_file
+
+        src = Path(path).expanduser()
+        return self.add_file(src, name or name_from_file(src), source=f"file:{src.resolve()}")
+
     def add_file(
         self,
         sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],

@@ -110,7 +110,7 @@ def test_show_default_model_offline(
         (["show", "nosuchmodel"], "not in the store nor in the catalog"),
         (["show", "../etc/passwd"], "model name"),
         (["show", "smollm2", "--kv-cache", "q3"], "unknown KV cache type"),
-        (["show", "smollm2", "--ctx", "0"], "--ctx must be a whole number of at least 16"),
+        (["show", "smollm2", "--ctx", "0"], "(--ctx) must be a whole number of at least 16"),
         (["rm", "nosuchmodel", "--yes"], "not in the store"),
         (["import", "/nonexistent/file.gguf"], "no such file"),
     ],

@@ -257,3 +257,16 @@ def test_registry_fit_estimates_stored_models(tiny_llama: Path) -> None:
     need, free = fit("tiny", LoadOptions(ctx=128, parallel=1))
     assert 0 < need < 256 << 20 and free > 0
     assert fit("not-stored", LoadOptions()) is None  # the loader decides (it may register it)
+
+
+def test_a_catalog_name_and_its_full_name_are_one_model() -> None:
+    loader = Loader()
+    with ModelPool(loader, fit=None) as pool:
+        a = pool.acquire("smollm2")
+        b = pool.acquire("smollm2:135m-instruct-q4_1")
+        assert a is b and len(loader.loads) == 1
+        assert loader.loads[0][0] == "smollm2:135m-instruct-q4_1"
+        c = pool.acquire("no-such-model")  # unknown names are keyed as given; the load decides
+        assert c.name == "no-such-model"
+        for m in (a, b, c):
+            pool.release(m)

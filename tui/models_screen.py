@@ -306,13 +306,8 @@ class ModelsScreen(Screen):
 
     @work(thread=True, exclusive=True, group="import")
     def _import(self, text: str) -> None:
-        from pathlib import Path
-
-        from localllm.models_registry.names import name_from_file
-
-        src = Path(text).expanduser()
-        try:  # as `localllm import PATH` does, through the store's API
-            record = self.app.store.add_file(src, name_from_file(src), source=f"file:{src.resolve()}")
+        try:  # as `localllm import PATH` does
+            record = self.app.store.import_file(text)
         except LocalLLMError as e:
             self.app.call_from_thread(self.app.fail, str(e))
             return
