@@ -30,6 +30,7 @@ from textual.widgets import Footer, Header, Input, Markdown, Static
 from localllm.errors import LocalLLMError
 from localllm.types import LoadOptions
 
+APP_PARALLEL = 2  # sequences one loaded model decodes at once for the app
 SAVE_EVERY_S = 0.5  # how often a streaming answer is written to the database
 # Streamed text is handed to the UI in batches. Each hand-over re-renders the answer and lays out
 # the chat (~10–20 ms of the UI thread for a long answer), and on a small machine every core the UI
@@ -305,7 +306,9 @@ class ChatScreen(Screen):
     def _model(self) -> Any:
         """(Worker thread.) The model for this conversation's options, from the app's pool."""
         pool = self.app.pool
-        options = self.options.replace(parallel=1)  # a chat decodes one answer at a time
+        # chats of one model share it through the pool; two slots let a chat left streaming under
+        # another screen and the chat in front answer side by side (KV memory for two, not four)
+        options = self.options.replace(parallel=APP_PARALLEL)
         with self._llm_lock:
             old = self.llm if self.llm is not None and self.llm_options != options else None
             if old is not None:  # acquired with other options (settings changed): give it back

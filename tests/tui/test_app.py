@@ -13,7 +13,7 @@ import pytest
 from localllm.models_registry.store import Store
 from localllm.pool import ModelPool
 from localllm.tui.app import LocalLLMApp
-from localllm.tui.chat_screen import ChatScreen, MessageView
+from localllm.tui.chat_screen import APP_PARALLEL, ChatScreen, MessageView
 from localllm.tui.models_screen import ModelsScreen
 from localllm.types import Chunk, LoadOptions, Result, Timings, Usage
 
@@ -303,7 +303,7 @@ def test_settings_apply_per_conversation(tiny_llama: Path) -> None:
             req = fake.requests[1]
             assert req.messages[0] == {"role": "system", "content": "Be brief."}
             assert req.sampling.temperature == 0 and req.sampling.max_tokens == 32
-            one = LoadOptions(parallel=1)  # a chat decodes one answer at a time
+            one = LoadOptions(parallel=APP_PARALLEL)
             assert loads == [one, one.replace(ctx=2048, kv_cache="q8_0")] and fake.closed
             conv = app.conversations.get(screen.conv_id)
             assert conv.system_prompt == "Be brief."
@@ -483,7 +483,7 @@ def test_new_chat_uses_the_context_chosen_on_models(tiny_llama: Path) -> None:
             assert isinstance(chat, ChatScreen)
             await pilot.press(*"hi", "enter")
             await wait_for(pilot, lambda: not chat.generating and chat.history)
-            assert loads == [LoadOptions(ctx=8192, kv_cache="q8_0", parallel=1)]
+            assert loads == [LoadOptions(ctx=8192, kv_cache="q8_0", parallel=APP_PARALLEL)]
 
     asyncio.run(go())
 
@@ -575,7 +575,7 @@ def test_settings_offer_what_the_chosen_backend_can_do(tiny_llama: Path, scripte
             assert chat.options == want and chat.sampling == {"temperature": 0.5}
             await pilot.press(*"hi", "enter")
             await wait_for(pilot, lambda: not chat.generating and chat.history)
-            assert loads == [want.replace(parallel=1)]
+            assert loads == [want.replace(parallel=APP_PARALLEL)]
 
             await pilot.press("ctrl+s")  # back to llama.cpp: what it lacks is not carried over
             modal = app.screen
@@ -630,7 +630,7 @@ def test_a_saved_unknown_option_still_opens_and_is_said_once(tiny_llama: Path) -
             assert chat.options == LoadOptions(ctx=1024) and chat.sampling == {"temperature": 0.1}
             await pilot.press(*"and now?", "enter")
             await wait_for(pilot, lambda: not chat.generating and chat.answer)
-            assert loads == [LoadOptions(ctx=1024, parallel=1)]
+            assert loads == [LoadOptions(ctx=1024, parallel=APP_PARALLEL)]
             assert fake.requests[0].sampling.temperature == 0.1
 
     asyncio.run(go())
@@ -670,7 +670,7 @@ def test_chats_share_one_model_and_the_template_note_is_said_once(tiny_llama: Pa
             await pilot.press(*"third", "enter")
             await wait_for(pilot, lambda: not chat.generating and chat.answer == "three")
             assert [x.refs for x in app.pool.loaded()] == [1]
-            assert loads == ["tiny"] and not fake.closed  # the first chat's model, not a new load
+            assert loads == ["tiny:latest"] and not fake.closed  # the first chat's model, not a new load
             notes = [n.message for n in app._notifications if note in n.message]
             assert notes == [f"tiny:latest: {note}"]
 
