@@ -1,8 +1,11 @@
-"""The llama.cpp backend, through llama-cpp-python.
+"""The llama.cpp backend: one llama.cpp context, one sequence per slot, one batch per step.
 
-`Llama` loads the model and context and evaluates batches; sampling is our own llama.cpp sampler
-chain (the C API, same samplers and order as llama-cpp-python uses), so the decode loop is ours:
-cancellation every token, and the StreamingLLM-style context shift when the cache fills.
+The model and context are built through llama-cpp-python's low-level API (its `Llama` holds one
+sequence): `n_slots` llama.cpp sequences, each with its own `ctx` cells (`kv_unified` off). A step
+puts every planned sequence's tokens (a prompt chunk, or its last sampled token) into one
+`llama_batch`, decodes it once, and samples each sequence that is due a token with its own sampler
+chain at its own row of the batch. Each slot remembers the tokens its cache holds, so a later
+prompt sharing that prefix skips it; the StreamingLLM-style context shift works per sequence.
 """
 
 from __future__ import annotations
@@ -14,18 +17,19 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from threading import Event
 from typing import Any
 
 from localllm.backends import LLAMACPP as CAPABILITIES
 from localllm.backends import LLAMACPP_KV_TYPES
-from localllm.backends.base import Step
+from localllm.backends.base import Seq, Step
 from localllm.chat import template_for
 from localllm.errors import ContextOverflow, LocalLLMError
 from localllm.memory import parse_kv_cache
-from localllm.types import ContextPolicy, SamplingParams
+from localllm.types import SamplingParams
 
 _GGML_TYPE = {
     "f32": 0,
@@ -49,8 +53,9 @@ def open_backend(path: str | Path, options: Any, *, name: str, digest: str,
 
     n_gpu_layers = 0 if options.device == "cpu" else -1
     check_load(path, digest, name, n_gpu_layers=n_gpu_layers, home=home)
-    return LlamaCppBackend(path, n_ctx=options.ctx, kv_cache=options.kv_cache,
-                           n_threads=options.threads, n_gpu_layers=n_gpu_layers)  # fmt: skip
+    return LlamaCppBackend(path, n_ctx=options.ctx, n_slots=options.parallel,
+                           kv_cache=options.kv_cache, n_threads=options.threads,
+                           n_gpu_layers=n_gpu_layers)  # fmt: skip
 
 
 def default_threads() -> int:
@@ -186,7 +191,39 @@ def _strip_prefix(line: str) -> str:
     return rest if sep and head.replace("_", "").isalnum() and " " not in head else line
 
 
+_backend_ready = threading.Event()
+
+
+def _init_backend(lib: Any) -> None:
+    """`llama_backend_init` once per process (as `Llama` does)."""
+    with _log_lock:
+        if not _backend_ready.is_set():
+            lib.llama_backend_init()
+            _backend_ready.set()
+
+
+_KEEP_SHARE = 0.75  # a prompt that keeps this much of a slot's cache continues it
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One llama.cpp sequence id, what its cache holds and the sequence using it."""
+
+    sid: int
+    tokens: list[int] = field(default_factory=list)  # cached, as a fresh evaluation would be
+    n_past: int = 0  # cells the sequence holds: the next token's position
+    exact: bool = True  # False once shifted: `tokens` then ends at the sinks
+    seq: Seq | None = None
+    chain: Any = None  # the sequence's sampler chain
+    fed: int = 0  # prompt tokens in the cache
+    last: int | None = None  # the token sampled last, not yet evaluated
+    shifted: list[int] = field(default_factory=list)  # discards not yet reported in a Step
+    stamp: int = 0  # when it was last admitted into (least recently used goes first)
+
+
 class LlamaCppBackend:
+    """A slot backend (`localllm.backends.base.Backend`) over one llama.cpp context."""
+
     name = "llama.cpp"
     capabilities = CAPABILITIES
 
@@ -195,13 +232,21 @@ class LlamaCppBackend:
         path: str | Path,
         *,
         n_ctx: int,
+        n_slots: int = 1,
+        max_batch: int = 512,
         kv_cache: str = "f16",
         n_threads: int | None = None,
         n_gpu_layers: int = -1,
         flash_attn: bool | None = None,
-        seed: int | None = None,
     ) -> None:
+        """Args:
+        n_ctx: cells per sequence (llama.cpp rounds it up to a multiple of 256).
+        n_slots: sequences held at once, one llama.cpp sequence id each.
+        max_batch: tokens one step may evaluate (llama.cpp's n_batch and n_ubatch).
+        """
         llama_cpp = quiet_llama_log()
+        from llama_cpp import _internals
+
         self._lib = llama_cpp
         type_k, type_v = parse_kv_cache(kv_cache)
         for t in (type_k, type_v):
@@ -215,49 +260,75 @@ class LlamaCppBackend:
             # On, as llama.cpp's own default (auto) has it on CPU: its non-flash path with an f16 KV
             # cache evaluated prompt batches wrongly on an AMD EPYC (Zen 3) here, llama-cpp-python
             # 0.3.36, any build (answers like "🌟🌟🌟" where token-by-token evaluation was right);
-            # with flash attention a batch and token-by-token evaluation agree exactly.
+            # with flash attention they agree (bit for bit on short prompts; a long prompt in one
+            # batch or in chunks differs by rounding, a few tenths of a nat at most).
             flash_attn = True
+        self.model_path = str(path)
+        self.n_threads = n_threads or default_threads()
+        n_slots = max(1, int(n_slots))
+        _init_backend(llama_cpp)
+        mp = llama_cpp.llama_model_default_params()
+        mp.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers == -1 else n_gpu_layers  # as `Llama` does
+        mp.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx = n_ctx * n_slots
+        cp.n_seq_max = n_slots
+        cp.kv_unified = False  # each sequence its own `n_ctx` cells, attending to those only
+        cp.n_batch = cp.n_ubatch = max(1, max_batch)
+        cp.n_threads = cp.n_threads_batch = self.n_threads
+        cp.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                              else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)  # fmt: skip
+        cp.type_k, cp.type_v = _GGML_TYPE[type_k], _GGML_TYPE[type_v]
+        # RoPE/YaRN settings as llama-cpp-python's `Llama` passes them (llama.cpp's own defaults
+        # are -1, "from the file"): the golden tests compare our answers with `Llama`'s
+        cp.yarn_ext_factor, cp.yarn_attn_factor = -1.0, 1.0
+        cp.yarn_beta_fast, cp.yarn_beta_slow = 32.0, 1.0
         mark = log_mark()
+        self._model = self._ctx = None
         try:
-            with templates_not_compiled():
-                self.llm = llama_cpp.Llama(
-                    model_path=str(path),
-                    n_ctx=n_ctx,
-                    n_batch=min(512, n_ctx),
-                    n_threads=n_threads or default_threads(),
-                    n_gpu_layers=n_gpu_layers,
-                    flash_attn=bool(flash_attn),
-                    type_k=_GGML_TYPE[type_k],
-                    type_v=_GGML_TYPE[type_v],
-                    seed=seed if seed is not None else llama_cpp.LLAMA_DEFAULT_SEED,
-                    chat_handler=_TemplateNotCompiled("").to_chat_handler(),
-                    verbose=False,
-                )
+            self._model = _internals.LlamaModel(path_model=self.model_path, params=mp,
+                                                verbose=False)  # fmt: skip
+            self._ctx = _internals.LlamaContext(model=self._model, params=cp, verbose=False)
         except (ValueError, RuntimeError) as e:  # llama-cpp-python's words hide llama.cpp's reason
-            said = [ln for ln in recent_errors(mark) if "error" in ln.lower()] or recent_errors(mark)
+            if self._model is not None:
+                self._model.close()
+            said = recent_errors(mark)
+            said = [ln for ln in said if "error" in ln.lower()] or said
             reason = said[-1] if said else str(e).split(":")[0]
             raise LocalLLMError(f"llama.cpp cannot load it: {_strip_prefix(reason)}") from None
-        self.n_ctx = self.llm.n_ctx()
-        self._vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
+        ctx = self._ctx.ctx
+        self._mem = llama_cpp.llama_get_memory(ctx)
+        self.n_slots = n_slots
+        self.n_ctx = int(llama_cpp.llama_n_ctx_seq(ctx))  # per sequence, as llama.cpp rounded it
+        self.max_batch = int(llama_cpp.llama_n_batch(ctx))  # llama.cpp caps it at the context
+        self._slots = [_Slot(i) for i in range(n_slots)]
+        self._stamp = 0
+        self._batch = _Batch(llama_cpp, self.max_batch)
+        self._vocab = self._model.vocab
+        self._n_vocab = self._model.n_vocab()
         self._piece_buf = ctypes.create_string_buffer(256)
         self._embedder = None
         self._embed_lock = threading.Lock()
-        meta = self.llm.metadata
-        bos, eos = self.llm.token_bos(), self.llm.token_eos()
+        try:
+            meta = self._model.metadata()
+        except Exception:  # noqa: BLE001 - as `Llama`: a file whose metadata cannot be listed has none
+            meta = {}
+        bos, eos = self._model.token_bos(), self._model.token_eos()
         self.chat_template = template_for(
             meta,
             bos_token=self._piece(bos) if bos >= 0 else "",
             eos_token=self._piece(eos) if eos >= 0 else "",
         )
         self.has_template = "tokenizer.chat_template" in meta
+        self.llm = _SlotZero(self)
 
     # -- tokens --------------------------------------------------------------------------------
 
     def _piece(self, token: int) -> str:
-        return self.llm.detokenize([token], special=True).decode("utf-8", "replace")
+        return self._model.detokenize([token], special=True).decode("utf-8", "replace")
 
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
-        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
+        return self._model.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes of one generated token (no leading-space stripping: it follows the prompt)."""
@@ -270,7 +341,7 @@ class LlamaCppBackend:
         return self._piece_buf.raw[:n]
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        return self.llm.detokenize(list(tokens)).decode("utf-8", "replace")
+        return self._model.detokenize(list(tokens)).decode("utf-8", "replace")
 
     def is_end(self, token: int) -> bool:
         return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
@@ -278,7 +349,204 @@ class LlamaCppBackend:
     def bos_text(self) -> str:
         return self.chat_template.bos_token
 
-    # -- generation ----------------------------------------------------------------------------
+    # -- slots ---------------------------------------------------------------------------------
+
+    def admit(self, seq: Seq) -> int:
+        """Give `seq` a free slot and return the prompt tokens its cache already holds.
+
+        The slot is, in this order: the one whose cache the prompt continues (keeping at least
+        three quarters of it; the longest shared prefix first), an empty one (the lowest id:
+        llama.cpp decodes neighbouring ids in one pass), or the one where the tokens reused minus
+        the cached tokens thrown away is largest (least recently used on ties). So a chat sharing
+        only a system prompt with another leaves the other's cache for its next turn. At least one
+        prompt token is always left to evaluate, for its logits.
+        """
+        free = [s for s in self._slots if s.seq is None]
+        if not free:
+            raise LocalLLMError(f"all {self.n_slots} llama.cpp slots are busy")
+        limit = len(seq.ids) - 1
+        shared = {s: _common_prefix(s.tokens, seq.ids, limit) for s in free}
+        kept = [s for s in free if s.tokens and shared[s] >= _KEEP_SHARE * len(s.tokens)]
+        empty = [s for s in free if not s.tokens]
+        if kept:
+            slot = max(kept, key=lambda s: (shared[s], -s.sid))
+        elif empty:
+            slot = empty[0]
+        else:
+            slot = max(free, key=lambda s: (2 * shared[s] - len(s.tokens), -s.stamp))
+        reuse = shared[slot]
+        self._lib.llama_memory_seq_rm(self._mem, slot.sid, reuse, -1)
+        del slot.tokens[reuse:]
+        slot.n_past, slot.exact = reuse, True
+        slot.seq, slot.fed, slot.last, slot.shifted = seq, reuse, None, []
+        slot.chain = self._sampler(seq.sampling)
+        self._stamp += 1
+        slot.stamp = self._stamp
+        seq.state = slot
+        return reuse
+
+    @property
+    def busy(self) -> int:
+        """Slots holding a sequence."""
+        return sum(s.seq is not None for s in self._slots)
+
+    def release(self, seq: Seq, keep: bool = True) -> None:
+        """Free the slot; `keep` leaves its cache (and the tokens it holds) for prefix reuse."""
+        slot = seq.state
+        if not isinstance(slot, _Slot) or slot.seq is not seq:
+            return
+        seq.state = None
+        slot.seq = slot.last = None
+        if slot.chain is not None:
+            self._lib.llama_sampler_free(slot.chain)
+            slot.chain = None
+        if not keep:
+            self._clear(slot)
+
+    def drop_caches(self) -> None:
+        """Forget what every free slot's cache holds: the next prompts are evaluated afresh."""
+        for slot in self._slots:
+            if slot.seq is None:
+                self._clear(slot)
+
+    def _clear(self, slot: _Slot) -> None:
+        self._lib.llama_memory_seq_rm(self._mem, slot.sid, 0, -1)
+        slot.tokens, slot.n_past, slot.exact = [], 0, True
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def step(self, plan: Mapping[Seq, int]) -> dict[Seq, list[Step]]:
+        """Evaluate every planned sequence in one `llama_decode`: `plan[seq]` more prompt tokens,
+        or (0) the token it sampled last; sample a token for each one whose prompt is complete.
+
+        A sequence under a StreamingLLM policy evaluates its prompt chunk in pieces of at most half
+        its window, shifting its cache before each; those pieces (and only they) go in further
+        decodes of the same step. A decoding sequence whose context is full and may not shift gets
+        no Step (the engine says "length").
+        """
+        pieces: dict[_Slot, deque[list[int]]] = {}
+        due: set[_Slot] = set()  # slots that sample after their last piece
+        out: dict[Seq, list[Step]] = {}
+        for seq, n in plan.items():
+            slot = seq.state
+            if not isinstance(slot, _Slot) or slot.seq is not seq:
+                raise LocalLLMError("a sequence was stepped that holds no llama.cpp slot")
+            if slot.last is None:  # prefilling
+                left = len(seq.ids) - slot.fed
+                tokens = seq.ids[slot.fed : slot.fed + (min(n, left) if n > 0 else left)]
+                if slot.fed + len(tokens) == len(seq.ids):
+                    due.add(slot)
+            else:
+                if not seq.policy.enabled and slot.n_past + 1 > self.n_ctx:
+                    out[seq] = []  # the context is full
+                    continue
+                tokens = [slot.last]
+                due.add(slot)
+            size = self._piece_size(seq)
+            pieces[slot] = deque(tokens[i : i + size] for i in range(0, len(tokens), size))
+        order = sorted(pieces, key=lambda s: s.sid)  # llama.cpp splits a batch at gaps in ids
+        lib, ctx = self._lib, self._ctx.ctx
+        while True:
+            batch: list[tuple[_Slot, list[int], bool]] = []
+            room = self.max_batch
+            for slot in order:
+                queue = pieces[slot]
+                if not queue or (batch and len(queue[0]) > room):
+                    continue
+                piece = queue.popleft()
+                self._make_room(slot, len(piece))
+                batch.append((slot, piece, not queue and slot in due))
+                room -= len(piece)
+            if not batch:
+                break
+            rows = self._decode(batch)
+            for slot, piece, _ in batch:
+                if slot.last is None:
+                    slot.fed += len(piece)
+            for slot, row in rows.items():
+                seq = slot.seq
+                token = lib.llama_sampler_sample(slot.chain, ctx, row)
+                logprob, top = None, ()
+                if seq.sampling.logprobs is not None:
+                    logprob, top = self._logprobs(row, token, seq.sampling.logprobs)
+                out[seq] = [Step(token, shifted=tuple(slot.shifted), logprob=logprob, top=top)]
+                slot.shifted = []
+                slot.last = token
+        return out
+
+    def _piece_size(self, seq: Seq) -> int:
+        policy = seq.policy
+        if not policy.enabled:
+            return self.max_batch
+        room = min(self.n_ctx, (policy.sinks or 0) + policy.window) - (policy.sinks or 0)
+        return max(1, min(self.max_batch, policy.window // 2, room))
+
+    def _make_room(self, slot: _Slot, need: int) -> None:
+        """Before `need` more tokens: shift the slot's cache if its policy says so and it must."""
+        seq = slot.seq
+        policy = seq.policy if seq is not None else None
+        if policy is None or not policy.enabled:
+            if slot.n_past + need > self.n_ctx:
+                raise ContextOverflow(
+                    f"{slot.n_past + need} tokens do not fit the context of {self.n_ctx}"
+                )
+            return
+        keep = policy.sinks or 0
+        capacity = min(self.n_ctx, keep + policy.window)
+        n_past = slot.n_past
+        if n_past + need <= capacity:
+            return
+        discard = min(max(n_past + need - capacity, policy.window // 4), n_past - keep)
+        if discard <= 0 or n_past - discard + need > capacity:
+            raise LocalLLMError(
+                "the context cannot hold the sinks and one batch; use a larger --ctx"
+            )
+        lib = self._lib
+        if not lib.llama_memory_can_shift(self._mem):
+            raise LocalLLMError("this model's cache cannot be shifted; use a larger --ctx instead")
+        lib.llama_memory_seq_rm(self._mem, slot.sid, keep, keep + discard)
+        lib.llama_memory_seq_add(self._mem, slot.sid, keep + discard, n_past, -discard)
+        slot.n_past = n_past - discard
+        if slot.exact:  # shifted rows are not what a fresh evaluation gives: reuse the sinks only
+            del slot.tokens[keep:]
+            slot.exact = False
+        slot.shifted.append(discard)
+
+    def _decode(self, batch: Sequence[tuple[_Slot, Sequence[int], bool]]) -> dict[_Slot, int]:
+        """One `llama_decode`: each slot's tokens at its next positions, with the logits of its last
+        token where asked. Returns the batch row of each slot's logits. On failure the cells the
+        batch added are removed again, so every slot's cache stays what it was."""
+        b = self._batch
+        rows: dict[_Slot, int] = {}
+        n = 0
+        for slot, tokens, want in batch:
+            k = len(tokens)
+            b.token[n : n + k] = tokens
+            b.pos[n : n + k] = range(slot.n_past, slot.n_past + k)
+            b.seq_id[n : n + k] = slot.sid
+            b.logits[n : n + k] = 0
+            if want:
+                b.logits[n + k - 1] = 1
+                rows[slot] = n + k - 1
+            n += k
+        mark = log_mark()
+        rc = b.decode(self._ctx.ctx, n)
+        if rc != 0:
+            for slot, _, _ in batch:
+                self._lib.llama_memory_seq_rm(self._mem, slot.sid, slot.n_past, -1)
+            said = recent_errors(mark)
+            why = f": {_strip_prefix(said[-1])}" if said else ""
+            raise LocalLLMError(
+                f"llama.cpp could not evaluate a batch of {n} tokens "
+                f"(llama_decode returned {rc}{why})"
+            )
+        for slot, tokens, _ in batch:
+            slot.n_past += len(tokens)
+            if slot.exact:
+                slot.tokens.extend(tokens)
+        return rows
+
+    # -- sampling ------------------------------------------------------------------------------
 
     def _sampler(self, s: SamplingParams):  # noqa: ANN202
         lib = self._lib
@@ -299,97 +567,18 @@ class LlamaCppBackend:
             add(lib.llama_sampler_init_dist(seed & 0xFFFFFFFF))
         return chain
 
-    def _reuse_prefix(self, ids: Sequence[int]) -> int:
-        """Keep the cached prefix shared with the new prompt; drop the rest of the cache."""
-        llm = self.llm
-        n = 0
-        limit = min(llm.n_tokens, len(ids) - 1)  # always evaluate at least one token for logits
-        cached = llm.input_ids
-        while n < limit and cached[n] == ids[n]:
-            n += 1
-        llm.n_tokens = n
-        return n
-
-    def _shift(self, policy: ContextPolicy, need: int) -> int:
-        """Drop the oldest tokens after the sinks so `need` more fit; returns how many went."""
-        llm = self.llm
-        lib = self._lib
-        keep = policy.sinks or 0
-        capacity = min(self.n_ctx, keep + policy.window)
-        n_past = llm.n_tokens
-        if n_past + need <= capacity:
-            return 0
-        discard = max(n_past + need - capacity, policy.window // 4)
-        discard = min(discard, n_past - keep)
-        if discard <= 0:
-            raise LocalLLMError(
-                "the context cannot hold the sinks and one batch; use a larger --ctx"
-            )
-        mem = lib.llama_get_memory(llm.ctx)
-        if not lib.llama_memory_can_shift(mem):
-            raise LocalLLMError("this model's cache cannot be shifted; use a larger --ctx instead")
-        lib.llama_memory_seq_rm(mem, 0, keep, keep + discard)
-        lib.llama_memory_seq_add(mem, 0, keep + discard, n_past, -discard)
-        ids = llm.input_ids
-        ids[keep : n_past - discard] = ids[keep + discard : n_past].copy()
-        llm.n_tokens = n_past - discard
-        return discard
-
-    def _eval(self, tokens: Sequence[int], policy: ContextPolicy, shifted: list[int]) -> None:
-        """Evaluate `tokens`, shifting the cache between batches when the policy allows."""
-        step = self.llm.n_batch
-        if policy.enabled:
-            step = max(1, min(step, policy.window // 2))
-        for i in range(0, len(tokens), step):
-            batch = tokens[i : i + step]
-            if policy.enabled:
-                gone = self._shift(policy, len(batch))
-                if gone:
-                    shifted.append(gone)
-            self.llm.eval(batch)
-
-    def steps(
-        self, ids: Sequence[int], sampling: SamplingParams, policy: ContextPolicy, cancel: Event
-    ) -> Iterator[Step]:
-        """Process the prompt, then yield one sampled token at a time until the caller stops."""
-        lib = self._lib
-        cached = self._reuse_prefix(ids)
-        shifted: list[int] = []
-        chain = self._sampler(sampling)
-        try:
-            self._eval(ids[cached:], policy, shifted)
-            first = True
-            while not cancel.is_set():
-                token = lib.llama_sampler_sample(chain, self.llm.ctx, -1)
-                logprob, top = (
-                    self._logprobs(token, sampling.logprobs)
-                    if sampling.logprobs is not None
-                    else (None, ())
-                )
-                yield Step(
-                    token,
-                    cached=cached if first else 0,
-                    shifted=tuple(shifted),
-                    logprob=logprob,
-                    top=top,
-                )
-                first = False
-                shifted = []
-                if not policy.enabled and self.llm.n_tokens + 1 > self.n_ctx:
-                    return  # the engine reports `length`; it never asks past the context
-                self._eval([token], policy, shifted)
-        finally:
-            lib.llama_sampler_free(chain)
-
-    def _logprobs(self, token: int, n_top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    def _logprobs(self, row: int, token: int,
+                  n_top: int) -> tuple[float, tuple[tuple[int, float], ...]]:  # fmt: skip
         import numpy as np
 
-        ptr = self._lib.llama_get_logits_ith(self.llm.ctx, -1)
-        logits = np.ctypeslib.as_array(ptr, shape=(self.llm.n_vocab(),)).astype(np.float64)
+        ptr = self._lib.llama_get_logits_ith(self._ctx.ctx, row)
+        logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).astype(np.float64)
         m = logits.max()
         logz = m + math.log(float(np.exp(logits - m).sum()))
         top = np.argsort(-logits)[:n_top] if n_top else []
         return float(logits[token] - logz), tuple((int(i), float(logits[i] - logz)) for i in top)
+
+    # -- the rest ------------------------------------------------------------------------------
 
     def embed(self, texts: Sequence[str]) -> list[list[float]]:
         """Mean-pooled, L2-normalised embeddings from a second context made for embedding."""
@@ -397,8 +586,8 @@ class LlamaCppBackend:
             if self._embedder is None:
                 with templates_not_compiled():
                     self._embedder = self._lib.Llama(
-                        model_path=self.llm.model_path, n_ctx=self.n_ctx, n_batch=self.n_ctx,
-                        n_ubatch=self.n_ctx, n_threads=self.llm.n_threads, embedding=True,
+                        model_path=self.model_path, n_ctx=self.n_ctx, n_batch=self.n_ctx,
+                        n_ubatch=self.n_ctx, n_threads=self.n_threads, embedding=True,
                         pooling_type=self._lib.LLAMA_POOLING_TYPE_MEAN, verbose=False,
                     )  # fmt: skip
             for t in texts:
@@ -413,4 +602,86 @@ class LlamaCppBackend:
     def close(self) -> None:
         if self._embedder is not None:
             self._embedder.close()
-        self.llm.close()
+            self._embedder = None
+        for slot in self._slots:
+            if slot.chain is not None:
+                self._lib.llama_sampler_free(slot.chain)
+                slot.chain = None
+        if self._ctx is not None:
+            self._ctx.close()
+            self._model.close()
+            self._ctx = self._model = None
+
+
+def _common_prefix(cached: Sequence[int], ids: Sequence[int], limit: int) -> int:
+    n, top = 0, min(len(cached), limit)
+    while n < top and cached[n] == ids[n]:
+        n += 1
+    return n
+
+
+class _Batch:
+    """A `llama_batch` over numpy arrays (one sequence id per token), refilled every step."""
+
+    def __init__(self, lib: Any, size: int) -> None:
+        import numpy as np
+
+        self._lib = lib
+        self.token = np.zeros(size, np.int32)
+        self.pos = np.zeros(size, np.int32)
+        self.n_seq_id = np.ones(size, np.int32)
+        self.seq_id = np.zeros(size, np.int32)
+        self.logits = np.zeros(size, np.int8)
+        i32 = ctypes.POINTER(ctypes.c_int32)
+        base, width = self.seq_id.ctypes.data, self.seq_id.itemsize
+        self._rows = (i32 * size)(*(ctypes.cast(base + i * width, i32) for i in range(size)))
+        b = lib.llama_batch()
+        b.token = self.token.ctypes.data_as(i32)
+        b.embd = None
+        b.pos = self.pos.ctypes.data_as(i32)
+        b.n_seq_id = self.n_seq_id.ctypes.data_as(i32)
+        b.seq_id = ctypes.cast(self._rows, ctypes.POINTER(i32))
+        b.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self.batch = b
+
+    def decode(self, ctx: Any, n: int) -> int:
+        self.batch.n_tokens = n
+        return int(self._lib.llama_decode(ctx, self.batch))
+
+
+class _SlotZero:
+    """Slot 0 behind the few `Llama` members older callers use: `llamacpp_guard`'s batch-versus-
+    token-by-token probe (`eval`, `reset`, `ctx`, `n_vocab`) and bench/llamacpp_overhead.py
+    (`model_path`, `reset`). Only while no sequence holds a slot."""
+
+    def __init__(self, backend: LlamaCppBackend) -> None:
+        self._b = backend
+
+    @property
+    def ctx(self) -> Any:
+        return self._b._ctx.ctx
+
+    @property
+    def model_path(self) -> str:
+        return self._b.model_path
+
+    @property
+    def n_tokens(self) -> int:
+        return self._b._slots[0].n_past
+
+    def n_vocab(self) -> int:
+        return self._b._n_vocab
+
+    def n_ctx(self) -> int:
+        return self._b.n_ctx
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        """Evaluate `tokens` after what slot 0 holds; the last one's logits are row -1."""
+        b, slot = self._b, self._b._slots[0]
+        if slot.seq is not None:
+            raise LocalLLMError("slot 0 is generating")
+        for i in range(0, len(tokens), b.max_batch):
+            b._decode([(slot, list(tokens[i : i + b.max_batch]), True)])
+
+    def reset(self) -> None:
+        self._b.drop_caches()
