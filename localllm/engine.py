@@ -305,7 +305,8 @@ class Scheduler:
     """
 
     PREFILL_SHARE = 1.5  # extra decode-step times one step may spend on prompt tokens
-    MIN_CHUNK = 16
+    MIN_CHUNK = 4  # on a slow CPU one prompt token can cost a sixth of a 3-sequence decode step
+    FIRST_CHUNK = 16  # before a prompt token's cost has been measured
 
     def __init__(self, max_batch: int) -> None:
         self.max_batch = max(1, max_batch)
@@ -316,7 +317,7 @@ class Scheduler:
         if not decoding:
             return self.max_batch
         if not (self.t_decode and self.t_token):
-            return min(self.max_batch, 64)
+            return min(self.max_batch, self.FIRST_CHUNK)
         n = int(self.PREFILL_SHARE * self.t_decode / self.t_token)
         return max(min(self.MIN_CHUNK, self.max_batch), min(self.max_batch, n))
 
