@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from localllm.backends import LLAMACPP as CAPABILITIES
 from localllm.backends import LLAMACPP_KV_TYPES
 from localllm.backends.base import Seq, Step
@@ -465,7 +467,10 @@ class LlamaCppBackend:
                     slot.fed += len(piece)
             for slot, row in rows.items():
                 seq = slot.seq
-                token = lib.llama_sampler_sample(slot.chain, ctx, row)
+                if slot.chain is None:  # plain greedy: the first largest logit, as llama.cpp's
+                    token = int(self._logits(row).argmax())
+                else:
+                    token = lib.llama_sampler_sample(slot.chain, ctx, row)
                 logprob, top = None, ()
                 if seq.sampling.logprobs is not None:
                     logprob, top = self._logprobs(row, token, seq.sampling.logprobs)
@@ -521,10 +526,13 @@ class LlamaCppBackend:
         n = 0
         for slot, tokens, want in batch:
             k = len(tokens)
-            b.token[n : n + k] = tokens
-            b.pos[n : n + k] = range(slot.n_past, slot.n_past + k)
-            b.seq_id[n : n + k] = slot.sid
-            b.logits[n : n + k] = 0
+            if k == 1:  # a decode step: scalar stores are several times cheaper than slices
+                b.token[n], b.pos[n], b.seq_id[n], b.logits[n] = tokens[0], slot.n_past, slot.sid, 0
+            else:
+                b.token[n : n + k] = tokens
+                b.pos[n : n + k] = np.arange(slot.n_past, slot.n_past + k)
+                b.seq_id[n : n + k] = slot.sid
+                b.logits[n : n + k] = 0
             if want:
                 b.logits[n + k - 1] = 1
                 rows[slot] = n + k - 1
@@ -549,10 +557,15 @@ class LlamaCppBackend:
     # -- sampling ------------------------------------------------------------------------------
 
     def _sampler(self, s: SamplingParams):  # noqa: ANN202
+        """The sequence's llama.cpp sampler chain; None for plain greedy (an argmax over the
+        logits row: llama.cpp's greedy sampler copies all n_vocab candidates first, ~0.2 ms)."""
+        penalties = s.repeat_penalty != 1.0 or s.frequency_penalty or s.presence_penalty
+        if s.temperature == 0 and not penalties:
+            return None
         lib = self._lib
         chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
         add = lambda smpl: lib.llama_sampler_chain_add(chain, smpl)  # noqa: E731
-        if s.repeat_penalty != 1.0 or s.frequency_penalty or s.presence_penalty:
+        if penalties:
             add(lib.llama_sampler_init_penalties(s.repeat_last_n, s.repeat_penalty,
                                                  s.frequency_penalty, s.presence_penalty))  # fmt: skip
         if s.temperature == 0:
@@ -567,12 +580,16 @@ class LlamaCppBackend:
             add(lib.llama_sampler_init_dist(seed & 0xFFFFFFFF))
         return chain
 
+    def _logits(self, row: int) -> Any:
+        """The logits of a batch row, as a numpy view of llama.cpp's buffer: (n_vocab,) float32."""
+        ptr = self._lib.llama_get_logits_ith(self._ctx.ctx, row)
+        if not ptr:
+            raise LocalLLMError(f"llama.cpp has no logits for batch row {row}")
+        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+
     def _logprobs(self, row: int, token: int,
                   n_top: int) -> tuple[float, tuple[tuple[int, float], ...]]:  # fmt: skip
-        import numpy as np
-
-        ptr = self._lib.llama_get_logits_ith(self._ctx.ctx, row)
-        logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).astype(np.float64)
+        logits = self._logits(row).astype(np.float64)
         m = logits.max()
         logz = m + math.log(float(np.exp(logits - m).sum()))
         top = np.argsort(-logits)[:n_top] if n_top else []
@@ -624,8 +641,6 @@ class _Batch:
     """A `llama_batch` over numpy arrays (one sequence id per token), refilled every step."""
 
     def __init__(self, lib: Any, size: int) -> None:
-        import numpy as np
-
         self._lib = lib
         self.token = np.zeros(size, np.int32)
         self.pos = np.zeros(size, np.int32)
