@@ -208,7 +208,7 @@ def show(
         ("source", record.source),
         ("file", str(path)),
         ("backend", f"{backend['name']} ({backend['reason']})" if backend["available"]
-                    else f"{backend['name'] or 'none'}: cannot run here: {backend['reason']}"),  # fmt: skip
+                    else f"none: {backend['reason']}"),  # fmt: skip
         ("can do", _capabilities_text(backend["capabilities"])),
         ("sampling", sampling_text),
     ]

@@ -273,9 +273,11 @@ def test_loading_compiles_no_template_in_this_process(
 def test_show_says_which_backend_and_why(tmp_path: Path, localllm_home: Path) -> None:
     p = cli(["show", "smollm2", "--json"])
     assert p.returncode == 0, p.stderr
-    assert json.loads(p.stdout)["backend"] == {
+    backend = json.loads(p.stdout)["backend"]
+    assert {k: backend[k] for k in ("name", "available", "reason")} == {
         "name": "llama.cpp", "available": True, "reason": "its probe evaluated a test model here"
     }  # fmt: skip
+    assert backend["capabilities"]["batching"] is True
     command, _ = counting_command(tmp_path, SIGILL_SELF)
     p = cli(["show", "smollm2"], LOCALLLM_LLAMACPP_PROBE=command)
     assert p.returncode == 0, p.stderr  # show informs; it does not fail

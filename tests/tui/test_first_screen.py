@@ -288,6 +288,6 @@ def test_backend_unavailable_is_a_notification_and_the_app_lives(
                 notes = [n.message for n in app._notifications if n.message == message]
                 assert len(notes) == attempt
                 assert app.screen is chat and chat.query_one("#status").has_class("danger")
-            assert calls == ["tiny", "tiny"]
+            assert calls == ["tiny:latest", "tiny:latest"]
 
     asyncio.run(go())
