@@ -448,6 +448,9 @@ class Model:
                     job.out.put(LocalLLMError("the model was closed"))
                     job.out.put(_END)
                 return
+            for job in [j for j in waiting if j.cancel.is_set()]:
+                waiting.remove(job)
+                self._admit(job)  # cancelled while waiting: it ends now, without a slot
             while waiting and len(running) < self.parallel:
                 live = self._admit(waiting.popleft())
                 if live is not None:

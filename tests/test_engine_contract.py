@@ -240,6 +240,21 @@ def test_cancelled_requests_free_their_slots_for_waiting_ones() -> None:
     assert not backend.busy
 
 
+def test_a_request_cancelled_while_waiting_ends_without_a_slot() -> None:
+    backend = FakeBatch(n_ctx=1024, n_slots=1, step_s=0.001)
+    with Model(backend, "fake") as m:
+        sampling = SamplingParams(temperature=0)
+        busy = m.submit(Request(prompt="say:" + "a" * 800, sampling=sampling))
+        waiting = m.submit(Request(prompt="say:b", sampling=sampling))
+        next(busy)
+        waiting.cancel()
+        result = waiting.wait()  # while the only slot is still busy
+        assert result.finish_reason == "cancelled" and result.usage.completion_tokens == 0
+        assert len(backend.busy) == 1 and backend.released == []
+        busy.cancel()
+        busy.wait()
+
+
 def test_closing_the_model_ends_running_and_waiting_requests() -> None:
     backend = FakeBatch(n_ctx=1024, n_slots=1, step_s=0.001)
     m = Model(backend, "fake")
