@@ -86,13 +86,17 @@ def test_stop_string_across_chunk_borders(model: Model) -> None:
     assert tuple(t for c in chunks for t in c.token_ids) == result.token_ids
 
 
-def _counting_steps(m: Model, pause: float = 0.0) -> dict[str, int]:
-    """Count the backend's steps (slowed by `pause` so a consumer can keep up with a fake)."""
+def _watch_steps(m: Model, *, pause: float = 0.0, fail_after: int | None = None) -> dict[str, int]:
+    """Count the backend's steps (slowed by `pause` so a consumer keeps up with a fake); with
+    `fail_after`, the step after that many raises once and the backend's own step comes back."""
     inner = m.backend.step
     count = {"n": 0}
 
     def step(plan):  # noqa: ANN001, ANN202
         count["n"] += 1
+        if fail_after is not None and count["n"] == fail_after + 1:
+            del m.backend.step  # the class's own step again
+            raise RuntimeError("the device went away")
         time.sleep(pause)
         return inner(plan)
 
@@ -101,7 +105,7 @@ def _counting_steps(m: Model, pause: float = 0.0) -> dict[str, int]:
 
 
 def test_cancel_takes_effect_within_one_step(model: Model) -> None:
-    steps = _counting_steps(model, pause=0.01 if is_fake(model) else 0.0)
+    steps = _watch_steps(model, pause=0.01 if is_fake(model) else 0.0)
     try:
         stream = model.submit(ask(model, "say:" + "x" * 100, max_tokens=100))
         seen = 0
@@ -146,21 +150,6 @@ def test_fields_the_backend_lacks_are_refused(model: Model) -> None:
     assert model.submit(replace(base, response_format={"type": "text"})).wait().text is not None
 
 
-def _failing_after(m: Model, n_steps: int) -> None:
-    """Make the backend's step raise after `n_steps` more steps (once)."""
-    inner = m.backend.step
-    count = {"n": 0}
-
-    def step(plan):  # noqa: ANN001, ANN202
-        count["n"] += 1
-        if count["n"] == n_steps + 1:
-            del m.backend.step  # the class's own step again
-            raise RuntimeError("the device went away")
-        return inner(plan)
-
-    m.backend.step = step  # type: ignore[method-assign]
-
-
 def test_failure_mid_stream_gives_finish_error_and_the_model_lives(model: Model) -> None:
     before = model.submit(ask(model, "say:abcdefghij", max_tokens=8)).wait()
     if is_fake(model) and isinstance(getattr(model.backend, "inner", None), FakeSimple):
@@ -168,7 +157,7 @@ def test_failure_mid_stream_gives_finish_error_and_the_model_lives(model: Model)
         said = "scripted failure"
     else:
         # prefill is one step for a short prompt; fail three decode steps later
-        _failing_after(model, 4)
+        _watch_steps(model, fail_after=4)
         request, said = ask(model, "say:abcdefghij", max_tokens=8), "the device went away"
     chunks, result = drain(model, request)
     assert result.finish_reason == "error" and said in result.error
@@ -180,7 +169,7 @@ def test_failure_mid_stream_gives_finish_error_and_the_model_lives(model: Model)
 
 
 def test_failure_before_the_first_token_is_raised(model: Model) -> None:
-    _failing_after(model, 0)
+    _watch_steps(model, fail_after=0)
     with pytest.raises(LocalLLMError, match="the device went away"):
         model.submit(ask(model, "say:abc", max_tokens=4)).wait()
     assert model.submit(ask(model, "say:abc", max_tokens=4)).wait().usage.completion_tokens > 0
