@@ -44,19 +44,15 @@ from localllm.types import (
 # -- refuse, never ignore ------------------------------------------------------------------------
 
 
-def _kv_types(spec: str) -> tuple[str, str]:
-    from localllm.memory import parse_kv_cache
-
-    return parse_kv_cache(spec)
-
-
 def check_options(options: LoadOptions, caps: Capabilities, backend: str) -> None:
     """Every load option the backend lacks is one `Unsupported` line, before anything loads."""
+    from localllm.memory import parse_kv_cache
+
     def no(what: str, has: Sequence[str] | None = None) -> Unsupported:
         tail = f" (it has: {', '.join(has)})" if has else ""
         return Unsupported(f"the {backend} backend has no {what}{tail}")
 
-    for t in dict.fromkeys(_kv_types(options.kv_cache)):
+    for t in dict.fromkeys(parse_kv_cache(options.kv_cache)):
         if t not in caps.kv_cache_types:
             raise no(f"{t} KV cache", caps.kv_cache_types)
     if options.streaming and not caps.streaming:
