@@ -159,10 +159,10 @@ def show(
         info = model_info(gf)
         template = gf.get("tokenizer.chat_template")
         used = template_for(gf)  # what `run` renders with: the file's own, a family's, or plain
-    backend = _backend_status()
+    backend = _backend_status("auto", path)
     options = LoadOptions(ctx=ctx, kv_cache=kv_cache, parallel=1)  # checks both, in run's words
     try:
-        spec = backends.describe(options.backend)
+        spec = backends.get(backend["name"]) if backend["available"] else backends.describe()
         est, estimator = spec.estimate(info, options), spec.name
     except LocalLLMError:  # no backend to ask: llama.cpp's arithmetic
         est, estimator = estimate(info, ctx=ctx, kv_cache=kv_cache), "llama.cpp"
@@ -246,9 +246,10 @@ def _capabilities_text(caps: dict[str, Any] | None) -> str:
     ])  # fmt: skip
 
 
-def _backend_status(name: str = "auto") -> dict[str, Any]:
-    """The backend `run` would use here: what it can do (the registry says, nothing is imported)
-    and whether it runs (llama.cpp's probe runs once per build and machine, in a child)."""
+def _backend_status(name: str = "auto", path: Path | None = None) -> dict[str, Any]:
+    """The backend `run` would use here for `path`, and why: what it can do (the registry says,
+    nothing is imported), whether it runs (llama.cpp's probe runs once per build and machine, in a
+    child) and whether it reads the file."""
     try:
         spec = backends.describe(name)
     except LocalLLMError as e:
@@ -256,13 +257,11 @@ def _backend_status(name: str = "auto") -> dict[str, Any]:
                 "summary": ""}  # fmt: skip
     status = {"name": spec.name, "capabilities": spec.capabilities.to_dict(), "summary": spec.summary}
     try:
-        chosen = backends.choose(name)
+        chosen, why = backends.select(name, path)
     except LocalLLMError as e:
         return status | {"available": False, "reason": str(e)}
-    said = chosen.available()  # cached by now
     return status | {"name": chosen.name, "capabilities": chosen.capabilities.to_dict(),
-                     "summary": chosen.summary, "available": True,
-                     "reason": said.reason or "its probe evaluated a test model here"}  # fmt: skip
+                     "summary": chosen.summary, "available": True, "reason": why}  # fmt: skip
 
 
 @app.command()
@@ -445,7 +444,14 @@ def doctor(
         raise LocalLLMError(f"{len(report.failed)} of {len(report.checks)} checks failed: {names}")
 
 
-def _print_stats(result: Any) -> None:
+def _print_stats(result: Any, llm: Any = None) -> None:
+    if llm is not None:
+        b = llm.backend
+        extra = ""
+        if getattr(b, "name", "") == "torch":
+            extra = f" on {b.device.type}, {b.dtype}"
+        print(f"backend {b.name}{extra}, loaded in {llm.load_s:.2f} s ({llm.backend_why})",
+              file=sys.stderr)
     t, n = result.timings, result.usage.completion_tokens
     pps = result.usage.prompt_tokens / t.prompt_s if t.prompt_s else 0.0
     print(
@@ -488,6 +494,11 @@ def run(
     ] = None,
     backend: Annotated[str, typer.Option("--backend", help=BACKEND_HELP)] = "auto",
     device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or mps.")] = "auto",
+    dtype: Annotated[
+        str,
+        typer.Option("--dtype", help="torch engine's working precision: auto, f32, bf16, f16 or "
+                     "int8 (weight-only, the CPU's fast path)."),
+    ] = "auto",
     max_tokens: Annotated[
         int | None, typer.Option("--max-tokens", help="Most tokens to generate.")
     ] = None,
@@ -529,7 +540,7 @@ def run(
     # `run` decodes one sequence at a time: no memory is set aside for more (PRODUCT: --parallel
     # is for `serve`). What the backend cannot do (--evict, --speculative, a KV type) is refused
     # by load() in the backend's words, before anything loads.
-    options = LoadOptions(backend=backend, device=device, ctx=ctx, kv_cache=kv_cache,
+    options = LoadOptions(backend=backend, device=device, dtype=dtype, ctx=ctx, kv_cache=kv_cache,
                           streaming=streaming, evict=evict, speculative=speculative, parallel=1)  # fmt: skip
     given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
              "seed": seed, "max_tokens": max_tokens}  # fmt: skip
@@ -559,7 +570,7 @@ def run(
                                   sampling=sampling, response_format=response_format)  # fmt: skip
             result = _generate(llm, request, stream_out=not json_out)
             if stats:
-                _print_stats(result)
+                _print_stats(result, llm)
             return result
 
         if not interactive:

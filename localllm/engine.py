@@ -394,12 +394,14 @@ class Model:
 
     def __init__(self, backend: Backend | Any, name: str, *, load_s: float = 0.0,
                  options: LoadOptions | None = None,
-                 sampling_defaults: Mapping[str, Any] | None = None) -> None:  # fmt: skip
+                 sampling_defaults: Mapping[str, Any] | None = None,
+                 backend_why: str = "") -> None:  # fmt: skip
         if not hasattr(backend, "admit"):
             backend = OneSlot(backend)
         self.backend = backend
         self.name = name
         self.load_s = load_s
+        self.backend_why = backend_why  # how the registry chose it ("auto: llama.cpp runs here ...")
         self.options = options or LoadOptions()
         self.context = self.options.context
         self.sampling_defaults = dict(sampling_defaults or {})
@@ -672,10 +674,10 @@ def load(model: str, options: LoadOptions | None = None, *, check_memory: bool =
                 f"compute {human_bytes(est.compute_bytes)}) but {human_bytes(est.available_bytes)} "
                 f"is free on {est.device}; try a smaller --ctx, --parallel or --kv-cache q8_0"
             )
-    chosen = backends.choose(opts.backend)
+    path = store.path_of(record)
+    chosen, why = backends.select(opts.backend, path)
     if chosen is not spec:
         check_options(opts, chosen.capabilities, chosen.name)
-    path = store.path_of(record)
     defaults, _source = sampling_defaults(path, sampling_for(record))
     t0 = time.perf_counter()
     try:
@@ -683,7 +685,7 @@ def load(model: str, options: LoadOptions | None = None, *, check_memory: bool =
     except LocalLLMError as e:
         raise LocalLLMError(f"{record.name}: {e}") from None
     return Model(b, record.name, load_s=time.perf_counter() - t0, options=opts,
-                 sampling_defaults=defaults)  # fmt: skip
+                 sampling_defaults=defaults, backend_why=why)  # fmt: skip
 
 
 def choose_backend(backend: str = "auto") -> str:

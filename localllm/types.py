@@ -100,7 +100,9 @@ class ContextPolicy:
 
 
 _DEVICES = ("auto", "cpu", "cuda", "mps")
-_DTYPES = ("auto", "f32", "f16", "bf16")
+_DTYPES = ("auto", "f32", "bf16", "f16", "int8")  # int8: weight-only int8 (the torch CPU path)
+_DTYPE_ALIASES = {"float32": "f32", "fp32": "f32", "bfloat16": "bf16", "float16": "f16",
+                  "fp16": "f16", "half": "f16"}  # fmt: skip
 DEFAULT_PARALLEL = 4
 
 
@@ -159,6 +161,7 @@ class LoadOptions:
             )
         if self.device not in _DEVICES:
             raise LocalLLMError(f"unknown device {self.device!r} ({', '.join(_DEVICES)})")
+        object.__setattr__(self, "dtype", _DTYPE_ALIASES.get(self.dtype, self.dtype))
         if self.dtype not in _DTYPES:
             raise LocalLLMError(f"unknown dtype {self.dtype!r} ({', '.join(_DTYPES)})")
         if self.ctx is not None and (isinstance(self.ctx, bool) or not isinstance(self.ctx, int)

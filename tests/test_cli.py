@@ -215,7 +215,8 @@ def test_show_says_which_template_a_model_without_one_gets(
         (["--speculative", "lookup"], "the llama.cpp backend has no speculative mode 'lookup'"),
         (["--kv-cache", "int8"], "the llama.cpp backend has no int8 KV cache"),
         (["--backend", "vllm"], "unknown backend 'vllm' (choose from auto, llama.cpp"),
-        (["--backend", "torch"], "torch engine is not part of this build"),
+        (["--backend", "torch", "--kv-cache", "q8_0"], "the torch backend has no q8_0 KV cache"),
+        (["--dtype", "int4"], "unknown dtype 'int4'"),
         (["--top-p", "7"], "top_p must be in (0, 1]"),
         (["--json-schema", "SCHEMA"], "the llama.cpp backend has no constrained decoding, so no "
                                       "response_format json_schema"),

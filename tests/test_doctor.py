@@ -467,7 +467,6 @@ def test_backends_check_lists_the_registry(capsys: pytest.CaptureFixture[str]) -
     rows = {r["name"]: r for r in check["data"]["backends"]}
     assert rows["llama.cpp"]["available"] is True
     assert "q8_0" in rows["llama.cpp"]["capabilities"]["kv_cache_types"]
-    assert rows["torch"] == {"name": "torch", "available": False, "capabilities": None,
-                             "reason": rows["torch"]["reason"]}  # fmt: skip
-    assert "not part of this build" in rows["torch"]["reason"]
-    assert check["detail"].startswith("auto uses llama.cpp; llama.cpp: runs here; torch: ")
+    assert rows["torch"]["available"] is True, rows["torch"]  # the dev install has torch
+    assert rows["torch"]["capabilities"]["dtypes"] == ["f32", "bf16", "f16", "int8"]
+    assert check["detail"] == "auto uses llama.cpp; llama.cpp: runs here; torch: runs here"

@@ -61,6 +61,8 @@ class BackendSpec:
     available: Callable[[], Availability]
     estimate: Callable[..., MemoryEstimate]  # (info, options, available=None) -> MemoryEstimate
     summary: str = ""
+    # (path) -> None when the backend can read this file, else why not (one phrase)
+    suits: Callable[[Path], str | None] = lambda _path: None
 
     def open(self, path: Path, options: LoadOptions, **kw: Any) -> Any:
         """Import the backend module (only now) and open the model with it."""
@@ -101,11 +103,71 @@ def _llamacpp_estimate(info: ModelInfo, options: LoadOptions, available: Any = N
                     available=available)  # fmt: skip
 
 
+# -- torch ----------------------------------------------------------------------------------
+
+TORCH_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+TORCH_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
+                      "Q6_K")  # fmt: skip
+
+TORCH = Capabilities(
+    kv_cache_types=("f16", "bf16", "f32"),
+    streaming=False,
+    speculative=("off",),
+    batching=True,
+    embeddings=True,
+    grammar=False,
+    eviction=(),
+    devices=("cpu", "cuda", "mps"),
+    dtypes=("f32", "bf16", "f16", "int8"),
+)
+
+
+def _torch_available() -> Availability:
+    """Whether torch and tokenizers are installed (found, not imported: importing torch takes seconds)."""
+    from importlib.util import find_spec
+
+    missing = [m for m in ("torch", "tokenizers") if find_spec(m) is None]
+    if missing:
+        return Availability(False, f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                            "not installed", "pip install 'localllm[torch]'")  # fmt: skip
+    return Availability(True, "torch is installed")
+
+
+def _torch_suits(path: Path) -> str | None:
+    """The torch engine reads these architectures and tensor types; anything else is why not."""
+    from localllm.gguf_file import read_gguf
+
+    f = read_gguf(path)
+    arch = f.metadata.get("general.architecture")
+    if arch not in TORCH_ARCHITECTURES:
+        return f"it has no {arch} architecture (it has {', '.join(TORCH_ARCHITECTURES)})"
+    odd = sorted({t.ggml_type.name for t in f.tensors.values()} - set(TORCH_TENSOR_TYPES))
+    if odd:
+        return f"it cannot read {', '.join(odd)} tensors (it reads {', '.join(TORCH_TENSOR_TYPES)})"
+    return None
+
+
+def _torch_estimate(info: ModelInfo, options: LoadOptions, available: Any = None) -> Any:
+    """llama.cpp's estimate with the torch engine's weights: the working precision's bytes per
+    parameter (int8 keeps a float32 token embedding for lookups), on the GPU when one is seen."""
+    from dataclasses import replace
+
+    from localllm.memory import available_memory, estimate
+
+    avail = available or available_memory("cpu" if options.device == "cpu" else "auto")
+    dtype = options.dtype
+    if dtype == "auto":
+        dtype = "bf16" if avail.device.startswith("cuda") else "int8"
+    per = {"f32": 4, "bf16": 2, "f16": 2, "int8": 1}[dtype]
+    weights = info.parameters * per + (info.vocab_size * info.n_embd * 4 if dtype == "int8" else 0)
+    est = estimate(info, ctx=options.ctx, kv_cache=options.kv_cache, parallel=options.parallel,
+                   available=avail)  # fmt: skip
+    return replace(est, weights_bytes=int(weights))
+
+
 _SPECS: dict[str, BackendSpec] = {}
 # Names a user may know from PRODUCT.md that this build cannot load, and why.
-_PLANNED = {
-    "torch": "the torch engine is not part of this build yet; use --backend llama.cpp",
-}
+_PLANNED: dict[str, str] = {}
 AUTO_ORDER: list[str] = []  # what `auto` tries, in order
 
 
@@ -129,6 +191,16 @@ register(BackendSpec(
     available=_llamacpp_available,
     estimate=_llamacpp_estimate,
     summary="llama.cpp through llama-cpp-python: GGUF, every quant, CPU/CUDA/Metal",
+))  # fmt: skip
+
+register(BackendSpec(
+    name="torch",
+    capabilities=TORCH,
+    factory="localllm.backends.torch.backend:open_backend",
+    available=_torch_available,
+    estimate=_torch_estimate,
+    summary="localllm's own PyTorch engine: Llama, Qwen 2/3, Gemma 3 on GGUF weights; CPU/CUDA/Metal",
+    suits=_torch_suits,
 ))  # fmt: skip
 
 
@@ -159,22 +231,38 @@ def describe(name: str = "auto") -> BackendSpec:
     return get(name)
 
 
-def choose(name: str = "auto") -> BackendSpec:
-    """The backend a load will use, or `BackendUnavailable` saying why none can run here.
+def choose(name: str = "auto", path: Path | None = None) -> BackendSpec:
+    """The backend a load will use, or `BackendUnavailable` saying why none can run here."""
+    return select(name, path)[0]
 
-    `auto` takes the first available backend in `AUTO_ORDER`; a named one must be available itself.
+
+def select(name: str = "auto", path: Path | None = None) -> tuple[BackendSpec, str]:
+    """The backend a load of `path` will use and why, or `BackendUnavailable` saying why none can.
+
+    `auto` takes the first backend in `AUTO_ORDER` that runs here and suits the file (llama.cpp
+    first when its probe passes); a named one must run here and suit the file itself.
     """
     if name != "auto":
         spec = get(name)
         a = spec.available()
         if not a.ok:
             raise BackendUnavailable(f"{spec.name} cannot run on this machine: {a.message()}")
-        return spec
-    said = []
+        why = spec.suits(path) if path is not None else None
+        if why:
+            raise BackendUnavailable(f"the {spec.name} backend cannot load this file: {why}")
+        return spec, f"asked for (--backend {spec.name})"
+    said: list[str] = []
     alone = " (and no other backend is installed)" if len(AUTO_ORDER) == 1 else ""
     for n in AUTO_ORDER:
-        a = _SPECS[n].available()
-        if a.ok:
-            return _SPECS[n]
-        said.append(f"{n} cannot run on this machine{alone}: {a.message()}")
+        spec = _SPECS[n]
+        a = spec.available()
+        if not a.ok:
+            said.append(f"{n} cannot run on this machine{alone}: {a.message()}")
+            continue
+        why = spec.suits(path) if path is not None else None
+        if why:
+            said.append(f"{n} cannot load this file: {why}")
+            continue
+        first = f"auto: {n} runs here ({a.reason})"
+        return spec, "; ".join([first, *said]) if said else first
     raise BackendUnavailable("; ".join(said) or "no backend is installed")

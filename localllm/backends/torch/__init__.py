@@ -1,0 +1,12 @@
+"""localllm's own engine: Llama / Qwen / Gemma transformers in PyTorch, on GGUF weights.
+
+    tokenizer.py   the GGUF vocabulary as a Hugging Face `tokenizers` tokenizer (no llama.cpp)
+    weights.py     GGUF tensors → torch tensors (vectorized dequantization, memory-mapped)
+    cache.py       per-layer KV caches with one interface (update_and_fetch, offset, trim, ...)
+    models/        one readable file per architecture family; stateless `Model`s
+    sampling.py    logits processors and samplers
+    quantized.py   weight-only int8 linear layers for the CPU's fast path
+    backend.py     the slot interface the engine drives (`TorchBackend`), and `open_backend`
+
+Importing this package imports nothing heavy: torch is imported by the modules above.
+"""

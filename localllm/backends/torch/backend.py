@@ -1,0 +1,319 @@
+"""The torch engine as a slot backend (`localllm.backends.base.Backend`) the engine's scheduler drives.
+
+Each slot owns one plain cache per layer (`cache.KVCache`, position-indexed, growing in steps), so
+sequences never share or pad buffers: a step evaluates every prefilling sequence's chunk on its own
+(in pieces of at most `max_batch` tokens, so peak memory does not grow with the prompt), then every
+decoding sequence together as one (B, 1) batch whose rows attend to their own caches. A slot keeps
+its cache after release, and the next prompt that continues it reuses the shared prefix (trimmed,
+not copied) — the seam for prefix caching across slots later.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from localllm.backends import TORCH
+from localllm.backends.base import Seq, Step
+from localllm.backends.torch.cache import KVCache
+from localllm.backends.torch.sampling import Sampler, logprobs, make_sampler
+from localllm.chat import template_for
+from localllm.errors import ContextOverflow, LocalLLMError
+from localllm.memory import parse_kv_cache
+
+__all__ = ["TorchBackend", "open_backend", "resolve_device", "resolve_dtype"]
+
+_KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+_FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# The CPU's default working precision: the fastest path measured here that keeps KL ≤ 0.01 nats
+# against f32 (bench/torch_engine.py; numbers in the issue 11 note).
+CPU_DEFAULT_DTYPE = "int8"
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """auto: cuda > mps > cpu. A named device that torch does not see is one line."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise LocalLLMError("torch sees no CUDA device here (--device cuda); use --device cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise LocalLLMError("torch sees no Apple Metal (MPS) device here; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """The working precision: f32 (the exact reference path), bf16, f16, or int8 (weight-only int8,
+    f32 compute: the CPU's fast path). auto: bf16 on CUDA, f16 on MPS, `CPU_DEFAULT_DTYPE` on CPU."""
+    if name == "auto":
+        return {"cuda": "bf16", "mps": "f16"}.get(device.type, CPU_DEFAULT_DTYPE)
+    if name == "int8" and device.type != "cpu":
+        raise LocalLLMError(f"--dtype int8 is the CPU's path; on {device.type} use bf16 or f16")
+    if name == "bf16" and device.type == "mps" and not torch.backends.mps.is_macos_or_newer(14, 0):
+        raise LocalLLMError("bf16 on Apple Metal needs macOS 14; use --dtype f16")
+    return name
+
+
+@dataclass(eq=False)
+class _Slot:
+    sid: int
+    caches: list[Any] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # what the caches hold, in order
+    seq: Seq | None = None
+    sampler: Sampler | None = None
+    fed: int = 0  # prompt tokens in the cache
+    last: int | None = None  # sampled, not yet evaluated
+    history: list[int] = field(default_factory=list)  # prompt + generated, for penalties
+
+    @property
+    def n_past(self) -> int:
+        return self.caches[0].offset if self.caches else 0
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y or n >= limit:
+            break
+        n += 1
+    return n
+
+
+class TorchBackend:
+    """A model file on one torch device: tokenizer, stateless model, one cache set per slot."""
+
+    name = "torch"
+    capabilities = TORCH
+
+    def __init__(self, path: str | Path, *, n_ctx: int, n_slots: int = 1, max_batch: int = 256,
+                 device: str = "auto", dtype: str = "auto", kv_cache: str = "f16",
+                 threads: int | None = None) -> None:  # fmt: skip
+        """Args:
+        n_ctx: tokens per sequence.
+        n_slots: sequences held at once.
+        max_batch: prompt tokens one forward evaluates (the prefill piece: bounds peak memory).
+        device, dtype: see `resolve_device`, `resolve_dtype`.
+        kv_cache: the cache's element type (f16, bf16, f32); attention computes in the working dtype.
+        """
+        from localllm.backends.torch.models import build_model
+        from localllm.backends.torch.tokenizer import GGUFTokenizer
+        from localllm.gguf_file import GGUFFile
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        k, v = parse_kv_cache(kv_cache)
+        if k != v or k not in _KV_DTYPES:
+            raise LocalLLMError(
+                f"the torch backend has no {kv_cache} KV cache (it has {', '.join(_KV_DTYPES)})"
+            )
+        self.compute_dtype = _FLOAT_DTYPES.get(self.dtype, torch.float32)
+        self.kv_dtype = _KV_DTYPES[k]
+        linear = None
+        if self.dtype == "int8":
+            from localllm.backends.torch.quantized import Int8Linear
+
+            linear = Int8Linear.from_float
+        self.model_path = str(path)
+        with GGUFFile(path) as f:
+            self.tokenizer = GGUFTokenizer.from_gguf(f)
+            self.model = build_model(f, dtype=self.compute_dtype, device=self.device, linear=linear)
+            meta = dict(f.metadata)
+        self.model.eval()
+        tok = self.tokenizer
+        self.chat_template = template_for(
+            meta,
+            bos_token=tok.piece(tok.bos_id) if tok.bos_id is not None and tok.bos_id >= 0 else "",
+            eos_token=tok.piece(tok.eos_id) if tok.eos_id is not None and tok.eos_id >= 0 else "",
+        )
+        self.has_template = "tokenizer.chat_template" in meta
+        args = self.model.args
+        self.n_ctx = max(16, min(int(n_ctx), int(args.context_length or n_ctx)))
+        self.n_slots = max(1, int(n_slots))
+        self.max_batch = max(1, int(max_batch))
+        self._slots = [_Slot(i) for i in range(self.n_slots)]
+        self._lock = threading.Lock()  # embed() may come from another thread than the scheduler's
+
+    # -- tokens --------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.tokenizer.token_bytes(token)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(tokens)
+
+    def is_end(self, token: int) -> bool:
+        return self.tokenizer.is_end(token)
+
+    def bos_text(self) -> str:
+        return self.chat_template.bos_token
+
+    # -- slots ---------------------------------------------------------------------------------
+
+    def _new_caches(self) -> list[KVCache]:
+        return self.model.make_caches(self.n_ctx, dtype=self.kv_dtype, device=self.device)
+
+    def admit(self, seq: Seq) -> int:
+        """Give `seq` a free slot (the one whose cache shares the longest prefix with its prompt,
+        else an empty one, else the least useful) and return the prompt tokens reused."""
+        free = [s for s in self._slots if s.seq is None]
+        if not free:
+            raise LocalLLMError(f"all {self.n_slots} torch slots are busy")
+        limit = len(seq.ids) - 1  # at least one prompt token is evaluated, for its logits
+        shared = {s: _common_prefix(s.tokens, seq.ids, limit) for s in free}
+        slot = max(free, key=lambda s: (shared[s], not s.tokens, -s.sid))
+        reuse = shared[slot]
+        if not slot.caches:
+            slot.caches = self._new_caches()
+        for c in slot.caches:
+            c.trim(c.offset - reuse)
+        del slot.tokens[reuse:]
+        slot.seq, slot.fed, slot.last = seq, reuse, None
+        slot.history = list(seq.ids)
+        slot.sampler = make_sampler(seq.sampling, self.device)
+        seq.state = slot
+        return reuse
+
+    def release(self, seq: Seq, keep: bool = True) -> None:
+        slot = seq.state
+        if not isinstance(slot, _Slot) or slot.seq is not seq:
+            return
+        seq.state = None
+        slot.seq = slot.last = slot.sampler = None
+        slot.history = []
+        if not keep:
+            slot.caches, slot.tokens = [], []
+
+    def drop_caches(self) -> None:
+        """Forget what every free slot's cache holds (and free its memory)."""
+        for slot in self._slots:
+            if slot.seq is None:
+                slot.caches, slot.tokens = [], []
+
+    # -- one step ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, plan: Mapping[Seq, int]) -> dict[Seq, list[Step]]:
+        """Prefill chunks one sequence at a time (pieces of `max_batch`), then every decoding
+        sequence in one (B, 1) forward. A decoding sequence whose context is full gets no Step."""
+        out: dict[Seq, list[Step]] = {}
+        decoding: list[_Slot] = []
+        for seq, n in plan.items():
+            slot = seq.state
+            if not isinstance(slot, _Slot) or slot.seq is not seq:
+                raise LocalLLMError("a sequence was stepped that holds no torch slot")
+            if slot.last is None:  # prefilling
+                left = len(seq.ids) - slot.fed
+                tokens = seq.ids[slot.fed : slot.fed + (min(n, left) if n > 0 else left)]
+                if slot.n_past + len(tokens) > self.n_ctx:
+                    raise ContextOverflow(
+                        f"{slot.n_past + len(tokens)} tokens do not fit the context of {self.n_ctx}"
+                    )
+                h = None
+                for i in range(0, len(tokens), self.max_batch):
+                    h = self._forward([slot], [tokens[i : i + self.max_batch]])
+                slot.fed += len(tokens)
+                if slot.fed == len(seq.ids) and h is not None:
+                    out[seq] = [self._sample(slot, self.model.logits(h[0, -1]))]
+            elif slot.n_past + 1 > self.n_ctx:
+                out[seq] = []  # the context is full
+            else:
+                decoding.append(slot)
+        if decoding:
+            h = self._forward(decoding, [[s.last] for s in decoding])  # type: ignore[list-item]
+            logits = self.model.logits(h[:, -1])  # (B, V)
+            for row, slot in enumerate(decoding):
+                out[slot.seq] = [self._sample(slot, logits[row])]  # type: ignore[index]
+        return out
+
+    def _forward(self, slots: Sequence[_Slot], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Evaluate equally long token lists, one per slot, at each slot's next positions.
+        On failure every cache is trimmed back, so each slot holds what it held before."""
+        before = [s.n_past for s in slots]
+        x = torch.tensor(tokens, dtype=torch.long, device=self.device)  # (B, T)
+        try:
+            h = self.model(x, [s.caches for s in slots])  # (B, T, dim)
+        except Exception as e:
+            for s, n in zip(slots, before):
+                for c in s.caches:
+                    c.trim(c.offset - n)
+            if isinstance(e, torch.OutOfMemoryError):
+                raise LocalLLMError(
+                    f"the torch engine ran out of memory on {self.device.type} evaluating "
+                    f"{x.numel()} tokens; try a smaller --ctx or --parallel"
+                ) from None
+            raise
+        for s, t in zip(slots, tokens):
+            s.tokens.extend(t)
+        return h
+
+    def _sample(self, slot: _Slot, logits: torch.Tensor) -> Step:
+        seq = slot.seq
+        assert seq is not None and slot.sampler is not None
+        logits = logits.float()
+        token = slot.sampler(logits, slot.history)
+        lp, top = None, ()
+        if seq.sampling.logprobs is not None:
+            lp, top = logprobs(logits, token, seq.sampling.logprobs)
+        slot.last = token
+        slot.history.append(token)
+        return Step(token, logprob=lp, top=top)
+
+    # -- the rest ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        """Mean-pooled, L2-normalised final hidden states (as the llama.cpp backend's)."""
+        vectors = []
+        with self._lock:
+            for t in texts:
+                ids = self.tokenize(t)
+                if len(ids) > self.n_ctx:
+                    raise ContextOverflow(
+                        f"an input has {len(ids)} tokens but the context holds {self.n_ctx}"
+                    )
+                if not ids:
+                    raise LocalLLMError("cannot embed an empty input")
+                caches = self.model.make_caches(len(ids), dtype=self.kv_dtype, device=self.device)
+                total = None
+                for i in range(0, len(ids), self.max_batch):
+                    x = torch.tensor([ids[i : i + self.max_batch]], device=self.device)
+                    s = self.model(x, [caches])[0].float().sum(0)
+                    total = s if total is None else total + s
+                v = torch.nn.functional.normalize(total / len(ids), dim=-1)  # type: ignore[operator]
+                vectors.append([float(x) for x in v.tolist()])
+        return vectors
+
+    def close(self) -> None:
+        for slot in self._slots:
+            slot.caches, slot.tokens, slot.seq = [], [], None
+        self.model = None  # type: ignore[assignment]
+
+
+def open_backend(path: str | Path, options: Any, *, name: str, digest: str,
+                 home: Path | None = None) -> TorchBackend:  # fmt: skip
+    """The registry's factory."""
+    del name, digest, home  # the torch engine runs in this process: no first-load child
+    return TorchBackend(path, n_ctx=options.ctx, n_slots=options.parallel, device=options.device,
+                        dtype=options.dtype, kv_cache=options.kv_cache,
+                        threads=options.threads or _default_threads())  # fmt: skip
+
+
+def _default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS
+        return max(1, os.cpu_count() or 1)
