@@ -1,4 +1,4 @@
-"""The engine's contract, backend-agnostic: run against scripted fakes and the real llama.cpp backend.
+"""The engine's contract, backend-agnostic: scripted fakes, and the real llama.cpp and torch backends.
 
 Every generated token appears in exactly one chunk; chunk texts add up to the result; stop strings
 are found across chunk borders; a cancel takes effect within one step; an overflow is refused with
@@ -30,10 +30,20 @@ def llamacpp(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
     m.close()
 
 
-@pytest.fixture(params=["batch", "simple", "llama.cpp"])
+@pytest.fixture(scope="module")
+def torch_engine(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Model]:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LOCALLLM_HOME", str(tmp_path_factory.mktemp("home")))
+    m = load("smollm2", backend="torch", device="cpu", ctx=512, parallel=4)
+    mp.undo()
+    yield m
+    m.close()
+
+
+@pytest.fixture(params=["batch", "simple", "llama.cpp", "torch"])
 def model(request: pytest.FixtureRequest) -> Iterator[Model]:
-    if request.param == "llama.cpp":
-        yield request.getfixturevalue("llamacpp")
+    if request.param in ("llama.cpp", "torch"):
+        yield request.getfixturevalue("llamacpp" if request.param == "llama.cpp" else "torch_engine")
         return
     backend = FakeBatch(n_ctx=256) if request.param == "batch" else FakeSimple(n_ctx=256)
     m = Model(backend, "fake")

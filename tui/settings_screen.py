@@ -70,7 +70,7 @@ class SettingsScreen(ModalScreen[Result | None]):
             **{k: "" if sampling.get(k) is None else str(sampling[k]) for k, _l, _p in SAMPLING},
             "backend": o.backend, "ctx": str(o.ctx or ""), "kv_cache": o.kv_cache,
             "streaming": o.streaming or "", "evict": o.evict or "", "speculative": spec_mode,
-            "draft": draft,
+            "draft": draft, "device": o.device, "dtype": o.dtype,
         }  # fmt: skip
         self.caps, self.caps_text = capabilities_of(o.backend)
 
@@ -110,6 +110,16 @@ class SettingsScreen(ModalScreen[Result | None]):
                 if caps.eviction:
                     yield Label(f"KV eviction ({', '.join(caps.eviction)}; blank: none)")
                     yield Input(f["evict"], id="evict", placeholder="e.g. h2o:1024")
+                if len(caps.devices) > 1:
+                    yield Label("Device")
+                    devices = ("auto", *caps.devices)
+                    yield Select([(d, d) for d in devices], id="device", allow_blank=False,
+                                 value=f["device"] if f["device"] in devices else "auto")  # fmt: skip
+                if len(caps.dtypes) > 1:
+                    yield Label("Working precision (auto: bf16 on a GPU, the fastest on a CPU)")
+                    dtypes = ("auto", *caps.dtypes)
+                    yield Select([(d, d) for d in dtypes], id="dtype", allow_blank=False,
+                                 value=f["dtype"] if f["dtype"] in dtypes else "auto")  # fmt: skip
             with Horizontal():
                 yield Button("Save (ctrl+s)", id="save", variant="primary")
                 yield Button("Cancel (esc)", id="cancel")
@@ -184,6 +194,8 @@ class SettingsScreen(ModalScreen[Result | None]):
             "kv_cache": f["kv_cache"] if "kv_cache" in offered else self.options.kv_cache,
             "streaming": text("streaming"),
             "evict": text("evict"),
+            "device": f["device"] if "device" in offered else "auto",
+            "dtype": f["dtype"] if "dtype" in offered else "auto",
             "speculative": f"draft:{text('draft')}" if mode == "draft" else None if mode == "off"
             else mode,
         }  # fmt: skip

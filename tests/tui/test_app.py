@@ -589,6 +589,31 @@ def test_settings_offer_what_the_chosen_backend_can_do(tiny_llama: Path, scripte
     asyncio.run(go())
 
 
+def test_settings_offer_the_torch_engines_devices_and_precisions(tiny_llama: Path) -> None:
+    Store().add_file(tiny_llama, "tiny", source="file:x")
+
+    async def go() -> None:
+        app = LocalLLMApp(pool=ModelPool(lambda *a: FakeLLM([["ok"]]), fit=None), chat_model="tiny")
+        async with app.run_test(size=(100, 50)) as pilot:
+            chat = app.screen
+            await pilot.press("ctrl+s")
+            modal = app.screen
+            assert not modal.query("#dtype")  # llama.cpp works in the file's own types
+            modal.query_one("#backend").value = "torch"
+            await wait_for(pilot, lambda: modal.query("#dtype"))
+            await pilot.pause()
+            assert select_values(modal.query_one("#dtype")) == ["auto", "f32", "bf16", "f16", "int8"]
+            assert select_values(modal.query_one("#device")) == ["auto", "cpu", "cuda", "mps"]
+            assert select_values(modal.query_one("#kv_cache")) == ["f16", "bf16", "f32"]
+            modal.query_one("#dtype").value = "f32"
+            modal.query_one("#device").value = "cpu"
+            await pilot.press("ctrl+s")
+            assert app.screen is chat
+            assert chat.options == LoadOptions(backend="torch", device="cpu", dtype="f32")
+
+    asyncio.run(go())
+
+
 def test_a_saved_unknown_option_still_opens_and_is_said_once(tiny_llama: Path) -> None:
     from localllm.conversations import Conversations
 
