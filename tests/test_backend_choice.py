@@ -1,0 +1,91 @@
+"""Which backend `auto` picks for a file, and why: llama.cpp when its probe passes and it reads the
+file, else the torch engine when it runs here and reads the file, else one line naming every reason."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from localllm import backends
+from localllm.backends import Availability
+from localllm.cli import main
+from localllm.errors import BackendUnavailable
+
+from ggufs import copy_gguf
+
+
+@pytest.fixture
+def no_llamacpp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp's probe refuses (as on a machine where its build dies with SIGILL)."""
+    spec = backends.get("llama.cpp")
+    sick = dataclasses.replace(spec, available=lambda: Availability(
+        False, "its first evaluation died with SIGILL", "scripts/llamacpp-build"))  # fmt: skip
+    monkeypatch.setitem(backends._SPECS, "llama.cpp", sick)
+
+
+@pytest.fixture
+def no_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch" else real(name, *a))  # fmt: skip
+
+
+def test_auto_prefers_llamacpp_and_says_why(default_model_path: Path) -> None:
+    spec, why = backends.select("auto", default_model_path)
+    assert spec.name == "llama.cpp" and why.startswith("auto: llama.cpp runs here"), why
+
+
+def test_auto_falls_back_to_torch_and_says_why(default_model_path: Path, no_llamacpp: None) -> None:
+    spec, why = backends.select("auto", default_model_path)
+    assert spec.name == "torch"
+    assert why.startswith("auto: torch runs here (torch is installed)")
+    assert "llama.cpp cannot run on this machine: its first evaluation died with SIGILL" in why
+
+
+def test_a_file_torch_cannot_read_is_said(tmp_path: Path, default_model_path: Path,
+                                          no_llamacpp: None) -> None:  # fmt: skip
+    odd = copy_gguf(default_model_path, tmp_path / "odd.gguf", {"general.architecture": "oddarch"})
+    with pytest.raises(BackendUnavailable) as e:
+        backends.select("auto", odd)
+    said = str(e.value)
+    assert "llama.cpp cannot run on this machine: its first evaluation died with SIGILL" in said
+    assert "torch cannot load this file: it has no oddarch architecture (it has llama, " in said
+    with pytest.raises(BackendUnavailable, match="the torch backend cannot load this file: it has "
+                                                 "no oddarch architecture"):  # fmt: skip
+        backends.select("torch", odd)
+
+
+def test_without_torch_the_fix_is_named(default_model_path: Path, no_torch: None) -> None:
+    a = backends.get("torch").available()
+    assert not a.ok and a.message() == "torch is not installed; fix: pip install 'localllm[torch]'"
+    spec, why = backends.select("auto", default_model_path)
+    assert spec.name == "llama.cpp"
+    with pytest.raises(BackendUnavailable, match="torch cannot run on this machine: torch is not "
+                                                 "installed; fix: pip install 'localllm"):  # fmt: skip
+        backends.select("torch", default_model_path)
+
+
+def test_nothing_runs(default_model_path: Path, no_llamacpp: None, no_torch: None) -> None:
+    with pytest.raises(BackendUnavailable) as e:
+        backends.select("auto", default_model_path)
+    assert str(e.value).count("cannot run on this machine") == 2
+
+
+def test_show_names_the_backend_and_why(localllm_home: Path, capsys: pytest.CaptureFixture[str],
+                                        no_llamacpp: None) -> None:  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:
+        main(["show", "smollm2", "--json"])
+    assert exit_.value.code == 0
+    data = json.loads(capsys.readouterr().out)
+    b = data["backend"]
+    assert b["name"] == "torch" and b["available"] is True
+    assert b["reason"].startswith("auto: torch runs here") and "SIGILL" in b["reason"]
+    assert b["capabilities"]["dtypes"] == ["f32", "bf16", "f16", "int8"]
+    # the estimate is the torch engine's: weights at int8 (plus a float32 token embedding)
+    info = data["info"]
+    assert data["memory"]["weights_bytes"] == info["parameters"] + info["vocab_size"] * info["n_embd"] * 4
