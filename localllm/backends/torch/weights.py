@@ -1,0 +1,336 @@
+"""GGUF tensors → torch tensors: vectorized dequantization straight from the memory map.
+
+    tensor(f, "blk.0.attn_q.weight")        one tensor, dequantized, in torch order (out, in)
+    iter_tensors(f, names)                  the same, one tensor at a time
+    dequantize(data, "Q4_K", shape)         raw GGUF bytes (1-D uint8) → a float tensor
+    raw(f, name)                            the GGUF blocks themselves, for a quantized path
+
+A tensor's raw bytes are read through `GGUFFile.tensor_bytes` (a view into the map, never a copy of
+the file) and unpacked with bit operations on a (n_blocks, type_size) uint8 view: no Python loop
+runs per block. Big tensors are unpacked in chunks of about a million elements, so the
+temporaries stay a few megabytes (Gemma's 262144 × 640 embedding never exists twice in float32).
+Every returned tensor owns its memory: the model stays valid after the GGUFFile is closed, and the
+peak is one tensor's temporaries on top of the weights already loaded.
+
+The arithmetic follows ggml's `dequantize_row_*` (ggml-quants.c) in float32 in the same order as
+the `gguf` package's numpy reference, so results match it bit for bit; other dtypes are rounded
+once from float32. Block layouts: /work/shared/REFERENCE.md "GGUF block formats".
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+
+from localllm.errors import LocalLLMError
+from localllm.gguf_file import GGML_TYPE_BY_NAME, GGUFFile
+
+__all__ = [
+    "SUPPORTED_TYPES",
+    "WeightsError",
+    "dequantize",
+    "iter_tensors",
+    "raw",
+    "tensor",
+]
+
+SUPPORTED_TYPES: tuple[str, ...] = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+)  # fmt: skip
+
+# Elements unpacked per step: float32 temporaries of ~4 MB each (measured: 1M is as fast as 64K
+# or 16M for SmolLM2's Q4_1 on this 2-core CPU, and bounds memory for huge embeddings).
+_CHUNK_ELEMENTS = 1 << 20
+
+_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+class WeightsError(LocalLLMError):
+    """A tensor the torch engine cannot read (its type, or bytes that do not fit its shape)."""
+
+
+# -- block decoders -------------------------------------------------------------------------
+# Each fills `o`, (n, block_size) float32, from `b`, (n, type_size) contiguous uint8 blocks.
+# Speed: uint8 ops over rows of only 16-32 bytes do not vectorize (a 16-byte slice costs 10x a
+# contiguous pass), so nibbles are split over whole blocks at once and slicing happens in the
+# one strided copy that also converts to float32; the rest are in-place float ops on `o`.
+
+
+def _halves(b: torch.Tensor) -> torch.Tensor:
+    """(n, type_size) uint8 → (n, type_size / 2) float16: the f16 scales sit at even offsets."""
+    return b.view(torch.float16)
+
+
+def _nibbles(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Low and high nibbles of every byte of the blocks (scale bytes too: they are ignored)."""
+    return b & 0x0F, b >> 4
+
+
+def _bits32(b: torch.Tensor, at: int) -> torch.Tensor:
+    """The little-endian u32 at byte `at` of each block → (n, 32) int16: bit j is element j.
+
+    Read as two int16 words (blocks are only 2-byte aligned), each spread into 16 bits.
+    """
+    words = b.view(torch.int16)[:, at // 2 : at // 2 + 2].unsqueeze(-1)  # (n, 2, 1)
+    shifts = torch.arange(16, dtype=torch.int16, device=b.device)
+    return ((words >> shifts) & 1).view(-1, 32)
+
+
+def _q8_0(b: torch.Tensor, o: torch.Tensor) -> None:
+    # f16 d | 32 × int8; x = d q
+    o.copy_(b[:, 2:].view(torch.int8))
+    o.mul_(_halves(b)[:, 0:1])
+
+
+def _q4_0(b: torch.Tensor, o: torch.Tensor) -> None:
+    # f16 d | 16 bytes: element j is the low nibble of byte j, element j + 16 its high one
+    # x = d (q - 8)
+    lo, hi = _nibbles(b)
+    o[:, :16], o[:, 16:] = lo[:, 2:], hi[:, 2:]
+    o.sub_(8).mul_(_halves(b)[:, 0:1])
+
+
+def _q4_1(b: torch.Tensor, o: torch.Tensor) -> None:
+    # f16 d | f16 m | 16 bytes of nibbles as Q4_0; x = d q + m
+    lo, hi = _nibbles(b)
+    o[:, :16], o[:, 16:] = lo[:, 4:], hi[:, 4:]
+    h = _halves(b)
+    o.mul_(h[:, 0:1]).add_(h[:, 1:2])
+
+
+def _q5_0(b: torch.Tensor, o: torch.Tensor) -> None:
+    # f16 d | u32 of fifth bits | 16 bytes of nibbles as Q4_0; x = d (q - 16)
+    lo, hi = _nibbles(b)
+    o[:, :16], o[:, 16:] = lo[:, 6:], hi[:, 6:]
+    o.add_(_bits32(b, 2), alpha=16).sub_(16).mul_(_halves(b)[:, 0:1])
+
+
+def _q5_1(b: torch.Tensor, o: torch.Tensor) -> None:
+    # f16 d | f16 m | u32 of fifth bits | 16 bytes of nibbles as Q4_0; x = d q + m
+    lo, hi = _nibbles(b)
+    o[:, :16], o[:, 16:] = lo[:, 8:], hi[:, 8:]
+    h = _halves(b)
+    o.add_(_bits32(b, 4), alpha=16).mul_(h[:, 0:1]).add_(h[:, 1:2])
+
+
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K: d·scale and dmin·min of the 8 sub-blocks of 32, each (n, 8, 1) float32.
+
+    Bytes 4-15 hold 6-bit scales and mins (ggml's get_scale_min_k4): bytes 4-7 scales 0-3 in
+    their low 6 bits and the top 2 bits of scales 4-7; bytes 8-11 the same for mins; bytes
+    12-15 the low 4 bits of scales 4-7 (low nibble) and of mins 4-7 (high nibble).
+    """
+    s, m, sm = b[:, 4:8], b[:, 8:12], b[:, 12:16]
+    sc = torch.cat((s & 0x3F, (sm & 0x0F) | ((s >> 2) & 0x30)), dim=-1)  # (n, 8)
+    mn = torch.cat((m & 0x3F, (sm >> 4) | ((m >> 2) & 0x30)), dim=-1)
+    h = _halves(b)
+    return (h[:, 0:1].float() * sc).unsqueeze(-1), (h[:, 1:2].float() * mn).unsqueeze(-1)
+
+
+def _k_nibbles(b: torch.Tensor, at: int, o: torch.Tensor) -> None:
+    """128 bytes of nibbles at `at` → o (n, 256): each 32 bytes give 32 low nibbles, then 32 high."""
+    lo, hi = _nibbles(b)
+    o4 = o.view(-1, 4, 2, 32)
+    o4[:, :, 0] = lo[:, at : at + 128].view(-1, 4, 32)
+    o4[:, :, 1] = hi[:, at : at + 128].view(-1, 4, 32)
+
+
+def _q4_k(b: torch.Tensor, o: torch.Tensor) -> None:
+    # f16 d | f16 dmin | 12 bytes of scales and mins | 128 bytes of nibbles
+    # x = d sc q - dmin m, 8 sub-blocks of 32
+    d, dm = _k_scales(b)
+    _k_nibbles(b, 16, o)
+    o.view(-1, 8, 32).mul_(d).sub_(dm)
+
+
+def _q5_k(b: torch.Tensor, o: torch.Tensor) -> None:
+    # as Q4_K with 32 bytes of fifth bits before the nibbles: bit i of byte j is element 32 i + j
+    d, dm = _k_scales(b)
+    _k_nibbles(b, 48, o)
+    shifts = torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)
+    fifth = (b[:, 16:48].unsqueeze(1) >> shifts) & 1  # (n, 8, 32)
+    o.view(-1, 8, 32).add_(fifth, alpha=16).mul_(d).sub_(dm)
+
+
+def _q6_k(b: torch.Tensor, o: torch.Tensor) -> None:
+    # 128 bytes of low nibbles | 64 bytes of 2-bit highs | 16 × int8 scales | f16 d
+    # x = d sc (q - 32), 16 sub-blocks of 16. Each half of 128 elements takes 64 low bytes
+    # (low nibbles, then high ones) and 32 high bytes (bit pairs 0-1, 2-3, 4-5, 6-7 in turn).
+    lo, hi = _nibbles(b)
+    o4 = o.view(-1, 2, 2, 64)
+    o4[:, :, 0] = lo[:, :128].view(-1, 2, 64)
+    o4[:, :, 1] = hi[:, :128].view(-1, 2, 64)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
+    top = (b[:, 128:192].view(-1, 2, 1, 32) >> shifts) & 3  # (n, 2, 4, 32)
+    o.view(-1, 2, 4, 32).add_(top, alpha=16)
+    d = _halves(b)[:, 104:105].float() * b[:, 192:208].view(torch.int8)  # (n, 16)
+    o.sub_(32).view(-1, 16, 16).mul_(d.unsqueeze(-1))
+
+
+_DECODERS: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {
+    "Q8_0": _q8_0,
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+}
+
+
+# -- public API -----------------------------------------------------------------------------
+
+
+def _unsupported(label: str, type_name: str) -> WeightsError:
+    return WeightsError(
+        f"{label} has type {type_name}, which the torch engine cannot read "
+        f"(it reads {', '.join(SUPPORTED_TYPES)})"
+    )
+
+
+def _check(data: torch.Tensor, type_name: str, shape: tuple[int, ...], label: str) -> None:
+    """Raise a one-line WeightsError unless `data` is exactly the bytes of `shape` in `type_name`."""
+    gtype = GGML_TYPE_BY_NAME.get(type_name)
+    if type_name not in SUPPORTED_TYPES or gtype is None:
+        raise _unsupported(label, type_name)
+    if data.dtype != torch.uint8 or data.dim() != 1:
+        raise WeightsError(
+            f"{label}: expected 1-D uint8 bytes, got {data.dtype} {list(data.shape)}"
+        )
+    if any(d <= 0 for d in shape):
+        raise WeightsError(f"{label} has an empty or negative shape {list(shape)}")
+    row = shape[-1] if shape else 1
+    if row % gtype.block_size:
+        raise WeightsError(
+            f"{label}: a row of {row} is not a multiple of the {type_name} "
+            f"block size {gtype.block_size}"
+        )
+    need = math.prod(shape) // gtype.block_size * gtype.type_size
+    if data.numel() != need:
+        raise WeightsError(
+            f"{label} has {data.numel()} bytes, but {type_name} {list(shape)} needs {need}"
+        )
+
+
+def _view(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret bytes as `dtype` (copying first only if they are misaligned for it)."""
+    try:
+        return data.view(dtype)
+    except RuntimeError:
+        return data.clone().view(dtype)
+
+
+def dequantize(
+    data: torch.Tensor,
+    type_name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype = torch.float32,
+    *,
+    label: str = "data",
+) -> torch.Tensor:
+    """Decode raw GGUF bytes into a new tensor.
+
+    Args:
+        data: 1-D uint8, exactly the tensor's bytes (on any device; decoding runs there).
+        type_name: the ggml type, one of SUPPORTED_TYPES.
+        shape: the tensor's shape in torch order (the last dimension varies fastest).
+        dtype: the result's dtype; quantized values are computed in float32, then rounded once.
+        label: names the tensor in errors (e.g. "model.gguf: tensor 'blk.0.attn_q.weight'").
+    Returns:
+        A tensor of `shape` and `dtype` that owns its memory (never a view of `data`).
+    Raises:
+        WeightsError: an unsupported type, or bytes that do not match the shape.
+    """
+    shape = tuple(int(d) for d in shape)
+    _check(data, type_name, shape, label)
+    if type_name in _FLOATS:
+        return _view(data, _FLOATS[type_name]).to(dtype, copy=True).reshape(shape)
+
+    gtype = GGML_TYPE_BY_NAME[type_name]
+    decode = _DECODERS[type_name]
+    blocks = data.view(-1, gtype.type_size)  # (n_blocks, type_size)
+    out = torch.empty(math.prod(shape), dtype=dtype, device=data.device)
+    out_blocks = out.view(-1, gtype.block_size)  # (n_blocks, block_size)
+    step = max(1, _CHUNK_ELEMENTS // gtype.block_size)
+    scratch = None  # float32 chunk, reused, when the result is another dtype
+    if dtype != torch.float32:
+        rows = min(step, out_blocks.shape[0])
+        scratch = torch.empty(rows, gtype.block_size, dtype=torch.float32, device=data.device)
+    for i in range(0, blocks.shape[0], step):
+        chunk = out_blocks[i : i + step]
+        o = chunk if scratch is None else scratch[: chunk.shape[0]]
+        decode(blocks[i : i + step], o)
+        if scratch is not None:
+            chunk.copy_(o)
+    return out.view(shape)
+
+
+def _info(f: GGUFFile, name: str):
+    base = os.path.basename(f.path)
+    info = f.tensors.get(name)
+    if info is None:
+        raise WeightsError(f"{base}: has no tensor {name!r}")
+    if f.byte_order != "<":
+        raise WeightsError(f"{base}: a big-endian GGUF, which the torch engine cannot read")
+    return info, f"{base}: tensor {name!r}", tuple(reversed(info.shape))
+
+
+def _bytes(f: GGUFFile, name: str) -> torch.Tensor:
+    """The tensor's bytes as a 1-D uint8 tensor over the map (read-only: never write to it)."""
+    with warnings.catch_warnings():  # torch warns that the mapped buffer is not writable
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(f.tensor_bytes(name), dtype=torch.uint8)
+
+
+def tensor(
+    f: GGUFFile,
+    name: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """One tensor of `f`, dequantized, in torch order (the reverse of GGUF's shape).
+
+    1-D tensors (norms, biases) stay float32 whatever `dtype` is: they are tiny and models apply
+    them in float32. On another device the raw bytes move there and are decoded there.
+    """
+    info, label, shape = _info(f, name)
+    data = _bytes(f, name)
+    device = torch.device(device)
+    if device.type != "cpu":
+        data = data.to(device)
+    if len(shape) == 1:
+        dtype = torch.float32
+    return dequantize(data, info.ggml_type.name, shape, dtype, label=label)
+
+
+def iter_tensors(
+    f: GGUFFile,
+    names: Iterable[str] | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(name, tensor(f, name, ...))` for `names` (default: every tensor, in file order), decoded
+    one at a time so a caller that converts or drops each one never holds two full copies."""
+    for name in f.tensors if names is None else names:
+        yield name, tensor(f, name, dtype=dtype, device=device)
+
+
+def raw(f: GGUFFile, name: str) -> tuple[str, torch.Tensor, tuple[int, ...]]:
+    """A tensor's GGUF blocks, copied out of the map, for kernels that use them directly.
+
+    Returns:
+        (type name, uint8 tensor of shape (*shape[:-1], bytes per row), torch-order shape).
+    """
+    info, label, shape = _info(f, name)
+    gtype = info.ggml_type
+    if gtype.name not in SUPPORTED_TYPES:
+        raise _unsupported(label, gtype.name)
+    row_bytes = shape[-1] // gtype.block_size * gtype.type_size
+    return gtype.name, _bytes(f, name).clone().view(*shape[:-1], row_bytes), shape
