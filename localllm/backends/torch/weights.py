@@ -217,12 +217,12 @@ def _check(data: torch.Tensor, type_name: str, shape: tuple[int, ...], label: st
         )
 
 
-def _view(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Reinterpret bytes as `dtype` (copying first only if they are misaligned for it)."""
-    try:
-        return data.view(dtype)
-    except RuntimeError:
-        return data.clone().view(dtype)
+def _aligned(data: torch.Tensor) -> torch.Tensor:
+    """`data`, or a copy of it if it is strided or starts at an odd byte (views as f16/f32 need
+    contiguous bytes at an aligned offset; tensors from the map always are)."""
+    if data.is_contiguous() and data.storage_offset() % 4 == 0:
+        return data
+    return data.clone()
 
 
 def dequantize(
@@ -248,8 +248,9 @@ def dequantize(
     """
     shape = tuple(int(d) for d in shape)
     _check(data, type_name, shape, label)
+    data = _aligned(data)
     if type_name in _FLOATS:
-        return _view(data, _FLOATS[type_name]).to(dtype, copy=True).reshape(shape)
+        return data.view(_FLOATS[type_name]).to(dtype, copy=True).reshape(shape)
 
     gtype = GGML_TYPE_BY_NAME[type_name]
     decode = _DECODERS[type_name]
