@@ -1,0 +1,384 @@
+"""Pieces every architecture shares: hyperparameters from GGUF metadata, RMSNorm, RoPE, attention
+over the caller's caches (GQA, causal and sliding-window masks, rows at different offsets), and
+streaming GGUF tensors into a module built on the meta device.
+
+Shapes: B rows, T new tokens, H query heads, KV key/value heads, hd head size, L cached keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from localllm.errors import InconsistentModel
+from localllm.gguf_file import GGUFFile
+
+# `linear(weight (out, in), bias | None) -> nn.Module`: builds a projection from loaded weights.
+LinearFactory = Callable[[torch.Tensor, "torch.Tensor | None"], nn.Module]
+
+# llama.cpp's tensor names → ours. Projections that run on the same input are fused into one
+# matmul (fewer kernel launches per layer at decode): parts are concatenated along `out`.
+FUSED = {
+    "attn_q": ("attention.wqkv", 0),
+    "attn_k": ("attention.wqkv", 1),
+    "attn_v": ("attention.wqkv", 2),
+    "attn_output": ("attention.wo", 0),
+    "ffn_gate": ("feed_forward.w13", 0),
+    "ffn_up": ("feed_forward.w13", 1),
+    "ffn_down": ("feed_forward.w2", 0),
+}
+PLAIN = {
+    "attn_norm": "attention_norm",
+    "ffn_norm": "ffn_norm",
+    "attn_q_norm": "attention.q_norm",
+    "attn_k_norm": "attention.k_norm",
+    "post_attention_norm": "post_attention_norm",
+    "post_ffw_norm": "post_ffw_norm",
+}
+
+
+# -- hyperparameters --------------------------------------------------------------------------
+
+
+@dataclass
+class BaseModelArgs:
+    """Hyperparameters every family has. `from_gguf` reads `{arch}.*` keys and ignores the rest."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    context_length: int = 0
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    rope_dim: int = 0  # rotated dims of each head (0: all)
+    rope_scale: float = 1.0  # linear RoPE scaling: positions are multiplied by this
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BaseModelArgs:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def from_gguf(cls, metadata: dict[str, Any]) -> BaseModelArgs:
+        """Raises ValueError (one line) when a required key is missing or a value is unusable."""
+        return cls.from_dict(gguf_hparams(metadata))
+
+
+def gguf_hparams(metadata: dict[str, Any]) -> dict[str, Any]:
+    """The `{arch}.*` keys of a GGUF, under `BaseModelArgs`' names (plus gemma's extras)."""
+    arch = metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        raise ValueError("general.architecture is missing")
+
+    def get(key: str, default: Any = None, *, required: bool = False) -> Any:
+        value = metadata.get(f"{arch}.{key}", default)
+        if value is None and required:
+            raise ValueError(f"{arch}.{key} is missing")
+        return value
+
+    def count(key: str, default: Any = None) -> int:
+        value = get(key, default, required=True)
+        if not isinstance(value, int):  # per layer: fine if the same everywhere
+            values = set(value)
+            if len(values) != 1:
+                raise ValueError(f"{arch}.{key} differs between layers, which is not supported")
+            value = values.pop()
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{arch}.{key} = {value!r} is not a positive integer")
+        return value
+
+    dim, n_heads = count("embedding_length"), count("attention.head_count")
+    head_dim = count("attention.key_length", dim // n_heads)
+    if count("attention.value_length", head_dim) != head_dim:
+        raise ValueError(f"{arch}: key and value heads of different sizes are not supported")
+    vocab = get("vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or ())
+    if not vocab:
+        raise ValueError(f"{arch}.vocab_size and tokenizer.ggml.tokens are missing")
+    scaling = get("rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise ValueError(f"{arch}: RoPE scaling {scaling!r} is not supported (none, linear)")
+    factor = float(get("rope.scaling.factor", 1.0) or 1.0) if scaling == "linear" else 1.0
+    return {
+        "dim": dim,
+        "n_layers": count("block_count"),
+        "n_heads": n_heads,
+        "n_kv_heads": count("attention.head_count_kv", n_heads),
+        "head_dim": head_dim,
+        "ffn_dim": count("feed_forward_length"),
+        "vocab_size": int(vocab),
+        "context_length": int(get("context_length", 0)),
+        "norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_base": float(get("rope.freq_base", 10000.0)),
+        "rope_dim": int(get("rope.dimension_count", head_dim)),
+        "rope_scale": 1.0 / factor,
+        "sliding_window": int(get("attention.sliding_window", 0) or 0),
+        "sliding_window_pattern": get("attention.sliding_window_pattern"),
+        "rope_base_local": float(get("rope.freq_base_swa", 10000.0)),
+        "final_logit_softcap": float(get("final_logit_softcapping", 0.0) or 0.0),
+    }
+
+
+# -- layers -----------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * w, computed in float32. Gemma's (1 + w) is already folded into w by llama.cpp's
+    converter, so one norm serves every family."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight).to(x.dtype)
+
+
+def projection(in_features: int, *parts: int) -> nn.Linear:
+    """A placeholder linear (on whatever device is current: meta while building) whose output
+    concatenates `parts` (e.g. q, k, v sizes); the loader replaces it with the real one."""
+    m = nn.Linear(in_features, sum(parts), bias=False)
+    m.parts = parts  # type: ignore[assignment]
+    return m
+
+
+class RoPE:
+    """Rotary embedding in the half-split ("NEOX") layout: dims i and i + n/2 form a pair.
+
+    inv_freq[i] = scale / (base^(2i/n) * factor[i]), as ggml's rope computes it: `scale` is linear
+    scaling; `factors` is llama.cpp's `rope_freqs.weight` (Llama 3's per-frequency scaling, which
+    llama.cpp's converter stores as a tensor instead of metadata).
+    """
+
+    def __init__(self, n_rot: int, base: float, *, scale: float = 1.0,
+                 factors: torch.Tensor | None = None, device: torch.device | str = "cpu") -> None:  # fmt: skip
+        self.n_rot = n_rot
+        exponent = torch.arange(0, n_rot, 2, dtype=torch.int64, device=device).float() / n_rot
+        inv_freq = 1.0 / (base**exponent)
+        if factors is not None:
+            inv_freq = inv_freq / factors.to(device=device, dtype=torch.float32)
+        self.inv_freq = inv_freq * scale  # (n_rot/2,)
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """positions (B, T) → cos, sin (B, 1, T, n_rot), broadcasting over heads."""
+        self.inv_freq = self.inv_freq.to(positions.device)  # no-op after the first call
+        freqs = positions[:, None, :, None].float() * self.inv_freq  # (B, 1, T, n_rot/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, T, hd); rotates the first n_rot dims of each head."""
+    n = cos.shape[-1]
+    rot, rest = (x, None) if n == x.shape[-1] else (x[..., :n], x[..., n:])
+    x1, x2 = rot[..., : n // 2], rot[..., n // 2 :]
+    out = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return out if rest is None else torch.cat((out, rest), dim=-1)
+
+
+# -- attention over the caller's caches -------------------------------------------------------
+
+
+class Masks:
+    """The attention masks of one forward pass, built on first use and shared by every layer with
+    the same window. Row b's queries sit at starts[b] + arange(T); the keys a cache returns are
+    the last L positions up to the newest (left-aligned in the batch, padding after them)."""
+
+    def __init__(self, starts: Sequence[int], n_new: int, device: torch.device) -> None:
+        self.starts, self.n_new, self.device = list(starts), n_new, device
+        self._memo: dict[tuple[tuple[int, ...], int], tuple[torch.Tensor | None, bool]] = {}
+
+    def get(self, lengths: tuple[int, ...], window: int) -> tuple[torch.Tensor | None, bool]:
+        """(attn_mask (B, 1, T, L) or None, is_causal) for keys of `lengths` per row; window 0:
+        none. True in the mask means "may attend"."""
+        key = (lengths, window)
+        if key not in self._memo:
+            self._memo[key] = self._build(lengths, window)
+        return self._memo[key]
+
+    def _build(self, lengths: tuple[int, ...], window: int) -> tuple[torch.Tensor | None, bool]:
+        t = self.n_new
+        if len(lengths) == 1 and (not window or lengths[0] <= window):
+            if t == 1:
+                return None, False  # one query sees every key
+            if lengths[0] == t:
+                return None, True  # no past keys: plain top-left causal
+        starts = torch.tensor(self.starts, device=self.device)
+        lens = torch.tensor(lengths, device=self.device)
+        q_pos = starts[:, None] + torch.arange(t, device=self.device)  # (B, T)
+        j = torch.arange(max(lengths), device=self.device)
+        k_pos = (starts + t - lens)[:, None] + j  # (B, L)
+        diff = q_pos[:, :, None] - k_pos[:, None, :]  # (B, T, L)
+        mask = (diff >= 0) & (j < lens[:, None])[:, None, :]
+        if window:
+            mask &= diff < window  # llama.cpp and HF: key k is visible from q when q - k < window
+        return mask[:, None], False
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[Any],
+           masks: Masks, *, window: int = 0, scale: float | None = None) -> torch.Tensor:  # fmt: skip
+    """Append the new k, v (B, KV, T, hd) to each row's cache and attend from q (B, H, T, hd).
+
+    Returns (B, H, T, hd). GQA goes through SDPA's `enable_gqa` (no repeated keys in memory).
+    """
+    if len(caches) == 1:
+        kk, vv = caches[0].update_and_fetch(k, v)  # (1, KV, L, hd)
+        lengths: tuple[int, ...] = (kk.shape[2],)
+    else:
+        kk, vv, lengths = _gather(caches, k, v)
+    if kk.dtype != q.dtype:  # a cache may store f16 while we compute in f32
+        kk, vv = kk.to(q.dtype), vv.to(q.dtype)
+    mask, causal = masks.get(lengths, window)
+    return F.scaled_dot_product_attention(
+        q, kk, vv, attn_mask=mask, is_causal=causal, scale=scale,
+        enable_gqa=q.shape[1] != kk.shape[1],
+    )  # fmt: skip
+
+
+def _gather(caches: Sequence[Any], k: torch.Tensor, v: torch.Tensor):
+    """Each row through its own cache, then the rows' keys side by side, zero-padded after the
+    shorter ones (zeros, not garbage: a masked NaN value would still poison the weighted sum)."""
+    kv = [c.update_and_fetch(k[b : b + 1], v[b : b + 1]) for b, c in enumerate(caches)]
+    lengths = tuple(kb.shape[2] for kb, _ in kv)
+    if len(set(lengths)) == 1:
+        return torch.cat([kb for kb, _ in kv]), torch.cat([vb for _, vb in kv]), lengths
+    first_k, first_v = kv[0]
+    b, n_kv, longest = len(kv), first_k.shape[1], max(lengths)
+    kk = first_k.new_zeros(b, n_kv, longest, first_k.shape[3])
+    vv = first_v.new_zeros(b, n_kv, longest, first_v.shape[3])
+    for i, (kb, vb) in enumerate(kv):
+        kk[i, :, : lengths[i]] = kb[0]
+        vv[i, :, : lengths[i]] = vb[0]
+    return kk, vv, lengths
+
+
+def positions(caches: Sequence[Sequence[Any]], n_new: int, device: torch.device) -> torch.Tensor:
+    """(B, T) positions of the new tokens: each row continues from its cache's offset."""
+    starts = [row[0].offset for row in caches]
+    if len(starts) == 1:
+        return torch.arange(starts[0], starts[0] + n_new, device=device)[None]
+    return torch.tensor(starts, device=device)[:, None] + torch.arange(n_new, device=device)
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+
+def default_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """A plain nn.Linear around the loaded tensors (no copy)."""
+    m = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    m.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        m.bias = nn.Parameter(bias, requires_grad=False)
+    return m
+
+
+def _set(root: nn.Module, path: str, value: Any) -> None:
+    parent, _, attr = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, attr, value)
+
+
+def load_weights(model: nn.Module, f: GGUFFile, *, dtype: torch.dtype, device: torch.device | str,
+                 linear: LinearFactory | None = None,
+                 convert: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:  # fmt: skip
+    """Stream `f`'s tensors into `model` (built on the meta device), one at a time.
+
+    Each projection is built by `linear` as soon as all its parts are in, so only one layer's
+    full-precision pieces exist at once. `convert(name, tensor)` may rewrite a tensor first
+    (Llama un-permutes q/k). Model hooks: `model.rope_freqs(tensor)` takes `rope_freqs.weight`;
+    no `output.weight` means the head is tied to the embedding.
+    """
+    from localllm.backends.torch.weights import iter_tensors
+
+    path, linear = f.path, linear or default_linear
+    targets: dict[str, tuple[str, int, str]] = {}  # GGUF name → (our module, part, weight|bias)
+    plain: dict[str, str] = {}  # GGUF name → our parameter
+    for name in f.tensors:
+        stem, _, kind = name.rpartition(".")
+        blk, _, short = stem.rpartition(".")
+        prefix = f"layers.{blk[4:]}." if blk.startswith("blk.") else ""
+        if stem == "token_embd":
+            plain[name] = "tok_embeddings.weight"
+        elif stem == "output_norm":
+            plain[name] = "norm.weight"
+        elif stem == "output":
+            targets[name] = ("output", 0, kind)
+        elif stem == "rope_freqs" and hasattr(model, "rope_freqs"):
+            plain[name] = ""
+        elif prefix and short in FUSED:
+            targets[name] = (prefix + FUSED[short][0], FUSED[short][1], kind)
+        elif prefix and short in PLAIN and kind == "weight":
+            plain[name] = f"{prefix}{PLAIN[short]}.weight"
+        if not _exists(model, plain.get(name), targets.get(name, ("",))[0]):
+            raise InconsistentModel(path, f"unexpected tensor {name!r} for this architecture")
+
+    # What each projection waits for: its weight parts, and bias parts if the file has any.
+    needed: dict[str, int] = {}
+    for module, _, _ in targets.values():
+        needed[module] = needed.get(module, 0) + 1
+    pending: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
+
+    def check(name: str, t: torch.Tensor, want: tuple[int, ...]) -> None:
+        if tuple(t.shape) != want:
+            raise InconsistentModel(path, f"tensor {name!r} has shape {tuple(t.shape)}, "
+                                          f"expected {want}")  # fmt: skip
+
+    for name, t in iter_tensors(f, dtype=dtype, device=device):
+        if name in plain:
+            if not plain[name]:
+                model.rope_freqs(t)  # type: ignore[operator]
+            else:
+                check(name, t, tuple(model.get_parameter(plain[name]).shape))
+                _set(model, plain[name], nn.Parameter(t, requires_grad=False))
+            continue
+        module, part, kind = targets[name]
+        placeholder = model.get_submodule(module)
+        parts = getattr(placeholder, "parts", (placeholder.out_features,))
+        check(
+            name, t, (parts[part], placeholder.in_features) if kind == "weight" else (parts[part],)
+        )
+        if convert is not None:
+            t = convert(name, t)
+        got = pending.setdefault(module, {})
+        got[(kind, part)] = t if kind == "weight" else t.to(dtype)
+        if len(got) < needed[module]:
+            continue
+        weights = [got.get(("weight", i)) for i in range(len(parts))]
+        biases = [got.get(("bias", i)) for i in range(len(parts))]
+        n_bias = sum(b is not None for b in biases)
+        if any(w is None for w in weights) or 0 < n_bias < len(parts):
+            raise InconsistentModel(path, f"some of the tensors of {module} are missing")
+        weight = torch.cat(weights) if len(parts) > 1 else weights[0]  # type: ignore[arg-type]
+        bias = (torch.cat(biases) if len(parts) > 1 else biases[0]) if n_bias else None  # type: ignore[arg-type]
+        del pending[module], got, weights, biases
+        _set(model, module, linear(weight, bias))  # type: ignore[arg-type]
+
+    if "output.weight" not in f.tensors and "tok_embeddings.weight" in plain.values():
+        # tied: the head reads the embedding matrix (a plain Linear shares it, no copy)
+        model.output = linear(model.get_parameter("tok_embeddings.weight").data, None)
+    for module in pending:
+        raise InconsistentModel(path, f"some of the tensors of {module} are missing")
+    for pname, p in model.named_parameters():
+        if p.is_meta:
+            raise InconsistentModel(path, f"a tensor is missing (the one for {pname})")
+
+
+def _exists(model: nn.Module, param: str | None, module: str) -> bool:
+    try:
+        if param:
+            model.get_parameter(param)
+        elif module:
+            model.get_submodule(module)
+        return param is not None or bool(module)
+    except AttributeError:
+        return False

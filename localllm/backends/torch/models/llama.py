@@ -1,0 +1,161 @@
+"""Llama (and Mistral, SmolLM, ... : llama.cpp's `llama` architecture).
+
+    h = embed(tokens)
+    per layer:  h += attn(norm(h))    h += mlp(norm(h))        (pre-norm, RMSNorm)
+    attn: q, k, v = x W_qkv; RoPE on q, k; softmax(q k^T / sqrt(hd)) v over the cache; W_o
+    mlp:  W_2 (silu(x W_gate) * x W_up)                        (SwiGLU)
+
+RoPE layout: llama.cpp's `llama` rotates adjacent pairs (2i, 2i+1), and its converter permutes
+Hugging Face's q/k rows to match. We undo that permutation as the weights load (as transformers'
+GGUF loader does), so every family here runs the same half-split RoPE and the hot path has no
+interleaving. Llama 3's RoPE scaling arrives as the `rope_freqs.weight` tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from localllm.backends.torch.cache import KVCache, make_caches
+from localllm.backends.torch.models.base import (
+    BaseModelArgs,
+    Masks,
+    RMSNorm,
+    RoPE,
+    apply_rope,
+    attend,
+    positions,
+    projection,
+)
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    @classmethod
+    def from_gguf(cls, metadata: dict[str, Any]) -> ModelArgs:
+        args = super().from_gguf(metadata)
+        if args.rope_dim != args.head_dim:
+            raise ValueError(
+                "llama: partial RoPE (rope.dimension_count < head size) is not supported"
+            )
+        return args  # type: ignore[return-value]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: BaseModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        self.splits = (q, kv, kv)
+        self.wqkv = projection(args.dim, q, kv, kv)
+        self.wo = projection(q, args.dim)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, dim) → q (B, T, H, hd), k and v (B, T, KV, hd)."""
+        b, t, _ = x.shape
+        q, k, v = self.wqkv(x).split(self.splits, dim=-1)
+        hd = self.head_dim
+        return (
+            q.view(b, t, self.n_heads, hd),
+            k.view(b, t, self.n_kv, hd),
+            v.view(b, t, self.n_kv, hd),
+        )
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                caches: Sequence[KVCache], masks: Masks) -> torch.Tensor:  # fmt: skip
+        b, t, _ = x.shape
+        q, k, v = (y.transpose(1, 2) for y in self.qkv(x))  # (B, heads, T, hd)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = attend(q, k, v, caches, masks)  # (B, H, T, hd)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: BaseModelArgs) -> None:
+        super().__init__()
+        self.w13 = projection(args.dim, args.ffn_dim, args.ffn_dim)  # gate, up
+        self.w2 = projection(args.ffn_dim, args.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, args: BaseModelArgs, attention: type[Attention] = Attention) -> None:
+        super().__init__()
+        self.attention = attention(args)
+        self.feed_forward = MLP(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                caches: Sequence[KVCache], masks: Masks) -> torch.Tensor:  # fmt: skip
+        h = h + self.attention(self.attention_norm(h), rope, caches, masks)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Model(nn.Module):
+    """A stack of `Block`s. Stateless: the caller passes each row's per-layer caches."""
+
+    # llama.cpp's converter permutes q/k rows for adjacent-pair RoPE (see the module docstring)
+    permuted_qk = True
+    block = Block
+
+    def __init__(self, args: BaseModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(self.block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = projection(args.dim, args.vocab_size)
+        self.rope = self.make_rope(None)
+
+    def make_rope(self, factors: torch.Tensor | None) -> RoPE:
+        a = self.args
+        return RoPE(a.rope_dim or a.head_dim, a.rope_base, scale=a.rope_scale, factors=factors,
+                    device="cpu")  # fmt: skip
+
+    def rope_freqs(self, factors: torch.Tensor) -> None:
+        """Load hook for `rope_freqs.weight`: Llama 3's per-frequency RoPE divisors."""
+        if factors.shape != ((self.args.rope_dim or self.args.head_dim) // 2,):
+            raise ValueError(f"rope_freqs.weight has shape {tuple(factors.shape)}")
+        self.rope = self.make_rope(factors)
+
+    def convert(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Undo llama.cpp's q/k row permutation: per head, rows (pair i, member j) → (j, i)."""
+        if not self.permuted_qk or not (".attn_q." in name or ".attn_k." in name):
+            return t
+        heads = self.args.n_heads if ".attn_q." in name else self.args.n_kv_heads
+        rest = t.shape[1:]
+        return t.reshape(heads, -1, 2, *rest).transpose(1, 2).reshape(t.shape).contiguous()
+
+    def forward(self, tokens: torch.Tensor, caches: Sequence[Sequence[KVCache]]) -> torch.Tensor:
+        """tokens (B, T); caches[b]: row b's per-layer caches. Returns (B, T, dim), normed."""
+        h = self.embed(tokens)
+        pos = positions(caches, tokens.shape[1], h.device)
+        rope = self.rope(pos, h.dtype)
+        masks = Masks([row[0].offset for row in caches], tokens.shape[1], h.device)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope, [row[i] for row in caches], masks)
+        return self.norm(h)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(tokens)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., dim) → (..., vocab) float32."""
+        return self.output(h).float()
+
+    def make_caches(self, capacity: int, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> list[KVCache]:  # fmt: skip
+        """One sequence's caches, one per layer (default: the model's dtype and device)."""
+        w = self.tok_embeddings.weight
+        a = self.args
+        return make_caches(a.n_layers, a.n_kv_heads, a.head_dim, capacity,
+                           dtype=dtype or w.dtype, device=device or w.device)  # fmt: skip

@@ -1,0 +1,318 @@
+"""The torch models against Hugging Face transformers' reference implementations.
+
+Tiny random models of each family are made in transformers, converted to F32 GGUF the way
+llama.cpp's converter does it (its tensor names from `gguf`, the q/k row permutation for Llama,
+Gemma's norm + 1, Llama 3's RoPE scaling as `rope_freqs.weight`), then loaded by transformers'
+GGUF loader (the oracle) and by ours. Logits must agree in float32 however the tokens are fed:
+all at once, one by one through the cache, in chunks, and two rows at different offsets.
+The real default model must decode greedily exactly as transformers does.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from localllm.errors import LocalLLMError
+from localllm.gguf_file import GGUFFile
+
+from conftest import need
+
+N_TOKENS = 64
+VOCAB = 384
+TOL = 1e-4
+
+# family → (HF config class, HF config kwargs, GGUF arch)
+TINY = {
+    "llama": ("LlamaConfig", {"rope_theta": 10000.0}),
+    "llama3-rope": ("LlamaConfig", {"rope_theta": 10000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}}),
+    "qwen2": ("Qwen2Config", {"rope_theta": 1000000.0}),
+    "qwen3": ("Qwen3Config", {"rope_theta": 1000000.0, "head_dim": 32}),
+    "gemma3": ("Gemma3TextConfig", {"rope_theta": 1000000.0, "head_dim": 32, "sliding_window": 16,
+                                    "query_pre_attn_scalar": 32, "num_hidden_layers": 7}),
+}  # fmt: skip
+ARCH = {"LlamaConfig": "llama", "Qwen2Config": "qwen2", "Qwen3Config": "qwen3",
+        "Gemma3TextConfig": "gemma3"}  # fmt: skip
+
+
+def hf_model(family: str):
+    """A tiny random transformers model: GQA, weights scaled so activations and logits are O(1)
+    (the default 0.02 init would make every logit nearly 0 and any comparison pass)."""
+    import transformers
+
+    cls_name, extra = TINY[family]
+    kwargs = {
+        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": family in ("qwen2", "gemma3"),
+    }  # fmt: skip
+    kwargs.update(extra)
+    if "rope_scaling" in kwargs:  # transformers 5 spells it rope_parameters
+        kwargs["rope_parameters"] = {
+            **kwargs.pop("rope_scaling"),
+            "rope_theta": kwargs["rope_theta"],
+        }
+    config = getattr(transformers, cls_name)(**kwargs)
+    config._attn_implementation = "eager"
+    torch.manual_seed(list(TINY).index(family))
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # Gemma's norms are 1 + w: center them on 0 there
+                p.copy_(torch.randn_like(p) * 0.2 + (0.0 if family == "gemma3" else 1.0))
+            elif name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.5)
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / math.sqrt(p.shape[1]))
+    return model
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py `LlamaModel.permute`: half-split → adjacent-pair rows."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def llama3_rope_factors(cfg) -> np.ndarray:
+    """llama.cpp's converter: Llama 3 RoPE scaling as per-frequency divisors (`rope_freqs`)."""
+    rp = cfg.rope_parameters
+    dim = cfg.head_dim
+    freqs = 1.0 / (rp["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, lo, hi = rp["factor"], rp["low_freq_factor"], rp["high_freq_factor"]
+    old = rp["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / hi:
+            out.append(1)
+        elif wavelen > old / lo:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_gguf(model, path: Path) -> Path:
+    """Write `model` as llama.cpp's convert_hf_to_gguf.py would, in F32."""
+    import gguf
+
+    cfg = model.config
+    arch = ARCH[type(cfg).__name__]
+    gguf_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
+                 "qwen3": gguf.MODEL_ARCH.QWEN3, "gemma3": gguf.MODEL_ARCH.GEMMA3}[arch]  # fmt: skip
+    names = gguf.get_tensor_name_map(gguf_arch, cfg.num_hidden_layers)
+    w = gguf.GGUFWriter(str(path), arch=arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if arch == "llama":
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_rope_dimension_count(head_dim)
+    else:  # vocabulary size from the token list, as transformers and llama.cpp read it
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
+    # the minimal tokenizer section a GGUF loader expects
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([f"<t{i}>" for i in range(cfg.vocab_size)])
+    w.add_token_types([gguf.TokenType.NORMAL] * cfg.vocab_size)
+    w.add_token_merges([])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    for hf_name, t in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        data = t.detach().float().numpy()
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf_name
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
+            data = permute(data, cfg.num_attention_heads)
+        elif arch == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
+            data = permute(data, cfg.num_key_value_heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + 1  # Gemma3Model.modify_tensors: norm_shift
+        w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
+    if arch == "llama" and cfg.rope_parameters.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def hf_from_gguf(path: Path, reference):
+    """transformers' own GGUF loader on our file. Some settings its GGUF config mapping does not
+    read come from the reference config: Llama 3's rope_parameters (a `rope_freqs` tensor in
+    GGUF), Qwen3's head_dim (`attention.key_length`, which it reads for Gemma 3 only), and Gemma's
+    query_pre_attn_scalar (not in GGUF; the head size here, which is what llama.cpp uses)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    need("accelerate", "pip install accelerate (transformers needs it to load GGUF files)")
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    config.rope_parameters = reference.config.rope_parameters
+    for key in ("head_dim", "query_pre_attn_scalar"):
+        if getattr(reference.config, key, None) is not None:
+            setattr(config, key, getattr(reference.config, key))
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, config=config, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=list(TINY))
+def tiny(request, tmp_path_factory):
+    """(our model, transformers' logits (2, 64, V) for `tokens`, tokens (2, 64))."""
+    need("transformers", "pip install -e '.[dev]'")
+    need("gguf", "pip install -e '.[dev]'")
+    from localllm.backends.torch.models import build_model
+
+    reference = hf_model(request.param)
+    path = write_gguf(reference, tmp_path_factory.mktemp("tiny") / f"{request.param}.gguf")
+    oracle = hf_from_gguf(path, reference)
+    tokens = torch.randint(0, VOCAB, (2, N_TOKENS), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = oracle(tokens).logits.float()
+        # our GGUF writer is a faithful converter: transformers gets its own model back
+        assert (reference(tokens).logits - want).abs().max() <= TOL
+    with GGUFFile(path) as f:
+        ours = build_model(f)
+    return ours, want, tokens
+
+
+def run(model, tokens: torch.Tensor, caches) -> torch.Tensor:
+    with torch.no_grad():
+        return model.logits(model(tokens, caches))
+
+
+def check(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert want.std() > 0.3  # the logits are not all near zero (a vacuous comparison)
+    assert (got - want).abs().max().item() <= TOL
+
+
+def test_whole_prompt(tiny):
+    model, want, tokens = tiny
+    check(run(model, tokens[:1], [model.make_caches(N_TOKENS)]), want[:1])
+
+
+def test_token_by_token(tiny):
+    model, want, tokens = tiny
+    caches = [model.make_caches(N_TOKENS)]
+    got = torch.cat([run(model, tokens[:1, i : i + 1], caches) for i in range(N_TOKENS)], dim=1)
+    check(got, want[:1])
+    assert caches[0][0].offset == N_TOKENS
+
+
+def test_chunked_prefill(tiny):
+    model, want, tokens = tiny
+    caches = [model.make_caches(N_TOKENS)]
+    got = torch.cat([run(model, tokens[1:, :16], caches), run(model, tokens[1:, 16:], caches)], 1)
+    check(got, want[1:])
+
+
+def test_two_rows_at_different_offsets(tiny):
+    """Row 0 has 20 tokens cached and row 1 has 40; then 20 more each in one (2, 20) forward,
+    then 4 decode steps of (2, 1)."""
+    model, want, tokens = tiny
+    rows = [model.make_caches(N_TOKENS), model.make_caches(N_TOKENS)]
+    run(model, tokens[:1, :20], rows[:1])
+    run(model, tokens[1:, :40], rows[1:])
+    both = run(model, torch.stack([tokens[0, 20:40], tokens[1, 40:60]]), rows)
+    check(both[0], want[0, 20:40])
+    check(both[1], want[1, 40:60])
+    for i in range(4):
+        step = run(
+            model, torch.stack([tokens[0, 40 + i : 41 + i], tokens[1, 60 + i : 61 + i]]), rows
+        )
+        check(step[:, 0], torch.stack([want[0, 40 + i], want[1, 60 + i]]))
+
+
+def test_unsupported_architecture(tmp_path):
+    from localllm.backends.torch.models import build_model
+
+    from ggufs import RawGGUF
+
+    path = RawGGUF().kv_str("general.architecture", "mamba").write(tmp_path / "m.gguf")
+    with GGUFFile(path) as f, pytest.raises(LocalLLMError) as e:
+        build_model(f)
+    msg = str(e.value)
+    assert "\n" not in msg and "m.gguf" in msg and "'mamba'" in msg and "llama" in msg
+
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+]
+
+
+def test_default_model_greedy_matches_transformers(default_model_path):
+    """SmolLM2 (Q4_1, dequantized to float32 by both sides): 128 greedy tokens for three chat
+    prompts, decoded by our model in one batch of three rows at different offsets, must be the
+    tokens transformers' argmax picks at every step (teacher-forced: one forward per prompt)."""
+    need("llama_cpp", "pip install -e '.[dev]' (llama-cpp-python tokenizes the prompts)")
+    need("transformers", "pip install -e '.[dev]'")
+    need("accelerate", "pip install accelerate (transformers needs it to load GGUF files)")
+    import llama_cpp
+    from transformers import AutoModelForCausalLM
+
+    from localllm.backends.torch.models import build_model
+
+    vocab = llama_cpp.Llama(str(default_model_path), vocab_only=True, verbose=False)
+    prompts = [
+        vocab.tokenize(
+            f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n".encode(),
+            add_bos=False,
+            special=True,
+        )  # fmt: skip
+        for q in CHATS
+    ]
+    del vocab
+    with GGUFFile(default_model_path) as f:
+        model = build_model(f)
+    n_new = 128
+    rows = [model.make_caches(len(p) + n_new) for p in prompts]
+    with torch.no_grad():
+        last = torch.stack(
+            [run(model, torch.tensor([p]), [c])[0, -1] for p, c in zip(prompts, rows)]
+        )
+        generated = []
+        for _ in range(n_new):
+            token = last.argmax(-1)  # (3,)
+            generated.append(token)
+            last = run(model, token[:, None], rows)[:, 0]
+    generated = torch.stack(generated, dim=1)  # (3, 128)
+    del model, rows
+
+    oracle = AutoModelForCausalLM.from_pretrained(
+        default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
+    ).eval()
+    for prompt, gen in zip(prompts, generated):
+        ids = torch.tensor([prompt + gen.tolist()])
+        with torch.no_grad():
+            logits = oracle(ids).logits[0, len(prompt) - 1 : -1]
+        assert logits.argmax(-1).tolist() == gen.tolist()
