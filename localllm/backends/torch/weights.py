@@ -7,8 +7,8 @@
 
 A tensor's raw bytes are read through `GGUFFile.tensor_bytes` (a view into the map, never a copy of
 the file) and unpacked with bit operations on a (n_blocks, type_size) uint8 view: no Python loop
-runs per block. Big tensors are unpacked in chunks of about a million elements, so the
-temporaries stay a few megabytes (Gemma's 262144 × 640 embedding never exists twice in float32).
+runs per block. Tensors are unpacked in chunks of at most 256K elements, so temporaries stay
+small (Gemma's 262144 × 640 embedding never exists twice in float32).
 Every returned tensor owns its memory: the model stays valid after the GGUFFile is closed, and the
 peak is one tensor's temporaries on top of the weights already loaded.
 
@@ -19,6 +19,7 @@ once from float32. Block layouts: /work/shared/REFERENCE.md "GGUF block formats"
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -27,7 +28,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from localllm.errors import LocalLLMError
-from localllm.gguf_file import GGML_TYPE_BY_NAME, GGUFFile
+from localllm.gguf_file import GGML_TYPE_BY_NAME, GGUFFile, TensorInfo
 
 __all__ = [
     "SUPPORTED_TYPES",
@@ -42,9 +43,19 @@ SUPPORTED_TYPES: tuple[str, ...] = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
 )  # fmt: skip
 
-# Elements unpacked per step: float32 temporaries of ~4 MB each (measured: 1M is as fast as 64K
-# or 16M for SmolLM2's Q4_1 on this 2-core CPU, and bounds memory for huge embeddings).
-_CHUNK_ELEMENTS = 1 << 20
+
+def _chunk_elements() -> int:
+    """Elements decoded per step.
+
+    With several threads, 28672: every op then stays under torch's 32768-element grain
+    (at::internal::GRAIN_SIZE) and runs on the calling thread. An op split over threads waits
+    for the slowest one, which on a busy machine is one descheduled for a whole time slice:
+    SmolLM2 took 8-11 s in 256K-element chunks with 2 threads while other jobs shared this
+    2-core box, 1-3 s in these. With one thread, 256K: 1 MB float32 temporaries still fit L2
+    and there are fewer ops (0.58 s of CPU for SmolLM2 against 0.84 s).
+    """
+    return 1 << 18 if torch.get_num_threads() == 1 else 28672
+
 
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -70,14 +81,18 @@ def _nibbles(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return b & 0x0F, b >> 4
 
 
-def _bits32(b: torch.Tensor, at: int) -> torch.Tensor:
-    """The little-endian u32 at byte `at` of each block → (n, 32) int16: bit j is element j.
+@functools.cache
+def _fifth_bits(device: torch.device) -> torch.Tensor:
+    """(256, 8) float32: row v holds bit i of byte value v times 16, for i = 0..7."""
+    bits = (torch.arange(256, device=device).unsqueeze(-1) >> torch.arange(8, device=device)) & 1
+    return bits.float() * 16
 
-    Read as two int16 words (blocks are only 2-byte aligned), each spread into 16 bits.
-    """
-    words = b.view(torch.int16)[:, at // 2 : at // 2 + 2].unsqueeze(-1)  # (n, 2, 1)
-    shifts = torch.arange(16, dtype=torch.int16, device=b.device)
-    return ((words >> shifts) & 1).view(-1, 32)
+
+def _high32(b: torch.Tensor, at: int) -> torch.Tensor:
+    """The little-endian u32 at byte `at` of each block → (n, 32) float32: 16 × bit j for
+    element j. A table lookup per byte: shifting 4-byte rows by 8 broadcast amounts is 3x slower."""
+    qh = b[:, at : at + 4].reshape(-1).int()  # (n * 4,)
+    return _fifth_bits(b.device).index_select(0, qh).view(-1, 32)
 
 
 def _q8_0(b: torch.Tensor, o: torch.Tensor) -> None:
@@ -106,7 +121,7 @@ def _q5_0(b: torch.Tensor, o: torch.Tensor) -> None:
     # f16 d | u32 of fifth bits | 16 bytes of nibbles as Q4_0; x = d (q - 16)
     lo, hi = _nibbles(b)
     o[:, :16], o[:, 16:] = lo[:, 6:], hi[:, 6:]
-    o.add_(_bits32(b, 2), alpha=16).sub_(16).mul_(_halves(b)[:, 0:1])
+    o.add_(_high32(b, 2)).sub_(16).mul_(_halves(b)[:, 0:1])
 
 
 def _q5_1(b: torch.Tensor, o: torch.Tensor) -> None:
@@ -114,7 +129,7 @@ def _q5_1(b: torch.Tensor, o: torch.Tensor) -> None:
     lo, hi = _nibbles(b)
     o[:, :16], o[:, 16:] = lo[:, 8:], hi[:, 8:]
     h = _halves(b)
-    o.add_(_bits32(b, 4), alpha=16).mul_(h[:, 0:1]).add_(h[:, 1:2])
+    o.add_(_high32(b, 4)).mul_(h[:, 0:1]).add_(h[:, 1:2])
 
 
 def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,8 +233,8 @@ def _check(data: torch.Tensor, type_name: str, shape: tuple[int, ...], label: st
 
 
 def _aligned(data: torch.Tensor) -> torch.Tensor:
-    """`data`, or a copy of it if it is strided or starts at an odd byte (views as f16/f32 need
-    contiguous bytes at an aligned offset; tensors from the map always are)."""
+    """`data`, or a copy if it is strided or not 4-byte aligned (viewing bytes as f16 or f32
+    needs contiguous, aligned bytes; tensors from the map always are)."""
     if data.is_contiguous() and data.storage_offset() % 4 == 0:
         return data
     return data.clone()
@@ -257,7 +272,7 @@ def dequantize(
     blocks = data.view(-1, gtype.type_size)  # (n_blocks, type_size)
     out = torch.empty(math.prod(shape), dtype=dtype, device=data.device)
     out_blocks = out.view(-1, gtype.block_size)  # (n_blocks, block_size)
-    step = max(1, _CHUNK_ELEMENTS // gtype.block_size)
+    step = max(1, _chunk_elements() // gtype.block_size)
     scratch = None  # float32 chunk, reused, when the result is another dtype
     if dtype != torch.float32:
         rows = min(step, out_blocks.shape[0])
@@ -271,20 +286,21 @@ def dequantize(
     return out.view(shape)
 
 
-def _info(f: GGUFFile, name: str):
+def _info(f: GGUFFile, name: str) -> tuple[TensorInfo, str, tuple[int, ...]]:
+    """The tensor's index entry, its label for errors, and its torch-order shape."""
     base = os.path.basename(f.path)
     info = f.tensors.get(name)
     if info is None:
-        raise WeightsError(f"{base}: has no tensor {name!r}")
+        raise WeightsError(f"{base}: no tensor {name!r} in the file")
     if f.byte_order != "<":
-        raise WeightsError(f"{base}: a big-endian GGUF, which the torch engine cannot read")
+        raise WeightsError(f"{base}: big-endian GGUF files cannot be read by the torch engine")
     return info, f"{base}: tensor {name!r}", tuple(reversed(info.shape))
 
 
 def _bytes(f: GGUFFile, name: str) -> torch.Tensor:
     """The tensor's bytes as a 1-D uint8 tensor over the map (read-only: never write to it)."""
-    with warnings.catch_warnings():  # torch warns that the mapped buffer is not writable
-        warnings.simplefilter("ignore", UserWarning)
+    with warnings.catch_warnings():  # that the map is read-only: we never write to it
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
         return torch.frombuffer(f.tensor_bytes(name), dtype=torch.uint8)
 
 

@@ -125,7 +125,7 @@ def test_chunks_cover_the_tensor_and_bound_temporaries(
 ) -> None:
     """10 blocks in chunks of 3: the last chunk is partial; no decoder sees more than 3 blocks."""
     bs = GGML_TYPE_BY_NAME[type_name].block_size
-    monkeypatch.setattr(weights, "_CHUNK_ELEMENTS", 3 * bs)
+    monkeypatch.setattr(weights, "_chunk_elements", lambda: 3 * bs)
     seen: list[int] = []
     decode = weights._DECODERS[type_name]
 
