@@ -230,6 +230,18 @@ def test_iter_tensors_one_at_a_time_in_file_order(
         assert tensor(f, "norm.weight", dtype=torch.float16).dtype == torch.float32
 
 
+def test_decoding_runs_on_the_target_device(
+    every_type: tuple[Path, dict[str, np.ndarray]],
+) -> None:
+    """Bytes move to the device and every op runs there (the meta device has no data, but
+    mixes with no CPU tensor either: a constant left on the CPU would raise)."""
+    path, _ = every_type
+    with GGUFFile(path) as f:
+        for name, t in iter_tensors(f, dtype=torch.bfloat16, device="meta"):
+            assert t.device.type == "meta", name
+            assert t.shape == tuple(reversed(f.tensors[name].shape)), name
+
+
 def test_tensors_outlive_the_file_and_hold_no_view_of_it(
     every_type: tuple[Path, dict[str, np.ndarray]],
 ) -> None:
