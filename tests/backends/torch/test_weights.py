@@ -233,8 +233,8 @@ def test_iter_tensors_one_at_a_time_in_file_order(
 def test_decoding_runs_on_the_target_device(
     every_type: tuple[Path, dict[str, np.ndarray]],
 ) -> None:
-    """Bytes move to the device and every op runs there (the meta device has no data, but
-    mixes with no CPU tensor either: a constant left on the CPU would raise)."""
+    """Bytes move to the device and the ops run there (the meta device has no data, but an
+    elementwise op with a constant left on the CPU raises there, as it would on a GPU)."""
     path, _ = every_type
     with GGUFFile(path) as f:
         for name, t in iter_tensors(f, dtype=torch.bfloat16, device="meta"):
