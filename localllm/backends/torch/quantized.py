@@ -1,0 +1,116 @@
+"""Reduced-precision linear layers for the CPU's fast path (pass `quantize_linear` as `linear=`).
+
+Decode streams every weight once per token, so on CPU its speed is bytes per weight. What torch
+ships, measured side by side on the real shapes (bench/torch_gemv.py, 2 threads, AVX2):
+
+    fp32 F.linear                   4 B/weight   the baseline (oneDNN/MKL sgemv)
+    fbgemm fp16 weights             2 B/weight   ~3-4x faster than fp32 at 1-8 rows, not slower
+                                                 at 256 (prefill); exact up to fp16 rounding
+    fbgemm int8 (linear_dynamic)    1 B/weight   fastest, but it quantizes the *activations* to
+                                                 7-8 bits per tensor: KL 0.09 on SmolLM2, fails
+    _weight_int8pack_mm             1 B/weight   slower than fp32 (2-4x)
+    _weight_int4pack_mm_for_cpu     0.6 B/weight slower than fp16 at 1 row, needs bf16 inputs
+    torch.compile'd dequant-GEMV    1 B/weight   inductor's C++ reduction is ~10x slower than
+                                                 fbgemm, and a compiled call costs ~0.1 ms
+
+so `Fp16Linear` keeps fp16 weights in fbgemm's packed layout and multiplies in fp32. Where
+fbgemm is missing (another platform or a torch without it) or the input is not on the CPU, it
+falls back to `F.linear` on the fp16 weights cast to the input's dtype: same numbers, slower.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Fp16Linear", "fbgemm_fp16_available", "quantize_linear"]
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def fbgemm_fp16_available() -> bool:
+    """Whether this torch has fbgemm's fp16-weight GEMM (x86 CPU builds do); checked once."""
+    try:
+        w = torch.ones(8, 8)
+        packed = torch.ops.quantized.linear_prepack_fp16(w, None)
+        y = torch.ops.quantized.linear_dynamic_fp16(torch.ones(1, 8), packed)
+        if not torch.equal(y, torch.full((1, 8), 8.0)):
+            raise RuntimeError(f"wrong result {y.tolist()}")
+    except Exception as e:  # noqa: BLE001 - any failure means: use the plain path
+        log.warning("fbgemm fp16 GEMM unavailable (%s: %s); CPU linears use F.linear on fp16 "
+                    "weights, slower", type(e).__name__, e)  # fmt: skip
+        return False
+    return True
+
+
+class Fp16Linear(nn.Module):
+    """y = x @ W.T + b with W rounded to fp16 (|W16 - W| <= 2^-11 |W|, plus 2^-25 for the
+    subnormals below 6.1e-5); products and sums in fp32.
+
+    On CPU the weight lives only in fbgemm's packed form (2 bytes per weight); `dequantize()`
+    recovers it. Moving the module off the CPU unpacks it into a plain fp16 `weight` buffer.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """weight: (out, in) in fp16 (or any float dtype, rounded to fp16); bias: (out,) or None."""
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        weight = weight.detach().to(torch.float16)
+        bias = None if bias is None else bias.detach().float()
+        self._packed = None
+        if weight.device.type == "cpu" and fbgemm_fp16_available():
+            # fbgemm rounds fp32 to fp16 itself; giving it the fp16 values makes that exact
+            self._packed = torch.ops.quantized.linear_prepack_fp16(weight.float(), bias)
+            weight = None
+        self.register_buffer("weight", weight)  # (out, in) fp16; None while packed
+        self.register_buffer("bias", bias)  # (out,) fp32
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Fp16Linear:
+        """The layer for a full-precision `weight` (out, in) and `bias`: fits `build_model(linear=)`."""
+        return cls(weight, bias)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight this layer multiplies by, (out, in) float32."""
+        if self._packed is not None:
+            return torch.ops.quantized.linear_unpack_fp16(self._packed)[0]
+        return self.weight.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., in) → (..., out) in x's dtype."""
+        if self._packed is not None and x.device.type == "cpu" and x.numel():
+            rows = x.reshape(-1, self.in_features)  # (M, in): fbgemm takes 2-D fp32
+            y = torch.ops.quantized.linear_dynamic_fp16(rows.float(), self._packed)  # bias added
+            return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        w = self.dequantize() if self.weight is None else self.weight
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, w.to(device=x.device, dtype=x.dtype), b)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        # `.to(device)` cannot move fbgemm's packed matrix: unpack it into a plain fp16 buffer
+        # first. Dtype changes (`.float()`, `.to(torch.bfloat16)`) leave the weights in fp16:
+        # their precision is what this layer is for.
+        device = fn(torch.zeros(1)).device
+        if self._packed is not None and device.type != "cpu":
+            self.weight = self.dequantize().to(torch.float16)
+            self._packed = None
+        weight, self.weight = self.weight, None
+        super()._apply(fn, recurse)
+        if weight is not None:
+            self.weight = weight.to(device)
+        return self
+
+    def extra_repr(self) -> str:
+        kernel = "fbgemm" if self._packed is not None else "F.linear"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, weights=fp16 ({kernel})")  # fmt: skip
+
+
+# What the CPU fast path passes to build_model(f, linear=...).
+quantize_linear = Fp16Linear.from_float

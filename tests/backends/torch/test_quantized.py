@@ -1,0 +1,161 @@
+"""The CPU fast path's linear layer: fp16 weights in fbgemm's packed GEMM, fp32 products.
+
+Oracles: F.linear on the same fp16-rounded weights (what the layer promises to compute), the
+fp16 rounding bound, the plain F.linear fallback (what runs without fbgemm or off the CPU), and
+the real default model in float32 (distribution and greedy choice over a corpus passage).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from localllm.backends.torch import quantized
+from localllm.backends.torch.quantized import Fp16Linear, quantize_linear
+from localllm.gguf_file import GGUFFile
+
+from conftest import need
+
+# fp32 products of O(1) inputs and 0.05-scale weights over K <= 1536: summation order alone
+# moves the result by ~1e-6 (fbgemm and MKL block the sums differently).
+ATOL, RTOL = 2e-5, 1e-5
+FP16_EPS = 2.0**-11  # unit roundoff of fp16: |fl16(w) - w| <= 2^-11 |w| in the normal range
+FP16_SUBNORMAL_STEP = 2.0**-24  # spacing below 2^-14; round to nearest errs by half of it
+
+
+def make(
+    out_f: int, in_f: int, bias: bool, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_f, in_f, generator=g) * 0.05
+    # fp16 subnormals (< 6.1e-5), one that rounds to zero, one just above, one large
+    w[0, :4] = torch.tensor([3e-6, -1e-8, 7e-5, 1.0])
+    b = torch.randn(out_f, generator=g) if bias else None
+    return w, b
+
+
+def test_fbgemm_runs_here() -> None:
+    # the fast path is the point of the module: on this x86 CPU torch must provide it
+    assert quantized.fbgemm_fp16_available()
+    layer = quantize_linear(*make(8, 16, bias=False))
+    assert layer._packed is not None and layer.weight is None
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8, 64])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_matches_f_linear_on_fp16_weights(rows: int, bias: bool) -> None:
+    w, b = make(192, 576, bias)
+    layer = quantize_linear(w, b)
+    x = torch.randn(rows, 576)
+    want = F.linear(x, w.half().float(), b)
+    torch.testing.assert_close(layer(x), want, atol=ATOL, rtol=RTOL)
+    # leading dims are kept: (B, T, in) → (B, T, out)
+    x3 = torch.randn(2, rows, 576)
+    torch.testing.assert_close(layer(x3), F.linear(x3, w.half().float(), b), atol=ATOL, rtol=RTOL)
+
+
+def test_rounding_error_bound() -> None:
+    w, _ = make(256, 576, bias=False)
+    layer = quantize_linear(w, None)
+    err = (layer.dequantize() - w).abs()
+    bound = FP16_EPS * w.abs() + FP16_SUBNORMAL_STEP / 2
+    assert bool((err <= bound).all()), float((err - bound).max())
+    assert float(err.max()) > 0  # the weights really were rounded
+    # per output row: |y - x W^T| <= 2^-11 sum_k |x_k| |W_nk| (+ subnormal and fp32 sum terms)
+    x = torch.randn(4, 576)
+    row_err = (layer(x) - F.linear(x, w)).abs()
+    row_bound = (x.abs() @ bound.T) + ATOL
+    assert bool((row_err <= row_bound).all())
+
+
+def test_fallback_equals_fbgemm_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    w, b = make(320, 640, bias=True)
+    fast = quantize_linear(w, b)
+    monkeypatch.setattr(quantized, "fbgemm_fp16_available", lambda: False)
+    plain = quantize_linear(w, b)
+    assert fast._packed is not None and plain._packed is None
+    assert plain.weight.dtype == torch.float16
+    assert torch.equal(fast.dequantize(), plain.dequantize())
+    for rows in (1, 8, 64):
+        x = torch.randn(rows, 640)
+        torch.testing.assert_close(fast(x), plain(x), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_input_dtypes(dtype: torch.dtype) -> None:
+    w, b = make(96, 128, bias=True)
+    layer = quantize_linear(w, b)
+    x = torch.randn(3, 128)
+    y = layer(x.to(dtype))
+    assert y.dtype == dtype and y.shape == (3, 96)
+    # bf16 in and out: the input and the result are rounded to bf16 (8 bits), nothing else
+    torch.testing.assert_close(y.float(), F.linear(x.to(dtype).float(), w.half().float(), b),
+                               atol=ATOL, rtol=2.0**-8)  # fmt: skip
+
+
+def test_device_moves_and_dtype_casts() -> None:
+    w, b = make(64, 32, bias=True)
+    layer = quantize_linear(w, b)
+    layer.float().to(torch.bfloat16)  # dtype casts keep the packed fp16 weights
+    assert layer._packed is not None
+    x = torch.randn(2, 32)
+    torch.testing.assert_close(layer(x), F.linear(x, w.half().float(), b), atol=ATOL, rtol=RTOL)
+    # off the CPU (meta stands in for cuda/mps here) the weights become a plain fp16 buffer
+    layer.to("meta")
+    assert layer._packed is None and layer.weight.device.type == "meta"
+    assert layer.weight.dtype == torch.float16
+    y = layer(torch.empty(5, 32, device="meta", dtype=torch.bfloat16))
+    assert y.shape == (5, 64) and y.device.type == "meta" and y.dtype == torch.bfloat16
+
+
+def test_empty_input() -> None:
+    layer = quantize_linear(*make(16, 8, bias=True))
+    assert layer(torch.empty(0, 8)).shape == (0, 16)
+
+
+def test_build_model_hook(tiny_llama: Path) -> None:
+    """`build_model(f, linear=quantize_linear)` makes every projection and the tied head an
+    Fp16Linear; the tiny model's weights are fp16 already, so its logits are the fp32 model's."""
+    from localllm.backends.torch.models import build_model
+
+    with GGUFFile(tiny_llama) as f:
+        ref, fast = build_model(f), build_model(f, linear=quantize_linear)
+    n_fp16 = sum(isinstance(m, Fp16Linear) for m in fast.modules())
+    assert n_fp16 == sum(isinstance(m, torch.nn.Linear) for m in ref.modules()) > 0
+    assert isinstance(fast.output, Fp16Linear)
+    ids = torch.randint(0, ref.args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = ref.logits(ref(ids, [ref.make_caches(32)]))
+        got = fast.logits(fast(ids, [fast.make_caches(32)]))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_default_model_keeps_fp32_predictions(default_model_path: Path, corpus_dir: Path) -> None:
+    """SmolLM2 in float32, then with every projection and the head made Fp16Linear, over a
+    passage of the corpus: KL(fp32 || fp16) per token and greedy agreement."""
+    need("llama_cpp", "pip install -e '.[dev]' (llama-cpp-python tokenizes the passage)")
+    import llama_cpp
+
+    from localllm.backends.torch.models import build_model
+
+    text = (corpus_dir / "alice.txt").read_text(encoding="utf-8")[2000:4000]
+    vocab = llama_cpp.Llama(str(default_model_path), vocab_only=True, verbose=False)
+    ids = torch.tensor([vocab.tokenize(text.encode())[:160]])
+    with GGUFFile(default_model_path) as f:
+        model = build_model(f)
+    with torch.inference_mode():
+        want = model.logits(model(ids, [model.make_caches(256)])).log_softmax(-1)
+        for name, m in list(model.named_modules()):
+            if isinstance(m, torch.nn.Linear):
+                model.set_submodule(name, Fp16Linear.from_float(m.weight, m.bias))
+        got = model.logits(model(ids, [model.make_caches(256)])).log_softmax(-1)
+    kl = (want.exp() * (want - got)).sum(-1).mean().item()
+    assert kl < 1e-3, kl  # measured ~2e-6; the goal for any CPU fast path is 0.01
+    # greedy choices agree except at near ties of the fp32 model (1 of 160 here, gap ~1e-3)
+    picked = got.argmax(-1, keepdim=True)
+    gap = want.max(-1, keepdim=True).values - want.gather(-1, picked)
+    assert float(gap.max()) < 0.01, float(gap.max())
+    assert (gap > 0).float().mean().item() <= 0.01
