@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,26 +110,37 @@ class Oracle:
     def is_eog(self, token: int) -> bool:
         return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
 
+    def close(self) -> None:
+        self.llm.close()
 
-_BUILT: dict[Path, tuple[Any, Oracle]] = {}
+
+@pytest.fixture(scope="module")
+def built() -> Iterator[dict[Path, tuple[Any, Oracle]]]:
+    """Tokenizers built once per file for the module: (ours, llama.cpp's) by path."""
+    pairs: dict[Path, tuple[Any, Oracle]] = {}
+    yield pairs
+    for _, oracle in pairs.values():
+        oracle.close()
 
 
-def _pair(path: Path) -> tuple[Any, Oracle]:
-    if path not in _BUILT:
+def _pair(built: dict[Path, tuple[Any, Oracle]], path: Path) -> tuple[Any, Oracle]:
+    if path not in built:
         from localllm.backends.torch.tokenizer import GGUFTokenizer
 
         oracle = Oracle(path)
         with GGUFFile(path) as f:
-            _BUILT[path] = (GGUFTokenizer.from_gguf(f), oracle)
-    return _BUILT[path]
+            built[path] = (GGUFTokenizer.from_gguf(f), oracle)
+    return built[path]
 
 
 @pytest.fixture(params=MODELS)
-def model(request: pytest.FixtureRequest) -> tuple[Any, Oracle, Path]:
+def model(
+    request: pytest.FixtureRequest, built: dict[Path, tuple[Any, Oracle]]
+) -> tuple[Any, Oracle, Path]:
     """(our tokenizer, llama.cpp's, the file) for each packaged model."""
     fixture = "default_model_path" if request.param == "smollm2" else "gemma_model_path"
     path = request.getfixturevalue(fixture)
-    return (*_pair(path), path)
+    return (*_pair(built, path), path)
 
 
 def _first_difference(ours: list[int], ref: list[int]) -> str:
@@ -167,8 +179,10 @@ def test_whole_corpus_files(model: tuple[Any, Oracle, Path], corpus_dir: Path) -
 
 
 @pytest.mark.slow
-def test_gemma_whole_tinyshakespeare(gemma_model_path: Path, corpus_dir: Path) -> None:
-    tok, ref = _pair(gemma_model_path)
+def test_gemma_whole_tinyshakespeare(
+    gemma_model_path: Path, corpus_dir: Path, built: dict[Path, tuple[Any, Oracle]]
+) -> None:
+    tok, ref = _pair(built, gemma_model_path)
     text = (corpus_dir / "tinyshakespeare.txt").read_text(encoding="utf-8")
     _assert_same(tok, ref, text)
 
@@ -224,9 +238,11 @@ def test_chat_prompts(model: tuple[Any, Oracle, Path]) -> None:
     assert specials >= 4  # the turn markers were parsed as single special tokens
 
 
-def test_two_spaces_before_a_number_stay_one_token(default_model_path: Path) -> None:
+def test_two_spaces_before_a_number_stay_one_token(
+    default_model_path: Path, built: dict[Path, tuple[Any, Oracle]]
+) -> None:
     # transformers' GGUF conversion (a plain GPT-2 regex) splits "  1" as " " + " 1" here
-    tok, ref = _pair(default_model_path)
+    tok, ref = _pair(built, default_model_path)
     ids = tok.encode("a  1", add_special=False)
     assert ids == ref.encode("a  1", False)
     assert [tok.token_bytes(t) for t in ids] == [b"a", b"  ", b"1"]
@@ -416,16 +432,19 @@ def test_vocabulary_variants(
         meta = _small_spm(request.getfixturevalue("gemma_model_path"))
         meta.update(SPM_VARIANTS[variant])
     path = _write_vocab(tmp_path / "vocab.gguf", meta)
-    ref = Oracle(path)
     with GGUFFile(path) as f:
         tok = GGUFTokenizer.from_gguf(f)
-    for text in [SAMPLE, *TRICKY, "<|im_start|>  x  <|im_end|> \n y"]:
-        for add_special in (True, False):
-            _assert_same(tok, ref, text, add_special)
-    assert [tok.token_bytes(t) for t in range(tok.n_vocab)] == [
-        ref.piece(t) for t in range(tok.n_vocab)
-    ]
-    assert sorted(tok.end_ids) == [t for t in range(tok.n_vocab) if ref.is_eog(t)]
+    ref = Oracle(path)
+    try:
+        for text in [SAMPLE, *TRICKY, "<|im_start|>  x  <|im_end|> \n y"]:
+            for add_special in (True, False):
+                _assert_same(tok, ref, text, add_special)
+        assert [tok.token_bytes(t) for t in range(tok.n_vocab)] == [
+            ref.piece(t) for t in range(tok.n_vocab)
+        ]
+        assert sorted(tok.end_ids) == [t for t in range(tok.n_vocab) if ref.is_eog(t)]
+    finally:
+        ref.close()
 
 
 # -- refusals ----------------------------------------------------------------------------------
