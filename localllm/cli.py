@@ -496,8 +496,8 @@ def run(
     device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or mps.")] = "auto",
     dtype: Annotated[
         str,
-        typer.Option("--dtype", help="torch engine's working precision: auto, f32, bf16, f16 or "
-                     "int8 (weight-only, the CPU's fast path)."),
+        typer.Option("--dtype", help="torch engine's working precision: auto, f32 (exact), bf16 "
+                     "or f16 (on the CPU: fp16 weights, f32 sums; its default)."),
     ] = "auto",
     max_tokens: Annotated[
         int | None, typer.Option("--max-tokens", help="Most tokens to generate.")

@@ -216,7 +216,7 @@ def test_show_says_which_template_a_model_without_one_gets(
         (["--kv-cache", "int8"], "the llama.cpp backend has no int8 KV cache"),
         (["--backend", "vllm"], "unknown backend 'vllm' (choose from auto, llama.cpp"),
         (["--backend", "torch", "--kv-cache", "q8_0"], "the torch backend has no q8_0 KV cache"),
-        (["--dtype", "int4"], "unknown dtype 'int4'"),
+        (["--dtype", "int8"], "unknown dtype 'int8'"),
         (["--top-p", "7"], "top_p must be in (0, 1]"),
         (["--json-schema", "SCHEMA"], "the llama.cpp backend has no constrained decoding, so no "
                                       "response_format json_schema"),

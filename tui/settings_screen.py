@@ -116,7 +116,7 @@ class SettingsScreen(ModalScreen[Result | None]):
                     yield Select([(d, d) for d in devices], id="device", allow_blank=False,
                                  value=f["device"] if f["device"] in devices else "auto")  # fmt: skip
                 if len(caps.dtypes) > 1:
-                    yield Label("Working precision (auto: bf16 on a GPU, the fastest on a CPU)")
+                    yield Label("Working precision (auto: bf16 on a GPU, f16 weights on a CPU)")
                     dtypes = ("auto", *caps.dtypes)
                     yield Select([(d, d) for d in dtypes], id="dtype", allow_blank=False,
                                  value=f["dtype"] if f["dtype"] in dtypes else "auto")  # fmt: skip

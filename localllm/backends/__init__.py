@@ -118,7 +118,7 @@ TORCH = Capabilities(
     grammar=False,
     eviction=(),
     devices=("cpu", "cuda", "mps"),
-    dtypes=("f32", "bf16", "f16", "int8"),
+    dtypes=("f32", "bf16", "f16"),
 )
 
 
@@ -149,17 +149,18 @@ def _torch_suits(path: Path) -> str | None:
 
 def _torch_estimate(info: ModelInfo, options: LoadOptions, available: Any = None) -> Any:
     """llama.cpp's estimate with the torch engine's weights: the working precision's bytes per
-    parameter (int8 keeps a float32 token embedding for lookups), on the GPU when one is seen."""
+    parameter (on the CPU, f16 weights keep a float32 token embedding for lookups), on the GPU when
+    one is seen."""
     from dataclasses import replace
 
     from localllm.memory import available_memory, estimate
 
     avail = available or available_memory("cpu" if options.device == "cpu" else "auto")
-    dtype = options.dtype
-    if dtype == "auto":
-        dtype = "bf16" if avail.device.startswith("cuda") else "int8"
-    per = {"f32": 4, "bf16": 2, "f16": 2, "int8": 1}[dtype]
-    weights = info.parameters * per + (info.vocab_size * info.n_embd * 4 if dtype == "int8" else 0)
+    gpu = avail.device.startswith("cuda")
+    dtype = options.dtype if options.dtype != "auto" else "bf16" if gpu else "f16"
+    per = {"f32": 4, "bf16": 2, "f16": 2}.get(dtype, 4)
+    embedding = info.vocab_size * info.n_embd * 4 if dtype == "f16" and not gpu else 0
+    weights = info.parameters * per + embedding
     est = estimate(info, ctx=options.ctx, kv_cache=options.kv_cache, parallel=options.parallel,
                    available=avail)  # fmt: skip
     return replace(est, weights_bytes=int(weights))

@@ -30,10 +30,10 @@ from localllm.memory import parse_kv_cache
 __all__ = ["TorchBackend", "open_backend", "resolve_device", "resolve_dtype"]
 
 _KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-_FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # The CPU's default working precision: the fastest path measured here that keeps KL ≤ 0.01 nats
-# against f32 (bench/torch_engine.py; numbers in the issue 11 note).
-CPU_DEFAULT_DTYPE = "int8"
+# against f32 (bench/torch_gemv.py, bench/torch_engine.py; numbers in the issue 11 note): fp16
+# weights in fbgemm's packed GEMM with f32 sums (`quantized.Fp16Linear`), half of f32's bytes.
+CPU_DEFAULT_DTYPE = "f16"
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -51,16 +51,23 @@ def resolve_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> str:
-    """The working precision: f32 (the exact reference path), bf16, f16, or int8 (weight-only int8,
-    f32 compute: the CPU's fast path). auto: bf16 on CUDA, f16 on MPS, `CPU_DEFAULT_DTYPE` on CPU."""
+def resolve_dtype(name: str, device: torch.device) -> tuple[str, torch.dtype]:
+    """The working precision and the dtype activations are computed in.
+
+    f32 is the exact reference path (the oracle tests'). On a GPU bf16/f16 weights and compute
+    (auto: bf16 on CUDA, f16 on MPS). On the CPU, f16 means fp16 *weights* with f32 compute
+    (`quantized.Fp16Linear`; the default there), and bf16 is bf16 throughout (fast only where the
+    CPU has native bf16 dot products).
+    """
     if name == "auto":
-        return {"cuda": "bf16", "mps": "f16"}.get(device.type, CPU_DEFAULT_DTYPE)
-    if name == "int8" and device.type != "cpu":
-        raise LocalLLMError(f"--dtype int8 is the CPU's path; on {device.type} use bf16 or f16")
+        name = {"cuda": "bf16", "mps": "f16"}.get(device.type, CPU_DEFAULT_DTYPE)
+    if name not in _KV_DTYPES:
+        raise LocalLLMError(f"the torch engine has no {name} working precision (f32, bf16, f16)")
     if name == "bf16" and device.type == "mps" and not torch.backends.mps.is_macos_or_newer(14, 0):
         raise LocalLLMError("bf16 on Apple Metal needs macOS 14; use --dtype f16")
-    return name
+    if name == "f16" and device.type == "cpu":
+        return name, torch.float32
+    return name, _KV_DTYPES[name]
 
 
 @dataclass(eq=False)
@@ -111,19 +118,18 @@ class TorchBackend:
         if threads:
             torch.set_num_threads(threads)
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype, self.compute_dtype = resolve_dtype(dtype, self.device)
         k, v = parse_kv_cache(kv_cache)
         if k != v or k not in _KV_DTYPES:
             raise LocalLLMError(
                 f"the torch backend has no {kv_cache} KV cache (it has {', '.join(_KV_DTYPES)})"
             )
-        self.compute_dtype = _FLOAT_DTYPES.get(self.dtype, torch.float32)
         self.kv_dtype = _KV_DTYPES[k]
         linear = None
-        if self.dtype == "int8":
-            from localllm.backends.torch.quantized import Int8Linear
+        if self.dtype == "f16" and self.device.type == "cpu":
+            from localllm.backends.torch.quantized import quantize_linear
 
-            linear = Int8Linear.from_float
+            linear = quantize_linear
         self.model_path = str(path)
         with GGUFFile(path) as f:
             self.tokenizer = GGUFTokenizer.from_gguf(f)

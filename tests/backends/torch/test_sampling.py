@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from conftest import need
 
 need("torch", "pip install -e '.[dev]' (torch: pip install torch==2.13.0 first)")
