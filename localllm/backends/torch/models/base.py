@@ -59,7 +59,6 @@ class BaseModelArgs:
     context_length: int = 0
     norm_eps: float = 1e-5
     rope_base: float = 10000.0
-    rope_dim: int = 0  # rotated dims of each head (0: all)
     rope_scale: float = 1.0  # linear RoPE scaling: positions are multiplied by this
 
     @classmethod
@@ -100,6 +99,8 @@ def gguf_hparams(metadata: dict[str, Any]) -> dict[str, Any]:
     head_dim = count("attention.key_length", dim // n_heads)
     if count("attention.value_length", head_dim) != head_dim:
         raise ValueError(f"{arch}: key and value heads of different sizes are not supported")
+    if get("rope.dimension_count", head_dim) != head_dim:
+        raise ValueError(f"{arch}: RoPE on part of each head is not supported")
     vocab = get("vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or ())
     if not vocab:
         raise ValueError(f"{arch}.vocab_size and tokenizer.ggml.tokens are missing")
@@ -118,7 +119,6 @@ def gguf_hparams(metadata: dict[str, Any]) -> dict[str, Any]:
         "context_length": int(get("context_length", 0)),
         "norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_base": float(get("rope.freq_base", 10000.0)),
-        "rope_dim": int(get("rope.dimension_count", head_dim)),
         "rope_scale": 1.0 / factor,
         "sliding_window": int(get("attention.sliding_window", 0) or 0),
         "sliding_window_pattern": get("attention.sliding_window_pattern"),
@@ -140,9 +140,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight).to(x.dtype)
+        # one fused op (bit-identical to x * rsqrt(mean(x²) + eps) * w here, and fewer launches)
+        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
 
 
 def projection(in_features: int, *parts: int) -> nn.Linear:
@@ -156,35 +155,34 @@ def projection(in_features: int, *parts: int) -> nn.Linear:
 class RoPE:
     """Rotary embedding in the half-split ("NEOX") layout: dims i and i + n/2 form a pair.
 
-    inv_freq[i] = scale / (base^(2i/n) * factor[i]), as ggml's rope computes it: `scale` is linear
+    inv_freq[i] = scale / (base^(2i/hd) * factor[i]), as ggml's rope computes it: `scale` is linear
     scaling; `factors` is llama.cpp's `rope_freqs.weight` (Llama 3's per-frequency scaling, which
     llama.cpp's converter stores as a tensor instead of metadata).
     """
 
-    def __init__(self, n_rot: int, base: float, *, scale: float = 1.0,
+    def __init__(self, head_dim: int, base: float, *, scale: float = 1.0,
                  factors: torch.Tensor | None = None, device: torch.device | str = "cpu") -> None:  # fmt: skip
-        self.n_rot = n_rot
-        exponent = torch.arange(0, n_rot, 2, dtype=torch.int64, device=device).float() / n_rot
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
         inv_freq = 1.0 / (base**exponent)
         if factors is not None:
             inv_freq = inv_freq / factors.to(device=device, dtype=torch.float32)
-        self.inv_freq = inv_freq * scale  # (n_rot/2,)
+        self.inv_freq = inv_freq * scale  # (hd/2,)
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """positions (B, T) → cos, sin (B, 1, T, n_rot), broadcasting over heads."""
+        """positions (B, T) → cos, signed sin (B, 1, T, hd), broadcasting over heads.
+
+        The sin's first half is negated, so `apply_rope` needs one roll instead of the usual
+        rotate_half (two slices, a negation and a concatenation per call)."""
         self.inv_freq = self.inv_freq.to(positions.device)  # no-op after the first call
-        freqs = positions[:, None, :, None].float() * self.inv_freq  # (B, 1, T, n_rot/2)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        freqs = positions[:, None, :, None].float() * self.inv_freq  # (B, 1, T, hd/2)
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, T, hd); rotates the first n_rot dims of each head."""
-    n = cos.shape[-1]
-    rot, rest = (x, None) if n == x.shape[-1] else (x[..., :n], x[..., n:])
-    x1, x2 = rot[..., : n // 2], rot[..., n // 2 :]
-    out = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
-    return out if rest is None else torch.cat((out, rest), dim=-1)
+    """x (B, heads, T, hd) with pairs (i, i + hd/2): x * cos + rotate_half(x) * sin, where
+    rotate_half(x) = (-x2, x1) = roll(x, hd/2) * (-1, 1) (the sign is in `sin`)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 # -- attention over the caller's caches -------------------------------------------------------

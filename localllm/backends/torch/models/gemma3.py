@@ -130,9 +130,8 @@ class Model(nn.Module):
         self.layers = nn.ModuleList(Block(args, local) for local in args.local_layers)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = projection(args.dim, args.vocab_size)
-        n_rot = args.rope_dim or args.head_dim
-        self.rope_local = RoPE(n_rot, args.rope_base_local, device="cpu")
-        self.rope_global = RoPE(n_rot, args.rope_base, scale=args.rope_scale, device="cpu")
+        self.rope_local = RoPE(args.head_dim, args.rope_base_local, device="cpu")
+        self.rope_global = RoPE(args.head_dim, args.rope_base, scale=args.rope_scale, device="cpu")
 
     def forward(self, tokens: torch.Tensor, caches: Sequence[Sequence[KVCache]]) -> torch.Tensor:
         """tokens (B, T); caches[b]: row b's per-layer caches. Returns (B, T, dim), normed."""

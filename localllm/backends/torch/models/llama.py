@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,14 +35,7 @@ from localllm.backends.torch.models.base import (
 
 @dataclass
 class ModelArgs(BaseModelArgs):
-    @classmethod
-    def from_gguf(cls, metadata: dict[str, Any]) -> ModelArgs:
-        args = super().from_gguf(metadata)
-        if args.rope_dim != args.head_dim:
-            raise ValueError(
-                "llama: partial RoPE (rope.dimension_count < head size) is not supported"
-            )
-        return args  # type: ignore[return-value]
+    """Only the shared hyperparameters (`BaseModelArgs`)."""
 
 
 class Attention(nn.Module):
@@ -118,12 +110,11 @@ class Model(nn.Module):
 
     def make_rope(self, factors: torch.Tensor | None) -> RoPE:
         a = self.args
-        return RoPE(a.rope_dim or a.head_dim, a.rope_base, scale=a.rope_scale, factors=factors,
-                    device="cpu")  # fmt: skip
+        return RoPE(a.head_dim, a.rope_base, scale=a.rope_scale, factors=factors, device="cpu")
 
     def rope_freqs(self, factors: torch.Tensor) -> None:
         """Load hook for `rope_freqs.weight`: Llama 3's per-frequency RoPE divisors."""
-        if factors.shape != ((self.args.rope_dim or self.args.head_dim) // 2,):
+        if factors.shape != (self.args.head_dim // 2,):
             raise ValueError(f"rope_freqs.weight has shape {tuple(factors.shape)}")
         self.rope = self.make_rope(factors)
 
