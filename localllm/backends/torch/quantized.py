@@ -61,15 +61,19 @@ class Fp16Linear(nn.Module):
         """weight: (out, in) in fp16 (or any float dtype, rounded to fp16); bias: (out,) or None."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        weight = weight.detach().to(torch.float16)
-        bias = None if bias is None else bias.detach().float()
         self._packed = None
-        if weight.device.type == "cpu" and fbgemm_fp16_available():
-            # fbgemm rounds fp32 to fp16 itself; giving it the fp16 values makes that exact
-            self._packed = torch.ops.quantized.linear_prepack_fp16(weight.float(), bias)
-            weight = None
-        self.register_buffer("weight", weight)  # (out, in) fp16; None while packed
-        self.register_buffer("bias", bias)  # (out,) fp32
+        # (out, in) fp16 and (out,) fp32; `weight` is None while fbgemm holds the packed copy
+        self.register_buffer("weight", weight.detach().to(torch.float16))
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self._pack()
+
+    def _pack(self) -> None:
+        """On CPU, move the weight into fbgemm's packed form (no second copy is kept)."""
+        if self.weight is None or self.weight.device.type != "cpu" or not fbgemm_fp16_available():
+            return
+        # fbgemm rounds fp32 to fp16 itself; giving it fp16 values makes that exact
+        self._packed = torch.ops.quantized.linear_prepack_fp16(self.weight.float(), self.bias)
+        self.weight = None
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Fp16Linear:
@@ -94,8 +98,8 @@ class Fp16Linear(nn.Module):
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
         # `.to(device)` cannot move fbgemm's packed matrix: unpack it into a plain fp16 buffer
-        # first. Dtype changes (`.float()`, `.to(torch.bfloat16)`) leave the weights in fp16:
-        # their precision is what this layer is for.
+        # first (and pack again on the way back to the CPU). Dtype changes (`.float()`,
+        # `.to(torch.bfloat16)`) leave the weights in fp16: their precision is the point.
         device = fn(torch.zeros(1)).device
         if self._packed is not None and device.type != "cpu":
             self.weight = self.dequantize().to(torch.float16)
@@ -104,6 +108,7 @@ class Fp16Linear(nn.Module):
         super()._apply(fn, recurse)
         if weight is not None:
             self.weight = weight.to(device)
+            self._pack()
         return self
 
     def extra_repr(self) -> str:

@@ -109,6 +109,12 @@ def test_device_moves_and_dtype_casts() -> None:
     assert layer.weight.dtype == torch.float16
     y = layer(torch.empty(5, 32, device="meta", dtype=torch.bfloat16))
     assert y.shape == (5, 64) and y.device.type == "meta" and y.dtype == torch.bfloat16
+    # and back on the CPU it is packed again (from real buffers: meta holds no numbers)
+    plain = quantize_linear(w, b).to("meta")
+    plain.weight, plain.bias = w.half(), b
+    plain.to("cpu")
+    assert plain._packed is not None and plain.weight is None
+    torch.testing.assert_close(plain(x), F.linear(x, w.half().float(), b), atol=ATOL, rtol=RTOL)
 
 
 def test_empty_input() -> None:
