@@ -281,7 +281,6 @@ def test_unsupported_architecture(tmp_path):
 
 CHATS = [
     "What is the capital of France?",
-    "Write a haiku about the sea.",
     "Explain in two sentences why the sky is blue.",
 ]
 
@@ -304,6 +303,8 @@ def without_tokenizer(src: Path, dst: Path) -> Path:
                 w.add_float32(key, value)
             elif isinstance(value, str):
                 w.add_string(key, value)
+        if f"{arch}.vocab_size" not in f.metadata:  # what transformers would count from tokens
+            w.add_vocab_size(len(f.metadata["tokenizer.ggml.tokens"]))
         for name, info in f.tensors.items():
             shape = tuple(reversed(info.shape))  # torch order; the last dim as bytes per row
             t = info.ggml_type
@@ -317,28 +318,26 @@ def without_tokenizer(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_default_model_greedy_matches_transformers(default_model_path, tmp_path):
-    """SmolLM2 (Q4_1, dequantized to float32 by both sides): 128 greedy tokens for three chat
-    prompts, decoded through our caches, must be the tokens transformers' argmax picks at every
-    step (teacher-forced: one forward per prompt, which holds exactly when transformers' own
-    greedy loop would produce the same tokens). Rows run one at a time: batched rows are
-    checked on the tiny models, and here a (B > 1) matmul is what a busy 2-core machine runs
-    slowest (MKL's threads wait on each other)."""
+def greedy_matches_transformers(path: Path, chats: list[str], template: str, *, add_bos: bool,
+                                 tmp_path: Path, n_new: int = 128) -> None:  # fmt: skip
+    """`n_new` greedy tokens per chat prompt, decoded through our caches one row at a time, must
+    be the tokens transformers' argmax picks at every step (teacher-forced: one forward per
+    prompt, which holds exactly when transformers' own greedy loop would produce the same
+    tokens). Rows run one at a time: batched rows are checked on the tiny models, and a B > 1
+    matmul is what a busy 2-core machine runs slowest (MKL's threads wait on each other)."""
     need("llama_cpp", "pip install -e '.[dev]' (llama-cpp-python tokenizes the prompts)")
     import llama_cpp
     from transformers import AutoModelForCausalLM
 
     from localllm.backends.torch.models import build_model
 
-    vocab = llama_cpp.Llama(str(default_model_path), vocab_only=True, verbose=False)
+    vocab = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
     prompts = [
-        vocab.tokenize(chatml.encode(), add_bos=False, special=True)
-        for chatml in (f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n" for q in CHATS)
+        vocab.tokenize(template.format(q).encode(), add_bos=add_bos, special=True) for q in chats
     ]
     del vocab
-    with GGUFFile(default_model_path) as f:
+    with GGUFFile(path) as f:
         model = build_model(f)
-    n_new = 128
     generated = []
     with torch.no_grad():
         for prompt in prompts:
@@ -351,13 +350,31 @@ def test_default_model_greedy_matches_transformers(default_model_path, tmp_path)
             generated.append(torch.stack(tokens))
     del model, caches
 
-    path = without_tokenizer(default_model_path, tmp_path / default_model_path.name)
+    stripped = without_tokenizer(path, tmp_path / path.name)
     with transformers_gguf_loader():
         oracle = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32
+            stripped.parent, gguf_file=stripped.name, dtype=torch.float32
         ).eval()
     for prompt, gen in zip(prompts, generated):
         ids = torch.tensor([prompt + gen.tolist()])
         with torch.no_grad():
             logits = oracle(ids).logits[0, len(prompt) - 1 : -1]
         assert logits.argmax(-1).tolist() == gen.tolist()
+
+
+def test_default_model_greedy_matches_transformers(default_model_path, tmp_path):
+    """SmolLM2 (Llama; Q4_1 and Q8_0, dequantized to float32 by both sides), ChatML prompts."""
+    template = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+    greedy_matches_transformers(
+        default_model_path, CHATS, template, add_bos=False, tmp_path=tmp_path
+    )
+
+
+@pytest.mark.slow
+def test_gemma_greedy_matches_transformers(gemma_model_path, tmp_path):
+    """Gemma 3 270M (K-quants), with a prompt longer than its 512-token sliding window."""
+    long = (" ".join(f"{i}" for i in range(300))) + ". What number came after 41?"
+    template = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
+    greedy_matches_transformers(
+        gemma_model_path, [CHATS[0], long], template, add_bos=True, tmp_path=tmp_path, n_new=32
+    )
