@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from localllm.errors import LocalLLMError
+from localllm.errors import InconsistentModel, LocalLLMError
 from localllm.gguf_file import GGUFFile
 
 from conftest import need
@@ -202,7 +202,7 @@ def hf_from_gguf(path: Path, reference):
 
 @pytest.fixture(scope="module", params=list(TINY))
 def tiny(request, tmp_path_factory):
-    """(our model, transformers' logits (2, 64, V) for `tokens`, tokens (2, 64))."""
+    """(our model, transformers' logits (2, 64, V) for `tokens`, tokens (2, 64), GGUF path)."""
     need("transformers", "pip install -e '.[dev]'")
     need("gguf", "pip install -e '.[dev]'")
     from localllm.backends.torch.models import build_model
@@ -217,7 +217,7 @@ def tiny(request, tmp_path_factory):
         assert (reference(tokens).logits - want).abs().max() <= TOL
     with GGUFFile(path) as f:
         ours = build_model(f)
-    return ours, want, tokens
+    return ours, want, tokens, path
 
 
 def run(model, tokens: torch.Tensor, caches) -> torch.Tensor:
@@ -231,12 +231,12 @@ def check(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def test_whole_prompt(tiny):
-    model, want, tokens = tiny
+    model, want, tokens, _ = tiny
     check(run(model, tokens[:1], [model.make_caches(N_TOKENS)]), want[:1])
 
 
 def test_token_by_token(tiny):
-    model, want, tokens = tiny
+    model, want, tokens, _ = tiny
     caches = [model.make_caches(N_TOKENS)]
     got = torch.cat([run(model, tokens[:1, i : i + 1], caches) for i in range(N_TOKENS)], dim=1)
     check(got, want[:1])
@@ -244,7 +244,7 @@ def test_token_by_token(tiny):
 
 
 def test_chunked_prefill(tiny):
-    model, want, tokens = tiny
+    model, want, tokens, _ = tiny
     caches = [model.make_caches(N_TOKENS)]
     got = torch.cat([run(model, tokens[1:, :16], caches), run(model, tokens[1:, 16:], caches)], 1)
     check(got, want[1:])
@@ -253,7 +253,7 @@ def test_chunked_prefill(tiny):
 def test_two_rows_at_different_offsets(tiny):
     """Row 0 has 20 tokens cached and row 1 has 40; then 20 more each in one (2, 20) forward,
     then 4 decode steps of (2, 1)."""
-    model, want, tokens = tiny
+    model, want, tokens, _ = tiny
     rows = [model.make_caches(N_TOKENS), model.make_caches(N_TOKENS)]
     run(model, tokens[:1, :20], rows[:1])
     run(model, tokens[1:, :40], rows[1:])
@@ -265,6 +265,53 @@ def test_two_rows_at_different_offsets(tiny):
             model, torch.stack([tokens[0, 40 + i : 41 + i], tokens[1, 60 + i : 61 + i]]), rows
         )
         check(step[:, 0], torch.stack([want[0, 40 + i], want[1, 60 + i]]))
+
+
+def test_linear_factory_builds_every_projection(tiny):
+    """`linear=` receives each fused projection once, the head too (also when it is tied to
+    the embedding), and what it returns is what runs."""
+    from localllm.backends.torch.models import build_model
+    from localllm.backends.torch.models.base import default_linear
+
+    _, want, tokens, path = tiny
+    built = []
+
+    def linear(weight, bias):
+        built.append(tuple(weight.shape))
+        return default_linear(weight * 0 + weight, bias)  # a copy: the head is not shared
+
+    with GGUFFile(path) as f:
+        model = build_model(f, linear=linear)
+    a = model.args
+    qkv = ((a.n_heads + 2 * a.n_kv_heads) * a.head_dim, a.dim)
+    layer = [qkv, (a.dim, a.n_heads * a.head_dim), (2 * a.ffn_dim, a.dim), (a.dim, a.ffn_dim)]
+    assert sorted(built) == sorted(layer * a.n_layers + [(a.vocab_size, a.dim)])
+    check(run(model, tokens[:1], [model.make_caches(N_TOKENS)]), want[:1])
+
+
+def write_broken(tmp_path: Path, **config: int) -> Path:
+    """A tiny Llama whose metadata disagrees with its tensors (`config` overrides the former)."""
+    reference = hf_model("llama")
+    for key, value in config.items():
+        setattr(reference.config, key, value)
+    return write_gguf(reference, tmp_path / "broken.gguf")
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"intermediate_size": 100}, "tensor 'blk.0.ffn_gate.weight' has shape (128, 64), expected (100, 64)"),
+        ({"num_hidden_layers": 3}, "missing tensor blk.2.attn_q.weight / blk.2.attn_k.weight"),
+        ({"num_key_value_heads": 1}, "'blk.0.attn_k.weight' has shape (32, 64), expected (16, 64)"),
+    ],
+)  # fmt: skip
+def test_inconsistent_model_is_one_line(tmp_path, config, message):
+    from localllm.backends.torch.models import build_model
+
+    path = write_broken(tmp_path, **config)
+    with GGUFFile(path) as f, pytest.raises(InconsistentModel) as e:
+        build_model(f)
+    assert "\n" not in str(e.value) and "broken.gguf" in str(e.value) and message in str(e.value)
 
 
 def test_unsupported_architecture(tmp_path):

@@ -368,7 +368,19 @@ def load_weights(model: nn.Module, f: GGUFFile, *, dtype: torch.dtype, device: t
         raise InconsistentModel(path, f"some of the tensors of {module} are missing")
     for pname, p in model.named_parameters():
         if p.is_meta:
-            raise InconsistentModel(path, f"a tensor is missing (the one for {pname})")
+            raise InconsistentModel(path, f"missing tensor {_gguf_names(pname)}")
+
+
+def _gguf_names(param: str) -> str:
+    """Our parameter → the GGUF tensor(s) it is loaded from (for error messages)."""
+    top = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
+    if not param.startswith("layers."):
+        return top.get(param, param)
+    _, i, rest = param.split(".", 2)
+    module = rest.rpartition(".")[0]
+    shorts = [k for k, (m, _) in FUSED.items() if m == module]
+    shorts = shorts or [k for k, m in PLAIN.items() if m == module]
+    return " / ".join(f"blk.{i}.{short}.weight" for short in shorts)
 
 
 def _exists(model: nn.Module, param: str | None, module: str) -> bool:
