@@ -301,6 +301,7 @@ def load_weights(model: nn.Module, f: GGUFFile, *, dtype: torch.dtype, device: t
     path, linear = f.path, linear or default_linear
     targets: dict[str, tuple[str, int, str]] = {}  # GGUF name → (our module, part, weight|bias)
     plain: dict[str, str] = {}  # GGUF name → our parameter
+    hooks: dict[str, Callable[[torch.Tensor], None]] = {}  # GGUF name → the model's loader
     for name in f.tensors:
         stem, _, kind = name.rpartition(".")
         blk, _, short = stem.rpartition(".")
@@ -312,12 +313,12 @@ def load_weights(model: nn.Module, f: GGUFFile, *, dtype: torch.dtype, device: t
         elif stem == "output":
             targets[name] = ("output", 0, kind)
         elif stem == "rope_freqs" and hasattr(model, "rope_freqs"):
-            plain[name] = ""
+            hooks[name] = model.rope_freqs  # type: ignore[assignment]
         elif prefix and short in FUSED:
             targets[name] = (prefix + FUSED[short][0], FUSED[short][1], kind)
         elif prefix and short in PLAIN and kind == "weight":
             plain[name] = f"{prefix}{PLAIN[short]}.weight"
-        if not _exists(model, plain.get(name), targets.get(name, ("",))[0]):
+        if name not in hooks and not _exists(model, plain.get(name), targets.get(name)):
             raise InconsistentModel(path, f"unexpected tensor {name!r} for this architecture")
 
     # What each projection waits for: its weight parts, and bias parts if the file has any.
@@ -332,12 +333,12 @@ def load_weights(model: nn.Module, f: GGUFFile, *, dtype: torch.dtype, device: t
                                           f"expected {want}")  # fmt: skip
 
     for name, t in iter_tensors(f, dtype=dtype, device=device):
+        if name in hooks:
+            hooks[name](t)
+            continue
         if name in plain:
-            if not plain[name]:
-                model.rope_freqs(t)  # type: ignore[operator]
-            else:
-                check(name, t, tuple(model.get_parameter(plain[name]).shape))
-                _set(model, plain[name], nn.Parameter(t, requires_grad=False))
+            check(name, t, tuple(model.get_parameter(plain[name]).shape))
+            _set(model, plain[name], nn.Parameter(t, requires_grad=False))
             continue
         module, part, kind = targets[name]
         placeholder = model.get_submodule(module)
@@ -383,12 +384,15 @@ def _gguf_names(param: str) -> str:
     return " / ".join(f"blk.{i}.{short}.weight" for short in shorts)
 
 
-def _exists(model: nn.Module, param: str | None, module: str) -> bool:
+def _exists(model: nn.Module, param: str | None, target: tuple[str, int, str] | None) -> bool:
+    """Whether the model has the parameter or the projection a GGUF tensor maps to."""
     try:
         if param:
             model.get_parameter(param)
-        elif module:
-            model.get_submodule(module)
-        return param is not None or bool(module)
+        elif target:
+            model.get_submodule(target[0])
+        else:
+            return False
     except AttributeError:
         return False
+    return True
