@@ -86,12 +86,12 @@ def gguf_hparams(metadata: dict[str, Any]) -> dict[str, Any]:
 
     def count(key: str, default: Any = None) -> int:
         value = get(key, default, required=True)
-        if not isinstance(value, int):  # per layer: fine if the same everywhere
+        if isinstance(value, Sequence) and not isinstance(value, str):  # one value per layer
             values = set(value)
             if len(values) != 1:
                 raise ValueError(f"{arch}.{key} differs between layers, which is not supported")
             value = values.pop()
-        if not isinstance(value, int) or value <= 0:
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{arch}.{key} = {value!r} is not a positive integer")
         return value
 
@@ -189,39 +189,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Masks:
-    """The attention masks of one forward pass, built on first use and shared by every layer with
-    the same window. Row b's queries sit at starts[b] + arange(T); the keys a cache returns are
-    the last L positions up to the newest (left-aligned in the batch, padding after them)."""
+    """The attention masks of one forward pass, built on first use and shared by every layer
+    with the same window. Row b's queries sit at starts[b] + arange(T); the L keys its cache
+    returns are the last L positions up to its newest token."""
 
     def __init__(self, starts: Sequence[int], n_new: int, device: torch.device) -> None:
-        self.starts, self.n_new, self.device = list(starts), n_new, device
-        self._memo: dict[tuple[tuple[int, ...], int], tuple[torch.Tensor | None, bool]] = {}
+        self.starts, self.n_new, self.device = starts, n_new, device
+        self._memo: dict[tuple[int, int, int], tuple[torch.Tensor | None, bool]] = {}
 
-    def get(self, lengths: tuple[int, ...], window: int) -> tuple[torch.Tensor | None, bool]:
-        """(attn_mask (B, 1, T, L) or None, is_causal) for keys of `lengths` per row; window 0:
-        none. True in the mask means "may attend"."""
-        key = (lengths, window)
+    def get(self, row: int, n_keys: int, window: int) -> tuple[torch.Tensor | None, bool]:
+        """(attn_mask (T, L) or None, is_causal) for row `row` attending to `n_keys` keys;
+        window 0: none. True in the mask means "may attend"."""
+        key = (self.starts[row], n_keys, window)
         if key not in self._memo:
-            self._memo[key] = self._build(lengths, window)
+            self._memo[key] = self._build(self.starts[row], n_keys, window)
         return self._memo[key]
 
-    def _build(self, lengths: tuple[int, ...], window: int) -> tuple[torch.Tensor | None, bool]:
+    def _build(self, start: int, n_keys: int, window: int) -> tuple[torch.Tensor | None, bool]:
         t = self.n_new
-        if len(lengths) == 1 and (not window or lengths[0] <= window):
+        if not window or n_keys <= window:
             if t == 1:
                 return None, False  # one query sees every key
-            if lengths[0] == t:
+            if n_keys == t:
                 return None, True  # no past keys: plain top-left causal
-        starts = torch.tensor(self.starts, device=self.device)
-        lens = torch.tensor(lengths, device=self.device)
-        q_pos = starts[:, None] + torch.arange(t, device=self.device)  # (B, T)
-        j = torch.arange(max(lengths), device=self.device)
-        k_pos = (starts + t - lens)[:, None] + j  # (B, L)
-        diff = q_pos[:, :, None] - k_pos[:, None, :]  # (B, T, L)
-        mask = (diff >= 0) & (j < lens[:, None])[:, None, :]
+        q_pos = start + torch.arange(t, device=self.device)[:, None]  # (T, 1)
+        k_pos = start + t - n_keys + torch.arange(n_keys, device=self.device)  # (L,)
+        diff = q_pos - k_pos  # (T, L)
+        mask = diff >= 0
         if window:
             mask &= diff < window  # llama.cpp and HF: key k is visible from q when q - k < window
-        return mask[:, None], False
+        return mask, False
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[Any],
@@ -229,36 +226,20 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[A
     """Append the new k, v (B, KV, T, hd) to each row's cache and attend from q (B, H, T, hd).
 
     Returns (B, H, T, hd). GQA goes through SDPA's `enable_gqa` (no repeated keys in memory).
+    Rows attend one by one over their own caches: padding them to one length would copy every
+    row's keys each layer, which costs more than the extra calls once contexts grow.
     """
-    if len(caches) == 1:
-        kk, vv = caches[0].update_and_fetch(k, v)  # (1, KV, L, hd)
-        lengths: tuple[int, ...] = (kk.shape[2],)
-    else:
-        kk, vv, lengths = _gather(caches, k, v)
-    if kk.dtype != q.dtype:  # a cache may store f16 while we compute in f32
-        kk, vv = kk.to(q.dtype), vv.to(q.dtype)
-    mask, causal = masks.get(lengths, window)
-    return F.scaled_dot_product_attention(
-        q, kk, vv, attn_mask=mask, is_causal=causal, scale=scale,
-        enable_gqa=q.shape[1] != kk.shape[1],
-    )  # fmt: skip
-
-
-def _gather(caches: Sequence[Any], k: torch.Tensor, v: torch.Tensor):
-    """Each row through its own cache, then the rows' keys side by side, zero-padded after the
-    shorter ones (zeros, not garbage: a masked NaN value would still poison the weighted sum)."""
-    kv = [c.update_and_fetch(k[b : b + 1], v[b : b + 1]) for b, c in enumerate(caches)]
-    lengths = tuple(kb.shape[2] for kb, _ in kv)
-    if len(set(lengths)) == 1:
-        return torch.cat([kb for kb, _ in kv]), torch.cat([vb for _, vb in kv]), lengths
-    first_k, first_v = kv[0]
-    b, n_kv, longest = len(kv), first_k.shape[1], max(lengths)
-    kk = first_k.new_zeros(b, n_kv, longest, first_k.shape[3])
-    vv = first_v.new_zeros(b, n_kv, longest, first_v.shape[3])
-    for i, (kb, vb) in enumerate(kv):
-        kk[i, :, : lengths[i]] = kb[0]
-        vv[i, :, : lengths[i]] = vb[0]
-    return kk, vv, lengths
+    outs = []
+    for b, cache in enumerate(caches):
+        kk, vv = cache.update_and_fetch(k[b : b + 1], v[b : b + 1])  # (1, KV, L, hd)
+        if kk.dtype != q.dtype:  # a cache may store f16 while we compute in f32
+            kk, vv = kk.to(q.dtype), vv.to(q.dtype)
+        mask, causal = masks.get(b, kk.shape[2], window)
+        outs.append(F.scaled_dot_product_attention(
+            q[b : b + 1], kk, vv, attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=q.shape[1] != kk.shape[1],
+        ))  # fmt: skip
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def positions(caches: Sequence[Sequence[Any]], n_new: int, device: torch.device) -> torch.Tensor:
