@@ -373,7 +373,7 @@ def main() -> None:
         args.gen, args.rounds = min(args.gen, 8), 1
         if args.models == "default,synthetic":
             args.models = "synthetic"
-    args.path = default_path()
+    args.path = default_path() if "default" in args.models.split(",") else None
     info = {"torch": torch.__version__, "python": platform.python_version(), "dtype": args.dtype,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "peak_tbps": args.peak_tbps, "gen_tokens": args.gen, "rounds": args.rounds,

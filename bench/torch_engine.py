@@ -553,7 +553,7 @@ def report(name: str, r: dict) -> None:
           f"(unfused {fl['unfused']['tokens_per_s']:.1f}; {fl['fused']['gb_per_s']:.1f} GB/s)")  # fmt: skip
     for k, v in med.items():
         dt = k[5:] if k.startswith("ours_") else ""
-        kl_s = f"{r['kl_vs_f32_nats'][dt]:9.5f}" if dt in r["kl_vs_f32_nats"] else f"{'':9}"
+        kl_s = f"{r['kl_vs_f32_nats'][dt]:9.1e}" if dt in r["kl_vs_f32_nats"] else f"{'':9}"
         p = pre.get(k) or (pre.get("transformers") if k == "transformers_dynamic" else None)
         p_s = f"{p:13.1f}" if p else f"{'':13}"
         label = k + (
