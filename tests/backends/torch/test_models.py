@@ -267,6 +267,24 @@ def test_two_rows_at_different_offsets(tiny):
         check(step[:, 0], torch.stack([want[0, 40 + i], want[1, 60 + i]]))
 
 
+def test_half_precision_cache_and_bfloat16_weights(tiny):
+    """A float16 cache under float32 compute (keys are converted back for attention), and
+    bfloat16 weights: within their rounding (float16 keeps ~11 bits, bfloat16 8)."""
+    from localllm.backends.torch.models import build_model
+
+    model, want, tokens, path = tiny
+    bound = want[:1].abs().max().item()
+    caches = [model.make_caches(N_TOKENS, dtype=torch.float16)]
+    got = torch.cat([run(model, tokens[:1, i : i + 1], caches) for i in range(N_TOKENS)], dim=1)
+    assert (got - want[:1]).abs().max().item() <= 1e-3 * bound
+    with GGUFFile(path) as f:
+        bf16 = build_model(f, dtype=torch.bfloat16)
+    assert bf16.make_caches(1)[0].dtype == torch.bfloat16
+    got = run(bf16, tokens[:1], [bf16.make_caches(N_TOKENS)])
+    assert got.dtype == torch.float32
+    assert (got - want[:1]).abs().max().item() <= 2.5e-2 * bound
+
+
 def test_linear_factory_builds_every_projection(tiny):
     """`linear=` receives each fused projection once, the head too (also when it is tied to
     the embedding), and what it returns is what runs."""
