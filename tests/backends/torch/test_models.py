@@ -436,8 +436,12 @@ def test_default_model_greedy_matches_transformers(default_model_path, tmp_path)
 
 
 @pytest.mark.slow
-def test_gemma_greedy_matches_transformers(gemma_model_path, tmp_path):
-    """Gemma 3 270M (K-quants), with a prompt longer than its 512-token sliding window."""
+def test_gemma_greedy_matches_transformers(request, tmp_path):
+    """Gemma 3 270M (K-quants), with a prompt longer than its 512-token sliding window.
+    About a minute and a half here, so it runs with `-m slow`."""
+    if "slow" not in request.config.getoption("markexpr"):
+        pytest.skip("Gemma 3 270M against transformers: run with -m slow")
+    gemma_model_path = request.getfixturevalue("gemma_model_path")
     long = (" ".join(f"{i}" for i in range(300))) + ". What number came after 41?"
     template = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
     greedy_matches_transformers(
