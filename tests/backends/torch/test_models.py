@@ -5,7 +5,8 @@ llama.cpp's converter does it (its tensor names from `gguf`, the q/k row permuta
 Gemma's norm + 1, Llama 3's RoPE scaling as `rope_freqs.weight`), then loaded by transformers'
 GGUF loader (the oracle) and by ours. Logits must agree in float32 however the tokens are fed:
 all at once, one by one through the cache, in chunks, and two rows at different offsets.
-The real default model must decode greedily exactly as transformers does.
+The real default model (and, with -m slow, Gemma 3 270M) must decode greedily exactly as
+transformers does. Transformers needs `accelerate` to load GGUF files.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ N_TOKENS = 64
 VOCAB = 384
 TOL = 1e-4
 
-# family → (HF config class, HF config kwargs, GGUF arch)
+# family → (transformers config class, its settings beyond the common ones in `hf_model`)
 TINY = {
     "llama": ("LlamaConfig", {"rope_theta": 10000.0}),
     "llama3-rope": ("LlamaConfig", {"rope_theta": 10000.0, "rope_scaling": {
