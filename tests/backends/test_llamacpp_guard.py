@@ -78,19 +78,27 @@ def test_sigill_probe_is_one_line_exit_1_and_cached(
 ) -> None:
     command, count = counting_command(tmp_path, SIGILL_SELF)
     monkeypatch.setenv("LOCALLLM_LLAMACPP_PROBE", command)
-    p = cli(["run", "smollm2", "Say hello"], LOCALLLM_LLAMACPP_PROBE=command)
+    llama = ["run", "smollm2", "--backend", "llama.cpp", "Say hello"]
+    p = cli(llama, LOCALLLM_LLAMACPP_PROBE=command)
     assert_one_line(p, "llama.cpp cannot run on this machine", "SIGILL", "illegal instruction",
                     "fix:", "llamacpp-build")  # fmt: skip
     assert runs(count) == 1
     # the verdict is cached in the store: no second probe, same line
-    p2 = cli(["run", "smollm2", "Say hello"], LOCALLLM_LLAMACPP_PROBE=command)
+    p2 = cli(llama, LOCALLLM_LLAMACPP_PROBE=command)
     assert p2.stderr == p.stderr and p2.returncode == 1
     assert runs(count) == 1
     # the Python API says the same, as an exception a caller can catch
     import localllm
 
     with pytest.raises(BackendUnavailable, match="SIGILL"):
-        localllm.load("smollm2")
+        localllm.load("smollm2", backend="llama.cpp")
+    assert runs(count) == 1
+    # auto falls back to the torch engine, and --stats says why
+    p3 = cli(["run", "smollm2", "--max-tokens", "4", "--stats", "Say hello"],
+             LOCALLLM_LLAMACPP_PROBE=command)  # fmt: skip
+    assert p3.returncode == 0, p3.stderr
+    assert "backend torch on cpu, f16" in p3.stderr
+    assert "llama.cpp cannot run on this machine: " in p3.stderr and "SIGILL" in p3.stderr
     assert runs(count) == 1
 
 
@@ -274,15 +282,15 @@ def test_show_says_which_backend_and_why(tmp_path: Path, localllm_home: Path) ->
     p = cli(["show", "smollm2", "--json"])
     assert p.returncode == 0, p.stderr
     backend = json.loads(p.stdout)["backend"]
-    assert {k: backend[k] for k in ("name", "available", "reason")} == {
-        "name": "llama.cpp", "available": True, "reason": "its probe evaluated a test model here"
-    }  # fmt: skip
+    assert backend["name"] == "llama.cpp" and backend["available"] is True
+    assert backend["reason"].startswith("auto: llama.cpp runs here ("), backend["reason"]
     assert backend["capabilities"]["batching"] is True
     command, _ = counting_command(tmp_path, SIGILL_SELF)
     p = cli(["show", "smollm2"], LOCALLLM_LLAMACPP_PROBE=command)
     assert p.returncode == 0, p.stderr  # show informs; it does not fail
     line = next(ln for ln in p.stdout.splitlines() if ln.strip().startswith("backend"))
-    assert "none: llama.cpp cannot run on this machine" in line and "SIGILL" in line
+    assert "torch (auto: torch runs here" in line, line
+    assert "llama.cpp cannot run on this machine" in line and "SIGILL" in line
 
 
 def test_hostile_template_through_the_python_api(hostile_copies: dict) -> None:
