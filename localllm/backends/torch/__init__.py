@@ -5,7 +5,7 @@
     cache.py       per-layer KV caches with one interface (update_and_fetch, offset, trim, ...)
     models/        one readable file per architecture family; stateless `Model`s
     sampling.py    logits processors and samplers
-    quantized.py   weight-only int8 linear layers for the CPU's fast path
+    quantized.py   fp16-weight linear layers (fbgemm, f32 sums): the CPU's fast path
     backend.py     the slot interface the engine drives (`TorchBackend`), and `open_backend`
 
 Importing this package imports nothing heavy: torch is imported by the modules above.
