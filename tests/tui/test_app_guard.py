@@ -27,9 +27,15 @@ def notes(app: LocalLLMApp) -> list[str]:
 def test_llama_cpp_unavailable_is_a_notification(
     monkeypatch: pytest.MonkeyPatch, default_model_path: Path
 ) -> None:
-    """The real loader, with a probe that dies by SIGILL: the chat says why, the app lives on."""
+    """The real loader, with a probe that dies by SIGILL and no torch engine to fall back to: the
+    chat says why, the app lives on."""
+    import importlib.util
+
     command = python_command(SIGILL_SELF)
     monkeypatch.setenv("LOCALLLM_LLAMACPP_PROBE", command)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch" else real(name, *a))  # fmt: skip
 
     async def go() -> None:
         app = LocalLLMApp(chat_model="smollm2")
@@ -40,6 +46,7 @@ def test_llama_cpp_unavailable_is_a_notification(
             await wait_for(pilot, lambda: not chat.generating and notes(app), timeout=60)
             (note,) = notes(app)
             assert note.startswith("llama.cpp cannot run on this machine") and "SIGILL" in note
+            assert "torch cannot run on this machine: torch is not installed" in note
             assert "\n" not in note and app.screen is chat
             await pilot.press("ctrl+o")  # still a working app: back to Models
             await pilot.pause()
