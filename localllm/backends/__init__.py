@@ -105,7 +105,7 @@ def _llamacpp_estimate(info: ModelInfo, options: LoadOptions, available: Any = N
 
 # -- torch ----------------------------------------------------------------------------------
 
-TORCH_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+TORCH_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")  # Mistral files say "llama"
 TORCH_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
                       "Q6_K")  # fmt: skip
 
