@@ -26,7 +26,15 @@ from localllm.backends import Capabilities
 from localllm.chat import ChatTemplate
 from localllm.types import ContextPolicy, SamplingParams
 
-__all__ = ["Backend", "Capabilities", "OneSlot", "Seq", "SimpleBackend", "Step"]
+__all__ = ["Backend", "Capabilities", "OneSlot", "Seq", "SimpleBackend", "Step", "common_prefix"]
+
+
+def common_prefix(cached: Sequence[int], ids: Sequence[int], limit: int) -> int:
+    """How many leading tokens of `ids` a slot's `cached` tokens already hold (at most `limit`)."""
+    n, top = 0, min(len(cached), len(ids), limit)
+    while n < top and cached[n] == ids[n]:
+        n += 1
+    return n
 
 
 class Seq:

@@ -27,7 +27,7 @@ import numpy as np
 
 from localllm.backends import LLAMACPP as CAPABILITIES
 from localllm.backends import LLAMACPP_KV_TYPES
-from localllm.backends.base import Seq, Step
+from localllm.backends.base import Seq, Step, common_prefix
 from localllm.chat import template_for
 from localllm.errors import ContextOverflow, LocalLLMError
 from localllm.memory import parse_kv_cache
@@ -367,7 +367,7 @@ class LlamaCppBackend:
         if not free:
             raise LocalLLMError(f"all {self.n_slots} llama.cpp slots are busy")
         limit = len(seq.ids) - 1
-        shared = {s: _common_prefix(s.tokens, seq.ids, limit) for s in free}
+        shared = {s: common_prefix(s.tokens, seq.ids, limit) for s in free}
         kept = [s for s in free if s.tokens and shared[s] >= _KEEP_SHARE * len(s.tokens)]
         empty = [s for s in free if not s.tokens]
         if kept:
@@ -639,12 +639,6 @@ class LlamaCppBackend:
             self._model.close()
             self._ctx = self._model = None
 
-
-def _common_prefix(cached: Sequence[int], ids: Sequence[int], limit: int) -> int:
-    n, top = 0, min(len(cached), limit)
-    while n < top and cached[n] == ids[n]:
-        n += 1
-    return n
 
 
 class _Batch:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from localllm.backends import TORCH
-from localllm.backends.base import Seq, Step
+from localllm.backends.base import Seq, Step, common_prefix
 from localllm.backends.torch.cache import KVCache
 from localllm.backends.torch.sampling import Sampler, logprobs, make_sampler
 from localllm.chat import template_for
@@ -85,14 +85,6 @@ class _Slot:
     def n_past(self) -> int:
         return self.caches[0].offset if self.caches else 0
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y or n >= limit:
-            break
-        n += 1
-    return n
 
 
 class TorchBackend:
@@ -179,7 +171,7 @@ class TorchBackend:
         if not free:
             raise LocalLLMError(f"all {self.n_slots} torch slots are busy")
         limit = len(seq.ids) - 1  # at least one prompt token is evaluated, for its logits
-        shared = {s: _common_prefix(s.tokens, seq.ids, limit) for s in free}
+        shared = {s: common_prefix(s.tokens, seq.ids, limit) for s in free}
         slot = max(free, key=lambda s: (shared[s], not s.tokens, -s.sid))
         reuse = shared[slot]
         if not slot.caches:
