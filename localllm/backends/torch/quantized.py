@@ -37,6 +37,7 @@ from torch import nn
 __all__ = ["Fp16Linear", "fbgemm_fp16_available", "quantize_linear"]
 
 log = logging.getLogger(__name__)
+_fp16_gemm = torch.ops.quantized.linear_dynamic_fp16  # looked up once: each lookup costs a call
 
 
 @functools.cache
@@ -94,10 +95,10 @@ class Fp16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., in) → (..., out) in x's dtype."""
-        if self._packed is not None and x.device.type == "cpu" and x.numel():
-            rows = x.reshape(-1, self.in_features)  # (M, in): fbgemm takes 2-D fp32
-            y = torch.ops.quantized.linear_dynamic_fp16(rows.float(), self._packed)  # bias added
-            return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        if self._packed is not None and x.is_cpu and x.numel():
+            if x.dtype == torch.float32:  # the hot path: one op (any leading dims; bias added)
+                return _fp16_gemm(x, self._packed)
+            return _fp16_gemm(x.float(), self._packed).to(x.dtype)
         w = self.dequantize() if self.weight is None else self.weight
         b = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, w.to(device=x.device, dtype=x.dtype), b)

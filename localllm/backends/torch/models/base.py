@@ -141,6 +141,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # one fused op (bit-identical to x * rsqrt(mean(x²) + eps) * w here, and fewer launches)
+        if x.dtype == torch.float32:  # the common case: no casts to dispatch
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
 
 
@@ -169,20 +171,21 @@ class RoPE:
         self.inv_freq = inv_freq * scale  # (hd/2,)
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """positions (B, T) → cos, signed sin (B, 1, T, hd), broadcasting over heads.
+        """positions (B, T) → cos, signed sin (B, T, 1, hd), broadcasting over heads.
 
         The sin's first half is negated, so `apply_rope` needs one roll instead of the usual
         rotate_half (two slices, a negation and a concatenation per call)."""
         self.inv_freq = self.inv_freq.to(positions.device)  # no-op after the first call
-        freqs = positions[:, None, :, None].float() * self.inv_freq  # (B, 1, T, hd/2)
+        freqs = positions[:, :, None, None].float() * self.inv_freq  # (B, T, 1, hd/2)
         cos, sin = freqs.cos(), freqs.sin()
         return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, T, hd) with pairs (i, i + hd/2): x * cos + rotate_half(x) * sin, where
-    rotate_half(x) = (-x2, x1) = roll(x, hd/2) * (-1, 1) (the sign is in `sin`)."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+    """x (B, T, heads, hd) with pairs (i, i + hd/2): x * cos + rotate_half(x) * sin, where
+    rotate_half(x) = (-x2, x1) = roll(x, hd/2) * (-1, 1) (the sign is in `sin`). Queries and
+    keys may go through together (one call on the q|k heads of the fused projection)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
 
 
 # -- attention over the caller's caches -------------------------------------------------------
@@ -223,23 +226,32 @@ class Masks:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[Any],
            masks: Masks, *, window: int = 0, scale: float | None = None) -> torch.Tensor:  # fmt: skip
-    """Append the new k, v (B, KV, T, hd) to each row's cache and attend from q (B, H, T, hd).
+    """Append the new k, v (B, T, KV, hd) to each row's cache and attend from q (B, T, H, hd).
 
-    Returns (B, H, T, hd). GQA goes through SDPA's `enable_gqa` (no repeated keys in memory).
-    Rows attend one by one over their own caches: padding them to one length would copy every
-    row's keys each layer, which costs more than the extra calls once contexts grow.
+    Returns (B, T, H * hd), ready for the output projection. Inputs may be strided views of the
+    fused qkv projection: the cache copies k and v into its buffers, SDPA reads q in place. GQA
+    goes through SDPA's `enable_gqa` (no repeated keys in memory). Rows attend one by one over
+    their own caches: padding them to one length would copy every row's keys each layer, which
+    costs more than the extra calls once contexts grow.
     """
+    gqa = q.shape[2] != k.shape[2]
     outs = []
     for b, cache in enumerate(caches):
-        kk, vv = cache.update_and_fetch(k[b : b + 1], v[b : b + 1])  # (1, KV, L, hd)
+        if len(caches) > 1:
+            qb, kb, vb = q[b : b + 1], k[b : b + 1], v[b : b + 1]
+        else:
+            qb, kb, vb = q, k, v
+        kk, vv = cache.update_and_fetch(kb.transpose(1, 2), vb.transpose(1, 2))  # (1, KV, L, hd)
         if kk.dtype != q.dtype:  # a cache may store f16 while we compute in f32
             kk, vv = kk.to(q.dtype), vv.to(q.dtype)
         mask, causal = masks.get(b, kk.shape[2], window)
-        outs.append(F.scaled_dot_product_attention(
-            q[b : b + 1], kk, vv, attn_mask=mask, is_causal=causal, scale=scale,
-            enable_gqa=q.shape[1] != kk.shape[1],
-        ))  # fmt: skip
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+        out = F.scaled_dot_product_attention(
+            qb.transpose(1, 2), kk, vv, attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=gqa,
+        )  # fmt: skip
+        outs.append(out.transpose(1, 2))  # (1, T, H, hd)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.reshape(out.shape[0], out.shape[1], -1)
 
 
 def positions(caches: Sequence[Sequence[Any]], n_new: int, device: torch.device) -> torch.Tensor:

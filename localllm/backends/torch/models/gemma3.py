@@ -69,7 +69,6 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-        self.splits = (q, kv, kv)
         self.wqkv = projection(args.dim, q, kv, kv)
         self.wo = projection(q, args.dim)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
@@ -81,14 +80,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 caches: Sequence[KVCache], masks: Masks) -> torch.Tensor:  # fmt: skip
         b, t, _ = x.shape
-        hd = self.head_dim
-        q, k, v = self.wqkv(x).split(self.splits, dim=-1)
-        q = self.q_norm(q.view(b, t, self.n_heads, hd)).transpose(1, 2)  # (B, H, T, hd)
-        k = self.k_norm(k.view(b, t, self.n_kv, hd)).transpose(1, 2)  # (B, KV, T, hd)
-        v = v.view(b, t, self.n_kv, hd).transpose(1, 2)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = attend(q, k, v, caches, masks, window=self.window, scale=self.scale)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        H, KV = self.n_heads, self.n_kv
+        qkv = self.wqkv(x).view(b, t, H + 2 * KV, self.head_dim)
+        q = apply_rope(self.q_norm(qkv[:, :, :H]), *rope)  # (B, T, H, hd)
+        k = apply_rope(self.k_norm(qkv[:, :, H : H + KV]), *rope)  # (B, T, KV, hd)
+        out = attend(q, k, qkv[:, :, H + KV :], caches, masks, window=self.window, scale=self.scale)
+        return self.wo(out)
 
 
 class MLP(nn.Module):

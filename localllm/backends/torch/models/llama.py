@@ -43,28 +43,22 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-        self.splits = (q, kv, kv)
         self.wqkv = projection(args.dim, q, kv, kv)
         self.wo = projection(q, args.dim)
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (B, T, dim) → q (B, T, H, hd), k and v (B, T, KV, hd)."""
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, dim) → q|k heads (B, T, H + KV, hd) and v (B, T, KV, hd): views of one
+        fused projection, so RoPE can turn queries and keys in one go."""
         b, t, _ = x.shape
-        q, k, v = self.wqkv(x).split(self.splits, dim=-1)
-        hd = self.head_dim
-        return (
-            q.view(b, t, self.n_heads, hd),
-            k.view(b, t, self.n_kv, hd),
-            v.view(b, t, self.n_kv, hd),
-        )
+        qkv = self.wqkv(x).view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
+        return qkv[:, :, : self.n_heads + self.n_kv], qkv[:, :, self.n_heads + self.n_kv :]
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 caches: Sequence[KVCache], masks: Masks) -> torch.Tensor:  # fmt: skip
-        b, t, _ = x.shape
-        q, k, v = (y.transpose(1, 2) for y in self.qkv(x))  # (B, heads, T, hd)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = attend(q, k, v, caches, masks)  # (B, H, T, hd)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        qk, v = self.qkv(x)
+        qk = apply_rope(qk, *rope)  # (B, T, H + KV, hd)
+        out = attend(qk[:, :, : self.n_heads], qk[:, :, self.n_heads :], v, caches, masks)
+        return self.wo(out)
 
 
 class MLP(nn.Module):

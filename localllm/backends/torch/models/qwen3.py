@@ -29,13 +29,10 @@ class Attention(llama.Attention):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 caches: Sequence[KVCache], masks: Masks) -> torch.Tensor:  # fmt: skip
-        b, t, _ = x.shape
-        q, k, v = self.qkv(x)  # (B, T, heads, hd)
-        q = self.q_norm(q).transpose(1, 2)  # (B, H, T, hd)
-        k = self.k_norm(k).transpose(1, 2)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = attend(q, k, v.transpose(1, 2), caches, masks)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        qk, v = self.qkv(x)  # (B, T, H + KV, hd), (B, T, KV, hd)
+        q = apply_rope(self.q_norm(qk[:, :, : self.n_heads]), *rope)
+        k = apply_rope(self.k_norm(qk[:, :, self.n_heads :]), *rope)
+        return self.wo(attend(q, k, v, caches, masks))
 
 
 class Block(llama.Block):
