@@ -154,6 +154,12 @@ def projection(in_features: int, *parts: int) -> nn.Linear:
     return m
 
 
+def embedding(vocab: int, dim: int) -> nn.Embedding:
+    """A placeholder token embedding for the loader to fill: given its (empty) weight,
+    nn.Embedding skips the random init, whose meta-device path imports torch._dynamo (≈1.4 s)."""
+    return nn.Embedding(vocab, dim, _weight=torch.empty(vocab, dim), _freeze=True)
+
+
 class RoPE:
     """Rotary embedding in the half-split ("NEOX") layout: dims i and i + n/2 form a pair.
 

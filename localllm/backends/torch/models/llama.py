@@ -28,6 +28,7 @@ from localllm.backends.torch.models.base import (
     RoPE,
     apply_rope,
     attend,
+    embedding,
     positions,
     projection,
 )
@@ -96,7 +97,7 @@ class Model(nn.Module):
     def __init__(self, args: BaseModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.tok_embeddings = embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(self.block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = projection(args.dim, args.vocab_size)
