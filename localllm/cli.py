@@ -496,8 +496,9 @@ def run(
     device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or mps.")] = "auto",
     dtype: Annotated[
         str,
-        typer.Option("--dtype", help="torch engine's working precision: auto, f32 (exact), bf16 "
-                     "or f16 (on the CPU: fp16 weights, f32 sums; its default)."),
+        typer.Option("--dtype", help="torch engine's working precision: auto, f32 (exact), bf16, "
+                     "f16 (on the CPU: fp16 weights, f32 sums) or int4 (the CPU's default: f16 "
+                     "with the file's 4-bit feed-forward matrices kept 4-bit)."),
     ] = "auto",
     max_tokens: Annotated[
         int | None, typer.Option("--max-tokens", help="Most tokens to generate.")

@@ -100,7 +100,7 @@ class ContextPolicy:
 
 
 _DEVICES = ("auto", "cpu", "cuda", "mps")
-_DTYPES = ("auto", "f32", "bf16", "f16")  # the torch engine's working precision
+_DTYPES = ("auto", "f32", "bf16", "f16", "int4")  # the torch engine's working precision
 _DTYPE_ALIASES = {"float32": "f32", "fp32": "f32", "bfloat16": "bf16", "float16": "f16",
                   "fp16": "f16", "half": "f16"}  # fmt: skip
 DEFAULT_PARALLEL = 4

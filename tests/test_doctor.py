@@ -470,5 +470,5 @@ def test_backends_check_lists_the_registry(capsys: pytest.CaptureFixture[str]) -
     assert rows["llama.cpp"]["available"] is True
     assert "q8_0" in rows["llama.cpp"]["capabilities"]["kv_cache_types"]
     assert rows["torch"]["available"] is True, rows["torch"]  # the dev install has torch
-    assert rows["torch"]["capabilities"]["dtypes"] == ["f32", "bf16", "f16"]
+    assert rows["torch"]["capabilities"]["dtypes"] == ["f32", "bf16", "f16", "int4"]
     assert check["detail"] == "auto uses llama.cpp; llama.cpp: runs here; torch: runs here"

@@ -602,7 +602,7 @@ def test_settings_offer_the_torch_engines_devices_and_precisions(tiny_llama: Pat
             modal.query_one("#backend").value = "torch"
             await wait_for(pilot, lambda: modal.query("#dtype"))
             await pilot.pause()
-            assert select_values(modal.query_one("#dtype")) == ["auto", "f32", "bf16", "f16"]
+            assert select_values(modal.query_one("#dtype")) == ["auto", "f32", "bf16", "f16", "int4"]
             assert select_values(modal.query_one("#device")) == ["auto", "cpu", "cuda", "mps"]
             assert select_values(modal.query_one("#kv_cache")) == ["f16", "bf16", "f32"]
             modal.query_one("#dtype").value = "f32"

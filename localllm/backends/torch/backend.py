@@ -31,9 +31,10 @@ __all__ = ["TorchBackend", "open_backend", "resolve_device", "resolve_dtype"]
 
 _KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # The CPU's default working precision: the fastest path measured here that keeps KL ≤ 0.01 nats
-# against f32 (bench/torch_gemv.py, bench/torch_engine.py; numbers in the issue 11 note): fp16
-# weights in fbgemm's packed GEMM with f32 sums (`quantized.Fp16Linear`), half of f32's bytes.
-CPU_DEFAULT_DTYPE = "f16"
+# and top-1 ≥ 99% against f32 (bench/torch_gemv.py, bench/torch_engine.py; numbers in the issue
+# 11 note): the file's 4-bit feed-forward matrices kept 4-bit in torch's int4 matmul
+# (`quantized.Int4Linear`), every other projection fp16 in fbgemm's GEMM (`quantized.Fp16Linear`).
+CPU_DEFAULT_DTYPE = "int4"
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -56,13 +57,21 @@ def resolve_dtype(name: str, device: torch.device) -> tuple[str, torch.dtype]:
 
     f32 is the exact reference path (the oracle tests'). On a GPU bf16/f16 weights and compute
     (auto: bf16 on CUDA, f16 on MPS). On the CPU, f16 means fp16 *weights* with f32 compute
-    (`quantized.Fp16Linear`; the default there), and bf16 is bf16 throughout (fast only where the
-    CPU has native bf16 dot products).
+    (`quantized.Fp16Linear`), int4 (the default there) the same with the file's 4-bit
+    feed-forward matrices kept 4-bit (`quantized.Int4Linear`; where torch lacks the kernel they
+    are fp16 too), and bf16 is bf16 throughout (fast only where the CPU has native bf16 dot
+    products).
     """
     if name == "auto":
         name = {"cuda": "bf16", "mps": "f16"}.get(device.type, CPU_DEFAULT_DTYPE)
+    if name == "int4":
+        if device.type != "cpu":
+            raise LocalLLMError(f"int4 is the CPU's working precision; on {device.type} use "
+                                "--dtype bf16 or f16")  # fmt: skip
+        return name, torch.float32
     if name not in _KV_DTYPES:
-        raise LocalLLMError(f"the torch engine has no {name} working precision (f32, bf16, f16)")
+        raise LocalLLMError(f"the torch engine has no {name} working precision "
+                            "(f32, bf16, f16, int4)")  # fmt: skip
     if name == "bf16" and device.type == "mps" and not torch.backends.mps.is_macos_or_newer(14, 0):
         raise LocalLLMError("bf16 on Apple Metal needs macOS 14; use --dtype f16")
     if name == "f16" and device.type == "cpu":
@@ -118,10 +127,10 @@ class TorchBackend:
             )
         self.kv_dtype = _KV_DTYPES[k]
         linear = None
-        if self.dtype == "f16" and self.device.type == "cpu":
-            from localllm.backends.torch.quantized import quantize_linear
+        if self.dtype in ("f16", "int4") and self.device.type == "cpu":
+            from localllm.backends.torch.quantized import Fp16Linear, quantize_linear
 
-            linear = quantize_linear
+            linear = quantize_linear if self.dtype == "int4" else Fp16Linear.from_float
         self.model_path = str(path)
         with GGUFFile(path) as f:
             self.tokenizer = GGUFTokenizer.from_gguf(f)

@@ -34,10 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Fp16Linear", "fbgemm_fp16_available", "quantize_linear"]
+from localllm.backends.torch.weights import FourBit
+
+__all__ = ["Fp16Linear", "Int4Linear", "fbgemm_fp16_available", "int4_available", "quantize_linear"]
 
 log = logging.getLogger(__name__)
 _fp16_gemm = torch.ops.quantized.linear_dynamic_fp16  # looked up once: each lookup costs a call
+_int4_mm = torch._weight_int4pack_mm_for_cpu
 
 
 @functools.cache
@@ -124,5 +127,81 @@ class Fp16Linear(nn.Module):
                 f"bias={self.bias is not None}, weights=fp16 ({kernel})")  # fmt: skip
 
 
-# What the CPU fast path passes to build_model(f, linear=...).
-quantize_linear = Fp16Linear.from_float
+@functools.cache
+def int4_available() -> bool:
+    """Whether this torch has the CPU int4 matmul (`_weight_int4pack_mm_for_cpu`); checked once."""
+    try:
+        q = torch.arange(16, dtype=torch.int32).repeat(16, 2)  # (16, 32): codes 0..15
+        packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)
+        zeros = torch.stack([torch.ones(1, 16), torch.full((1, 16), 8.0)], -1)  # w = q
+        y = torch._weight_int4pack_mm_for_cpu(torch.ones(1, 32, dtype=torch.bfloat16), packed,
+                                              32, zeros.to(torch.bfloat16))  # fmt: skip
+        if not torch.equal(y.float(), torch.full((1, 16), 240.0)):
+            raise RuntimeError(f"wrong result {y.tolist()}")
+    except Exception as e:  # noqa: BLE001 - any failure means: fp16 weights instead
+        log.warning("torch's CPU int4 matmul is unavailable (%s: %s); 4-bit matrices run as "
+                    "fp16 weights", type(e).__name__, e)  # fmt: skip
+        return False
+    return True
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T + b for W kept as the file's 4-bit codes with one (scale, low) per 32 weights
+    (`weights.FourBit`: Q4_0, Q4_1, Q4_K), through torch's CPU int4 matmul: 0.5 bytes per
+    weight plus 4 bytes of bf16 scale and zero per 32.
+
+    That kernel is fast only for bf16 inputs, so activations go in rounded to bf16 (relative
+    error 2^-9); it rounds each dequantized weight to bf16 too, sums in float32 and returns bf16.
+    Scale and zero are bf16 (zero = low + 8 scale: the kernel computes (q - 8) scale + zero).
+    Every other layer stays in float32, so these roundings do not compound.
+    """
+
+    group = 32
+
+    def __init__(self, weight: FourBit, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        q = weight.q.to(torch.int32)
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 2))
+        zero = weight.low + 8 * weight.scale
+        sz = torch.stack([weight.scale, zero], -1).transpose(0, 1)  # (in / 32, out, 2)
+        self.register_buffer("scales_zeros", sz.to(torch.bfloat16).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    @staticmethod
+    def fits(weight: FourBit) -> bool:
+        """Whether the kernel takes this matrix (its rows come in tiles of 16)."""
+        return weight.shape[0] % 16 == 0 and weight.shape[1] % Int4Linear.group == 0
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight this layer multiplies by (bf16 scales and zeros applied), (out, in) float32."""
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        return _int4_mm(eye, self.packed, self.group, self.scales_zeros).float().t().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = _int4_mm(rows, self.packed, self.group, self.scales_zeros).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, weights=int4 g32")  # fmt: skip
+
+
+def quantize_linear(weight: torch.Tensor | FourBit, bias: torch.Tensor | None = None) -> nn.Module:
+    """What the CPU fast path passes to build_model(f, linear=...): the file's 4-bit matrices
+    stay 4-bit (`Int4Linear`) where the kernel exists and takes them; the rest are fp16."""
+    if isinstance(weight, FourBit):
+        if int4_available() and Int4Linear.fits(weight):
+            return Int4Linear(weight, bias)
+        weight = weight.dequantize()
+    return Fp16Linear(weight, bias)
+
+
+# The projections whose 4-bit matrices stay 4-bit: the feed-forward ones, 80% of a layer's weights.
+# Measured on SmolLM2 over 2,000 corpus tokens against the f32 path: these alone, top-1 99.2% and
+# KL 1.5e-4 nats; with the attention projections too (their q, k, v and output rounded to bf16),
+# top-1 falls to 99.0%, at the bar the CPU default must hold (>= 99%).
+quantize_linear.four_bit = ("feed_forward.w13", "feed_forward.w2")  # type: ignore[attr-defined]

@@ -4,6 +4,7 @@
     iter_tensors(f, names)                  the same, one tensor at a time
     dequantize(data, "Q4_K", shape)         raw GGUF bytes (1-D uint8) → a float tensor
     raw(f, name)                            the GGUF blocks themselves, for a quantized path
+    four_bit(data, "Q4_1", shape)           Q4_0/Q4_1/Q4_K kept as 4-bit codes and per-32 groups
 
 A tensor's raw bytes are read through `GGUFFile.tensor_bytes` (a view into the map, never a copy of
 the file) and unpacked with bit operations on a (n_blocks, type_size) uint8 view: no Python loop
@@ -23,7 +24,8 @@ import functools
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -31,9 +33,12 @@ from localllm.errors import LocalLLMError
 from localllm.gguf_file import GGML_TYPE_BY_NAME, GGUFFile, TensorInfo
 
 __all__ = [
+    "FOUR_BIT_TYPES",
     "SUPPORTED_TYPES",
+    "FourBit",
     "WeightsError",
     "dequantize",
+    "four_bit",
     "iter_tensors",
     "raw",
     "tensor",
@@ -56,6 +61,9 @@ def _chunk_elements() -> int:
     """
     return 1 << 18 if torch.get_num_threads() == 1 else 28672
 
+
+# Types whose values are exactly scale * q + low with 4-bit q and one (scale, low) per 32 weights.
+FOUR_BIT_TYPES: tuple[str, ...] = ("Q4_0", "Q4_1", "Q4_K")
 
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -286,6 +294,65 @@ def dequantize(
     return out.view(shape)
 
 
+@dataclass
+class FourBit:
+    """A matrix kept as its file stores it: 4-bit codes and one affine map per 32 weights,
+    w[o, 32 g + j] = scale[o, g] * q[o, 32 g + j] + low[o, g] (exact for FOUR_BIT_TYPES)."""
+
+    q: torch.Tensor  # (out, in) uint8 codes 0..15
+    scale: torch.Tensor  # (out, in / 32) float32
+    low: torch.Tensor  # (out, in / 32) float32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> FourBit:
+        """The same rows rearranged: `fn` (e.g. a permutation of rows) applied to every part."""
+        return FourBit(fn(self.q), fn(self.scale), fn(self.low))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(out, in) in `dtype`, computed in float32."""
+        out, n = self.q.shape
+        w = self.q.float().view(out, -1, 32) * self.scale.unsqueeze(-1) + self.low.unsqueeze(-1)
+        return w.view(out, n).to(dtype)
+
+    @staticmethod
+    def cat(parts: Sequence[FourBit]) -> FourBit:
+        """Stacked along `out` (fused projections)."""
+        return FourBit(*(torch.cat([getattr(p, k) for p in parts]) for k in ("q", "scale", "low")))
+
+
+def four_bit(data: torch.Tensor, type_name: str, shape: tuple[int, ...], *,
+             label: str = "data") -> FourBit:  # fmt: skip
+    """Raw bytes of a 2-D Q4_0, Q4_1 or Q4_K tensor → its codes and groups (no dequantization).
+
+    Q4_0: scale d, low -8d; Q4_1: d and m; Q4_K: each sub-block of 32 has d·sc and -dmin·m.
+    """
+    shape = tuple(int(d) for d in shape)
+    _check(data, type_name, shape, label)
+    if type_name not in FOUR_BIT_TYPES or len(shape) != 2:
+        raise WeightsError(f"{label}: {type_name} {list(shape)} is not a 4-bit matrix")
+    out, n = shape
+    gtype = GGML_TYPE_BY_NAME[type_name]
+    b = _aligned(data).view(-1, gtype.type_size)
+    lo, hi = _nibbles(b)
+    h = _halves(b)
+    if type_name == "Q4_K":
+        q = torch.empty(b.shape[0], 256, dtype=torch.uint8, device=b.device)
+        q4 = q.view(-1, 4, 2, 32)
+        q4[:, :, 0] = lo[:, 16:144].view(-1, 4, 32)
+        q4[:, :, 1] = hi[:, 16:144].view(-1, 4, 32)
+        d, dm = _k_scales(b)  # (n_blocks, 8, 1) each
+        scale, low = d.view(out, -1), -dm.view(out, -1)
+    else:
+        at = 2 if type_name == "Q4_0" else 4
+        q = torch.cat((lo[:, at:], hi[:, at:]), dim=-1)  # (n_blocks, 32)
+        scale = h[:, 0].float().view(out, -1)
+        low = -8 * scale if type_name == "Q4_0" else h[:, 1].float().view(out, -1)
+    return FourBit(q.view(out, n), scale, low)
+
+
 def _info(f: GGUFFile, name: str) -> tuple[TensorInfo, str, tuple[int, ...]]:
     """The tensor's index entry, its label for errors, and its torch-order shape."""
     base = os.path.basename(f.path)
@@ -332,11 +399,18 @@ def iter_tensors(
     *,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-) -> Iterator[tuple[str, torch.Tensor]]:
+    keep_four_bit: Container[str] = (),
+) -> Iterator[tuple[str, torch.Tensor | FourBit]]:
     """`(name, tensor(f, name, ...))` for `names` (default: every tensor, in file order), decoded
-    one at a time so a caller that converts or drops each one never holds two full copies."""
+    one at a time so a caller that converts or drops each one never holds two full copies.
+    Names in `keep_four_bit` whose type is one of FOUR_BIT_TYPES come as `FourBit` instead."""
     for name in f.tensors if names is None else names:
-        yield name, tensor(f, name, dtype=dtype, device=device)
+        info = f.tensors.get(name) if name in keep_four_bit else None
+        if info is not None and info.ggml_type.name in FOUR_BIT_TYPES and len(info.shape) == 2:
+            _, label, shape = _info(f, name)
+            yield name, four_bit(_bytes(f, name), info.ggml_type.name, shape, label=label)
+        else:
+            yield name, tensor(f, name, dtype=dtype, device=device)
 
 
 def raw(f: GGUFFile, name: str) -> tuple[str, torch.Tensor, tuple[int, ...]]:

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from localllm.backends.torch import quantized
-from localllm.backends.torch.quantized import Fp16Linear, quantize_linear
+from localllm.backends.torch.quantized import Fp16Linear, Int4Linear, quantize_linear
+from localllm.backends.torch.weights import FourBit
 from localllm.gguf_file import GGUFFile
 
 from conftest import need
@@ -165,3 +166,86 @@ def test_default_model_keeps_fp32_predictions(default_model_path: Path, corpus_d
     gap = want.max(-1, keepdim=True).values - want.gather(-1, picked)
     assert float(gap.max()) < 0.01, float(gap.max())
     assert (gap > 0).float().mean().item() <= 0.01
+
+
+# -- the file's 4-bit matrices (Int4Linear) ---------------------------------------------------
+
+BF16_EPS = 2.0**-8  # bf16's spacing relative to a value: rounding errs by at most half of it
+
+
+def four_bit(out_f: int, in_f: int, seed: int = 0) -> FourBit:
+    """Random codes with Q4_1-like groups: low ≈ -8 scale, scale ~ 0.01."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (out_f, in_f), generator=g, dtype=torch.uint8)
+    scale = torch.rand(out_f, in_f // 32, generator=g) * 0.02 + 1e-3
+    low = -8 * scale + torch.randn(out_f, in_f // 32, generator=g) * 1e-3
+    return FourBit(q, scale, low)
+
+
+def bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).float()
+
+
+def test_int4_runs_here() -> None:
+    # torch's CPU int4 matmul is part of every x86 build this project installs
+    assert quantized.int4_available()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 64])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_int4_is_the_files_matrix_in_bf16_arithmetic(rows: int, bias: bool) -> None:
+    """y = bf16(x) @ W.T with W the codes times bf16 scales plus bf16 zeros (what the layer
+    documents). The kernel rounds each dequantized weight and the result to bf16 (sums are
+    float32), so the error bound is 2^-9 (|y| + Σ|x w|): bf16's unit roundoff on both."""
+    w = four_bit(48, 96, seed=rows)
+    b = torch.randn(48) if bias else None
+    layer = Int4Linear(w, b)
+    x = torch.randn(2, rows, 96)
+    zero = bf16(w.low + 8 * w.scale)
+    codes = w.q.double().view(48, 3, 32) - 8
+    weight = (codes * bf16(w.scale).double().unsqueeze(-1) + zero.double().unsqueeze(-1))
+    xb, weight = bf16(x).double(), weight.view(48, 96)
+    want, magnitude = xb @ weight.T, xb.abs() @ weight.abs().T
+    got = layer(x)
+    assert got.shape == (2, rows, 48) and got.dtype == torch.float32
+    if b is not None:
+        got = got - b
+    err = (got.double() - want).abs()
+    assert bool((err <= BF16_EPS / 2 * (want.abs() + magnitude)).all()), float(err.max())
+    # dequantize() is the kernel times the identity: the weights as it rounds them
+    assert float((layer.dequantize().double() - weight).abs().max()) <= BF16_EPS * float(
+        weight.abs().max()
+    )
+
+
+def test_quantize_linear_keeps_4_bit_only_where_the_kernel_takes_it() -> None:
+    assert isinstance(quantize_linear(four_bit(32, 64)), Int4Linear)
+    rows_of_8 = quantize_linear(four_bit(24, 64))  # the kernel wants rows in tiles of 16
+    assert isinstance(rows_of_8, Fp16Linear)
+    torch.testing.assert_close(rows_of_8.dequantize(), four_bit(24, 64).dequantize(),
+                               atol=FP16_SUBNORMAL_STEP, rtol=FP16_EPS)  # fmt: skip
+    assert isinstance(quantize_linear(*make(32, 64, bias=False)), Fp16Linear)  # dense input
+
+
+def test_int4_falls_back_to_fp16_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quantized, "int4_available", lambda: False)
+    assert isinstance(quantize_linear(four_bit(32, 64)), Fp16Linear)
+
+
+def test_default_model_int4_layout(default_model_path: Path) -> None:
+    """SmolLM2 (Q4_1 projections, a Q8_0 embedding) on the CPU default: the feed-forward
+    matrices are its own 4-bit codes, attention and the tied head fp16."""
+    from localllm.backends.torch.models import build_model
+    from localllm.backends.torch.weights import tensor
+
+    with GGUFFile(default_model_path) as f:
+        model = build_model(f, linear=quantize_linear)
+        w2 = tensor(f, "blk.3.ffn_down.weight")
+    layer = model.layers[3]
+    assert isinstance(layer.feed_forward.w13, Int4Linear)
+    assert isinstance(layer.feed_forward.w2, Int4Linear)
+    assert isinstance(layer.attention.wqkv, Fp16Linear)
+    assert isinstance(model.output, Fp16Linear)
+    # the codes are the file's: only the bf16 rounding of each group's scale and zero differs
+    got = layer.feed_forward.w2.dequantize()
+    assert float((got - w2).abs().max()) <= BF16_EPS * float(w2.abs().max())

@@ -19,9 +19,12 @@ import torch  # noqa: E402
 
 from localllm.backends.torch import weights  # noqa: E402
 from localllm.backends.torch.weights import (  # noqa: E402
+    FOUR_BIT_TYPES,
     SUPPORTED_TYPES,
+    FourBit,
     WeightsError,
     dequantize,
+    four_bit,
     iter_tensors,
     raw,
     tensor,
@@ -88,6 +91,29 @@ def test_random_blocks_match_gguf_exactly(type_name: str) -> None:
     got = dequantize(as_bytes(data), type_name, shape)
     assert got.dtype == torch.float32 and got.shape == shape
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("type_name", FOUR_BIT_TYPES)
+def test_four_bit_codes_and_groups_are_the_tensor(type_name: str) -> None:
+    """Kept as codes and per-32 (scale, low): scale * q + low is gguf's float32 value (to
+    float32 rounding: ggml computes Q4_0 as d (q - 8), this as d q - 8d), every code 0..15."""
+    shape = (4, 2 * GGML_TYPE_BY_NAME[type_name].block_size)
+    data = random_bytes(type_name, shape, np.random.default_rng(11))
+    fb = four_bit(as_bytes(data), type_name, shape)
+    assert fb.shape == shape and fb.q.dtype == torch.uint8 and int(fb.q.max()) <= 15
+    assert fb.scale.shape == fb.low.shape == (shape[0], shape[1] // 32)
+    want = oracle(data, type_name)
+    assert torch.allclose(fb.dequantize(), want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+    rows = torch.tensor([2, 0, 3, 1])
+    both = FourBit.cat([fb, fb.map(lambda t: t[rows])])  # fusing parts; permuting rows
+    assert torch.equal(both.dequantize(), torch.cat([fb.dequantize(), fb.dequantize()[rows]]))
+
+
+def test_four_bit_refuses_other_types() -> None:
+    shape = block_shape("Q8_0")[1:]
+    data = as_bytes(random_bytes("Q8_0", shape, np.random.default_rng(12)))
+    with pytest.raises(WeightsError, match="Q8_0 .* is not a 4-bit matrix"):
+        four_bit(data, "Q8_0", shape)
 
 
 @pytest.mark.parametrize(
@@ -228,6 +254,11 @@ def test_iter_tensors_one_at_a_time_in_file_order(
         assert out["Q4_K.weight"].dtype == torch.bfloat16
         assert torch.equal(out["Q4_K.weight"], tensor(f, "Q4_K.weight").to(torch.bfloat16))
         assert tensor(f, "norm.weight", dtype=torch.float16).dtype == torch.float32
+        kept = dict(iter_tensors(f, keep_four_bit={"Q4_1.weight", "Q8_0.weight", "norm.weight"}))
+        assert isinstance(kept["Q4_1.weight"], FourBit)  # asked for and 4-bit
+        assert torch.equal(kept["Q4_1.weight"].dequantize(), tensor(f, "Q4_1.weight"))
+        assert isinstance(kept["Q8_0.weight"], torch.Tensor)  # asked for, not 4-bit: dense
+        assert isinstance(kept["Q4_K.weight"], torch.Tensor)  # 4-bit, not asked for
 
 
 def test_decoding_runs_on_the_target_device(

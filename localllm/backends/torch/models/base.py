@@ -9,16 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from localllm.backends.torch.weights import FourBit
 from localllm.errors import InconsistentModel
 from localllm.gguf_file import GGUFFile
 
 # `linear(weight (out, in), bias | None) -> nn.Module`: builds a projection from loaded weights.
+# A factory with `four_bit = (suffixes of module names)` takes those projections' 4-bit matrices
+# as `weights.FourBit` (the file's codes and groups, as stored) where the file has them.
 LinearFactory = Callable[[torch.Tensor, "torch.Tensor | None"], nn.Module]
 
 # llama.cpp's tensor names → ours. Projections that run on the same input are fused into one
@@ -331,7 +335,12 @@ def load_weights(model: nn.Module, f: GGUFFile, *, dtype: torch.dtype, device: t
             raise InconsistentModel(path, f"tensor {name!r} has shape {tuple(t.shape)}, "
                                           f"expected {want}")  # fmt: skip
 
-    for name, t in iter_tensors(f, dtype=dtype, device=device):
+    # a `linear` with `four_bit = (module suffixes, ...)` gets those projections' 4-bit matrices
+    # as the file stores them (`FourBit`)
+    four_bit = tuple(getattr(linear, "four_bit", ()))
+    keep = {n for n, (module, _, kind) in targets.items()
+            if kind == "weight" and four_bit and module.endswith(four_bit)}  # fmt: skip
+    for name, t in iter_tensors(f, dtype=dtype, device=device, keep_four_bit=keep):
         if name in hooks:
             hooks[name](t)
             continue
@@ -346,7 +355,7 @@ def load_weights(model: nn.Module, f: GGUFFile, *, dtype: torch.dtype, device: t
             name, t, (parts[part], placeholder.in_features) if kind == "weight" else (parts[part],)
         )
         if convert is not None:
-            t = convert(name, t)
+            t = t.map(partial(convert, name)) if isinstance(t, FourBit) else convert(name, t)
         got = pending.setdefault(module, {})
         got[(kind, part)] = t if kind == "weight" else t.to(dtype)
         if len(got) < needed[module]:
@@ -356,7 +365,13 @@ def load_weights(model: nn.Module, f: GGUFFile, *, dtype: torch.dtype, device: t
         n_bias = sum(b is not None for b in biases)
         if any(w is None for w in weights) or 0 < n_bias < len(parts):
             raise InconsistentModel(path, f"some of the tensors of {module} are missing")
-        weight = torch.cat(weights) if len(parts) > 1 else weights[0]  # type: ignore[arg-type]
+        if len(parts) == 1:
+            weight = weights[0]
+        elif all(isinstance(w, FourBit) for w in weights):
+            weight = FourBit.cat(weights)  # type: ignore[arg-type]
+        else:  # 4-bit parts fused with others (Q4_K_M files mix types): all dense
+            weight = torch.cat([w.dequantize(dtype) if isinstance(w, FourBit) else w
+                                for w in weights])  # type: ignore[union-attr]  # fmt: skip
         bias = (torch.cat(biases) if len(parts) > 1 else biases[0]) if n_bias else None  # type: ignore[arg-type]
         del pending[module], got, weights, biases
         _set(model, module, linear(weight, bias))  # type: ignore[arg-type]
