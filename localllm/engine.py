@@ -675,15 +675,31 @@ def load(model: str, options: LoadOptions | None = None, *, check_memory: bool =
                 f"is free on {est.device}; try a smaller --ctx, --parallel or --kv-cache q8_0"
             )
     path = store.path_of(record)
-    chosen, why = backends.select(opts.backend, path)
-    if chosen is not spec:
-        check_options(opts, chosen.capabilities, chosen.name)
     defaults, _source = sampling_defaults(path, sampling_for(record))
-    t0 = time.perf_counter()
-    try:
-        b = chosen.open(path, opts, name=record.name, digest=record.digest, home=store.home)
-    except LocalLLMError as e:
-        raise LocalLLMError(f"{record.name}: {e}") from None
+    failed: dict[str, str] = {}  # with auto: backends that refused this file as they opened it
+    while True:
+        chosen, why = backends.select(opts.backend, path, failed=failed)
+        if chosen is not spec:
+            check_options(opts, chosen.capabilities, chosen.name)
+        t0 = time.perf_counter()
+        try:
+            b = chosen.open(path, opts, name=record.name, digest=record.digest, home=store.home)
+            break
+        except LocalLLMError as e:
+            reason = str(e).removeprefix(f"{record.name}: ")
+            error = LocalLLMError(f"{record.name}: {reason}")
+        # auto goes on to the next backend that suits the file (llama.cpp's first load may find
+        # that it computes wrong numbers for this file here, where torch is right); the first
+        # failure is the one reported when none is left, or when the next refuses the options
+        failed[chosen.name] = reason
+        if opts.backend != "auto":
+            raise error from None
+        try:
+            nxt, _ = backends.select("auto", path, failed=failed)
+            if nxt is not spec:
+                check_options(opts, nxt.capabilities, nxt.name)
+        except LocalLLMError:
+            raise error from None
     return Model(b, record.name, load_s=time.perf_counter() - t0, options=opts,
                  sampling_defaults=defaults, backend_why=why)  # fmt: skip
 

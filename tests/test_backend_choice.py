@@ -12,7 +12,7 @@ import pytest
 from localllm import backends
 from localllm.backends import Availability
 from localllm.cli import main
-from localllm.errors import BackendUnavailable
+from localllm.errors import BackendUnavailable, LocalLLMError
 
 from ggufs import copy_gguf
 
@@ -89,3 +89,47 @@ def test_show_names_the_backend_and_why(localllm_home: Path, capsys: pytest.Capt
     # the estimate is the torch engine's: fp16 weights (plus a float32 token embedding)
     info = data["info"]
     assert data["memory"]["weights_bytes"] == 2 * info["parameters"] + info["vocab_size"] * info["n_embd"] * 4
+
+
+OPENED: list[str] = []
+
+
+def refuse(path: Path, options: object, **kw: object) -> object:
+    """A llama.cpp factory whose first load of the file refuses it (as llama.cpp's check does
+    where its kernels compute wrong numbers for a model)."""
+    OPENED.append("llama.cpp")
+    raise LocalLLMError(f"{kw['name']}: llama.cpp computes wrong numbers for it on this "
+                        "machine: a prompt batch and token-by-token evaluation differ")  # fmt: skip
+
+
+def _refusing_llamacpp(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """llama.cpp runs here but refuses the file as it opens it; returns the opened backends."""
+    OPENED.clear()
+    sick = dataclasses.replace(backends.get("llama.cpp"), factory=f"{__name__}:refuse",
+                               available=lambda: Availability(True, "probe passed"))  # fmt: skip
+    monkeypatch.setitem(backends._SPECS, "llama.cpp", sick)
+    return OPENED
+
+
+def test_auto_moves_on_when_llamacpp_refuses_the_file(localllm_home: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from localllm.engine import load
+
+    opened = _refusing_llamacpp(monkeypatch)
+    with load("smollm2", ctx=256, parallel=1) as m:
+        assert m.backend.name == "torch" and opened == ["llama.cpp"]
+        assert m.backend_why.startswith("auto: torch runs here")
+        assert "llama.cpp failed on this file: llama.cpp computes wrong numbers" in m.backend_why
+        assert m.complete("Hi", max_tokens=2, temperature=0).text
+
+
+def test_a_named_backend_that_refuses_the_file_is_one_error(localllm_home: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from localllm.engine import load
+
+    _refusing_llamacpp(monkeypatch)
+    with pytest.raises(LocalLLMError) as e:
+        load("smollm2", backend="llama.cpp")
+    said = str(e.value)
+    assert said.startswith("smollm2:") and ": llama.cpp computes wrong numbers" in said, said
+    assert said.count("smollm2") == 1, said  # named once, not once per layer it passed through

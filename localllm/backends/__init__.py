@@ -9,7 +9,7 @@ it, and a new backend is one more spec here. Importing this module imports no ba
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -238,11 +238,14 @@ def choose(name: str = "auto", path: Path | None = None) -> BackendSpec:
     return select(name, path)[0]
 
 
-def select(name: str = "auto", path: Path | None = None) -> tuple[BackendSpec, str]:
+def select(name: str = "auto", path: Path | None = None, *,
+           failed: Mapping[str, str] | None = None) -> tuple[BackendSpec, str]:  # fmt: skip
     """The backend a load of `path` will use and why, or `BackendUnavailable` saying why none can.
 
     `auto` takes the first backend in `AUTO_ORDER` that runs here and suits the file (llama.cpp
-    first when its probe passes); a named one must run here and suit the file itself.
+    first when its probe passes), passing over those in `failed` (name → why opening this file
+    failed: llama.cpp's first-load check refusing it); a named one must run here and suit the
+    file itself.
     """
     if name != "auto":
         spec = get(name)
@@ -257,6 +260,9 @@ def select(name: str = "auto", path: Path | None = None) -> tuple[BackendSpec, s
     alone = " (and no other backend is installed)" if len(AUTO_ORDER) == 1 else ""
     for n in AUTO_ORDER:
         spec = _SPECS[n]
+        if failed and n in failed:
+            said.append(f"{n} failed on this file: {failed[n]}")
+            continue
         a = spec.available()
         if not a.ok:
             said.append(f"{n} cannot run on this machine{alone}: {a.message()}")

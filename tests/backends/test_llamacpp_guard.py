@@ -97,7 +97,7 @@ def test_sigill_probe_is_one_line_exit_1_and_cached(
     p3 = cli(["run", "smollm2", "--max-tokens", "4", "--stats", "Say hello"],
              LOCALLLM_LLAMACPP_PROBE=command)  # fmt: skip
     assert p3.returncode == 0, p3.stderr
-    assert "backend torch on cpu, f16" in p3.stderr
+    assert "backend torch on cpu, int4" in p3.stderr
     assert "llama.cpp cannot run on this machine: " in p3.stderr and "SIGILL" in p3.stderr
     assert runs(count) == 1
 

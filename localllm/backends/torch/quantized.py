@@ -99,9 +99,11 @@ class Fp16Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., in) → (..., out) in x's dtype."""
         if self._packed is not None and x.is_cpu and x.numel():
-            if x.dtype == torch.float32:  # the hot path: one op (any leading dims; bias added)
+            if x.dtype == torch.float32 and x.dim() > 1:  # the hot path: one op (bias added)
                 return _fp16_gemm(x, self._packed)
-            return _fp16_gemm(x.float(), self._packed).to(x.dtype)
+            rows = x.reshape(-1, self.in_features).float()  # fbgemm takes >= 2-D fp32
+            y = _fp16_gemm(rows, self._packed)
+            return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
         w = self.dequantize() if self.weight is None else self.weight
         b = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, w.to(device=x.device, dtype=x.dtype), b)

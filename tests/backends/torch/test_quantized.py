@@ -118,6 +118,16 @@ def test_device_moves_and_dtype_casts() -> None:
     torch.testing.assert_close(plain(x), F.linear(x, w.half().float(), b), atol=ATOL, rtol=RTOL)
 
 
+def test_one_vector() -> None:
+    """A 1-D input (one position's hidden state) gives a 1-D output, on both layers."""
+    w, b = make(32, 64, bias=True)
+    x = torch.randn(64)
+    for layer in (quantize_linear(w, b), Int4Linear(four_bit(32, 64), b)):
+        y = layer(x)
+        assert y.shape == (32,)
+        torch.testing.assert_close(y, layer(x[None])[0])
+
+
 def test_empty_input() -> None:
     layer = quantize_linear(*make(16, 8, bias=True))
     assert layer(torch.empty(0, 8)).shape == (0, 16)
