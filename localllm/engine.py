@@ -686,20 +686,20 @@ def load(model: str, options: LoadOptions | None = None, *, check_memory: bool =
             b = chosen.open(path, opts, name=record.name, digest=record.digest, home=store.home)
             break
         except LocalLLMError as e:
-            reason = str(e).removeprefix(f"{record.name}: ")
-            error = LocalLLMError(f"{record.name}: {reason}")
+            failed[chosen.name] = str(e).removeprefix(f"{record.name}: ")
         # auto goes on to the next backend that suits the file (llama.cpp's first load may find
-        # that it computes wrong numbers for this file here, where torch is right); the first
-        # failure is the one reported when none is left, or when the next refuses the options
-        failed[chosen.name] = reason
+        # that it computes wrong numbers for this file here, where torch is right); when none
+        # is left, or the next refuses the options, the error says what each one said
+        said = (next(iter(failed.values())) if len(failed) == 1
+                else "; ".join(f"{n} failed: {r}" for n, r in failed.items()))  # fmt: skip
         if opts.backend != "auto":
-            raise error from None
+            raise LocalLLMError(f"{record.name}: {said}") from None
         try:
             nxt, _ = backends.select("auto", path, failed=failed)
             if nxt is not spec:
                 check_options(opts, nxt.capabilities, nxt.name)
         except LocalLLMError:
-            raise error from None
+            raise LocalLLMError(f"{record.name}: {said}") from None
     return Model(b, record.name, load_s=time.perf_counter() - t0, options=opts,
                  sampling_defaults=defaults, backend_why=why)  # fmt: skip
 

@@ -133,3 +133,23 @@ def test_a_named_backend_that_refuses_the_file_is_one_error(localllm_home: Path,
     said = str(e.value)
     assert said.startswith("smollm2:") and ": llama.cpp computes wrong numbers" in said, said
     assert said.count("smollm2") == 1, said  # named once, not once per layer it passed through
+
+
+def test_when_every_backend_refuses_the_file_each_reason_is_said(
+    localllm_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from localllm.engine import load
+
+    _refusing_llamacpp(monkeypatch)
+    torch_spec = dataclasses.replace(backends.get("torch"), factory=f"{__name__}:refuse_torch")
+    monkeypatch.setitem(backends._SPECS, "torch", torch_spec)
+    with pytest.raises(LocalLLMError) as e:
+        load("smollm2")
+    said = str(e.value)
+    assert said.startswith("smollm2:") and said.count("smollm2") == 1, said
+    assert "llama.cpp failed: llama.cpp computes wrong numbers" in said, said
+    assert "torch failed: out of memory on cpu" in said, said
+
+
+def refuse_torch(path: Path, options: object, **kw: object) -> object:
+    raise LocalLLMError("out of memory on cpu")
