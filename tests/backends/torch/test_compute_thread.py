@@ -1,0 +1,84 @@
+"""All of the torch engine's work runs on one thread (`backend.on_compute_thread`): OpenMP gives each
+thread that starts parallel work its own team, and two teams on the same cores slowed decoding by half."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from conftest import need
+
+need("torch", "pip install -e '.[dev]' (torch: pip install torch==2.13.0 first)")
+
+from localllm.backends.torch import backend  # noqa: E402
+
+
+@backend.on_compute_thread
+def where() -> str:
+    return threading.current_thread().name
+
+
+@backend.on_compute_thread
+def nested() -> tuple[str, str]:
+    return threading.current_thread().name, where()  # no deadlock: already on the thread
+
+
+@backend.on_compute_thread
+def fails() -> None:
+    raise ValueError("raised on the torch thread")
+
+
+def test_every_caller_lands_on_the_same_thread() -> None:
+    names = [where()]
+    t = threading.Thread(target=lambda: names.append(where()))
+    t.start()
+    t.join()
+    assert len(set(names)) == 1 and names[0].startswith("localllm-torch"), names
+    assert names[0] != threading.current_thread().name
+    assert nested() == (names[0], names[0])
+
+
+def test_exceptions_reach_the_caller() -> None:
+    with pytest.raises(ValueError, match="raised on the torch thread"):
+        fails()
+
+
+def test_a_forked_child_gets_its_own_thread() -> None:
+    where()  # the parent's thread exists
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's thread is not here; a call must still return
+        signal.alarm(20)
+        try:
+            os._exit(0 if where().startswith("localllm-torch") else 1)
+        finally:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_the_backend_loads_and_steps_there(default_model_path, monkeypatch) -> None:  # noqa: ANN001
+    """Model loading and every step run on the torch thread, whichever thread calls."""
+    from localllm.engine import Model
+
+    seen: list[str] = []
+    real = backend.TorchBackend._forward
+
+    def forward(self, *a):  # noqa: ANN001, ANN202
+        seen.append(threading.current_thread().name)
+        return real(self, *a)
+
+    monkeypatch.setattr(backend.TorchBackend, "_forward", forward)
+    real_load = backend.TorchBackend._load
+
+    def load(self, *a):  # noqa: ANN001, ANN202
+        seen.append(threading.current_thread().name)
+        return real_load(self, *a)
+
+    monkeypatch.setattr(backend.TorchBackend, "_load", load)
+    b = backend.TorchBackend(default_model_path, n_ctx=64, dtype="f32", device="cpu")
+    with Model(b, "smollm2") as m:
+        assert m.complete("Hello", max_tokens=3, temperature=0).text is not None
+    assert len(seen) >= 3 and set(seen) == {where()}, seen
