@@ -286,6 +286,21 @@ def test_half_precision_cache_and_bfloat16_weights(tiny):
     assert (got - want[:1]).abs().max().item() <= 2.5e-2 * bound
 
 
+def test_float32_layouts(tiny):
+    """Wide float32 matrices are column-major (MKL's faster layout for one row), the others as
+    stored; a tied head shares the embedding's memory (no second copy)."""
+    model, _, _, path = tiny
+    for layer in model.layers:
+        for lin in (layer.attention.wqkv, layer.feed_forward.w13, layer.feed_forward.w2):
+            w = lin.weight
+            out, inp = w.shape
+            assert w.stride() == ((1, out) if out > inp else (inp, 1)), (out, inp, w.stride())
+    with GGUFFile(path) as f:
+        tied = "output.weight" not in f.tensors
+    if tied:
+        assert model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()
+
+
 def test_linear_factory_builds_every_projection(tiny):
     """`linear=` receives each fused projection once, the head too (also when it is tied to
     the embedding), and what it returns is what runs."""
