@@ -421,11 +421,33 @@ def streams(threads: int, gen: int, rounds: int, n: int, dtype: str = "auto") ->
 
 
 def bench_model(name: str, args: argparse.Namespace) -> dict:
+    """Items 1-5 on the torch engine's own thread, then 6-7 (subprocesses; the engine, whose
+    scheduler hands its steps to that thread) from here.
+
+    Everything that runs torch in this process runs on that one thread: OpenMP gives each thread
+    that starts parallel work its own team, and two live teams on 2 cores slowed small fbgemm
+    products 3x (37 µs against 128, the second team's, even a second after the first went idle).
+    """
+    from localllm.backends.torch.backend import on_compute_thread
+
+    path = model_path(name)
+    res = on_compute_thread(measure)(name, path, args)
+    if name == "smollm2" and not args.skip_subprocess:
+        kinds = ["ours:f32", "ours:auto", "transformers", "llama.cpp"]
+        res["load_and_rss"] = load_and_rss(path, kinds, args.threads, args.load_rounds)
+    if name == "smollm2" and not args.skip_streams:
+        res["concurrent"] = streams(args.threads, args.stream_gen, args.rounds, args.streams,
+                                    args.stream_dtype)  # fmt: skip
+    return res
+
+
+def measure(name: str, path: Path, args: argparse.Namespace) -> dict:
+    """Items 1-5 for one model."""
     import torch
 
     from localllm.backends.torch.backend import TorchBackend
 
-    path = model_path(name)
+    torch.set_num_threads(args.threads)
     print(f"== {name}: {path.name}", flush=True)
     res: dict = {"file": path.name, "floor": floor(path, args.floor_repeats)}
     fl = res["floor"]
@@ -538,13 +560,6 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
     runs.clear(), prefills.clear(), backends.clear()  # free every model before the next items
     ref = hf = llm = None
     gc.collect()
-
-    if name == "smollm2" and not args.skip_subprocess:
-        kinds = ["ours:f32", "ours:auto", "transformers", "llama.cpp"]
-        res["load_and_rss"] = load_and_rss(path, kinds, args.threads, args.load_rounds)
-    if name == "smollm2" and not args.skip_streams:
-        res["concurrent"] = streams(args.threads, args.stream_gen, args.rounds, args.streams,
-                                    args.stream_dtype)  # fmt: skip
     return res
 
 
@@ -637,9 +652,6 @@ def main() -> None:
     if args.dtypes[0] != "f32":
         args.dtypes = ["f32", *[d for d in args.dtypes if d != "f32"]]
 
-    import torch
-
-    torch.set_num_threads(args.threads)
     out = {"machine": machine(), "threads": args.threads, "quick": args.quick,
            "args": {k: v for k, v in vars(args).items() if k not in ("child", "path")},
            "models": {}}  # fmt: skip
