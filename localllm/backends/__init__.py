@@ -149,9 +149,9 @@ def _torch_suits(path: Path) -> str | None:
 
 def _torch_estimate(info: ModelInfo, options: LoadOptions, available: Any = None) -> Any:
     """llama.cpp's estimate with the torch engine's weights: the working precision's bytes per
-    parameter (on the CPU, f16 and int4 keep a float32 token embedding for lookups; int4 is
-    counted as f16, an upper bound: only 4-bit feed-forward matrices shrink), on the GPU when one
-    is seen."""
+    parameter (on the CPU, f16 and int4 keep the file's embedding rows for lookups beside the fp16
+    head, counted as 2 bytes per weight: quantized rows take less; int4 is counted as f16, an
+    upper bound: only 4-bit feed-forward matrices shrink), on the GPU when one is seen."""
     from dataclasses import replace
 
     from localllm.memory import available_memory, estimate
@@ -160,7 +160,7 @@ def _torch_estimate(info: ModelInfo, options: LoadOptions, available: Any = None
     gpu = avail.device.startswith("cuda")
     dtype = options.dtype if options.dtype != "auto" else "bf16" if gpu else "int4"
     per = {"f32": 4, "bf16": 2, "f16": 2, "int4": 2}.get(dtype, 4)
-    embedding = info.vocab_size * info.n_embd * 4 if dtype in ("f16", "int4") and not gpu else 0
+    embedding = info.vocab_size * info.n_embd * 2 if dtype in ("f16", "int4") and not gpu else 0
     weights = info.parameters * per + embedding
     est = estimate(info, ctx=options.ctx, kv_cache=options.kv_cache, parallel=options.parallel,
                    available=avail)  # fmt: skip

@@ -183,6 +183,11 @@ class TorchBackend:
         with GGUFFile(path) as f:
             self.tokenizer = GGUFTokenizer.from_gguf(f)
             self.model = build_model(f, dtype=self.compute_dtype, device=self.device, linear=linear)
+            if linear is not None:  # the head has its own fp16 copy: lookups read the file's rows
+                from localllm.backends.torch.quantized import BlockEmbedding
+
+                self.model.tok_embeddings = BlockEmbedding.from_gguf(f, "token_embd.weight",
+                                                                     self.compute_dtype)  # fmt: skip
             meta = dict(f.metadata)
         self.model.eval()
         tok = self.tokenizer

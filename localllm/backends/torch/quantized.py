@@ -44,9 +44,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localllm.backends.torch.weights import FourBit
+from localllm.backends.torch.weights import FourBit, dequantize, raw
+from localllm.gguf_file import GGUFFile
 
-__all__ = ["Fp16Linear", "Int4Linear", "fbgemm_fp16_available", "int4_available", "quantize_linear"]
+__all__ = ["BlockEmbedding", "Fp16Linear", "Int4Linear", "fbgemm_fp16_available", "int4_available",
+           "quantize_linear"]
 
 log = logging.getLogger(__name__)
 _fp16_gemm = torch.ops.quantized.linear_dynamic_fp16  # looked up once: each lookup costs a call
@@ -83,8 +85,14 @@ class Fp16Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self._packed = None
         # (out, in) fp16 and (out,) fp32; `weight` is None while fbgemm holds the packed copy
-        self.register_buffer("weight", weight.detach().to(torch.float16))
         self.register_buffer("bias", None if bias is None else bias.detach().float())
+        if weight.dtype == torch.float32 and weight.is_cpu and fbgemm_fp16_available():
+            # fbgemm rounds to fp16 as torch does (to nearest, ties to even; subnormals too):
+            # packing the float32 matrix itself spares two copies (Gemma's head: 1 GB at load)
+            self.register_buffer("weight", None)
+            self._packed = torch.ops.quantized.linear_prepack_fp16(weight.detach(), self.bias)
+            return
+        self.register_buffer("weight", weight.detach().to(torch.float16))
         self._pack()
 
     def _pack(self) -> None:
@@ -217,3 +225,37 @@ def quantize_linear(weight: torch.Tensor | FourBit, bias: torch.Tensor | None = 
 # KL 1.5e-4 nats; with the attention projections too (their q, k, v and output rounded to bf16),
 # top-1 falls to 99.0%, at the bar the CPU default must hold (>= 99%).
 quantize_linear.four_bit = ("feed_forward.w13", "feed_forward.w2")  # type: ignore[attr-defined]
+
+
+class BlockEmbedding(nn.Module):
+    """A token embedding kept as the file stores it (e.g. Q8_0: 1.06 bytes per weight), each
+    looked-up row dequantized as it is read: the same values as the dense table, exactly.
+
+    The CPU's fast paths keep their head in fp16 (a packed copy), so a float32 table beside it
+    only served lookups: 113 MB for SmolLM2, 671 MB for Gemma 3 270M's 262,144 × 640.
+    """
+
+    def __init__(self, type_name: str, blocks: torch.Tensor, dim: int, dtype: torch.dtype) -> None:
+        """blocks: (vocab, bytes per row) uint8, the GGUF tensor's rows; dtype: rows come out in it."""
+        super().__init__()
+        self.type_name, self.dim, self.dtype = type_name, dim, dtype
+        self.num_embeddings = blocks.shape[0]
+        self.register_buffer("blocks", blocks)
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile, name: str, dtype: torch.dtype) -> BlockEmbedding:
+        type_name, blocks, shape = raw(f, name)
+        return cls(type_name, blocks, shape[-1], dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (...) → (..., dim)."""
+        rows = self.blocks.index_select(0, tokens.reshape(-1))  # (n, bytes per row), a copy
+        out = dequantize(rows.view(-1), self.type_name, (rows.shape[0], self.dim), self.dtype)
+        return out.view(*tokens.shape, self.dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.dim}, rows={self.type_name} as stored"

@@ -259,3 +259,39 @@ def test_default_model_int4_layout(default_model_path: Path) -> None:
     # the codes are the file's: only the bf16 rounding of each group's scale and zero differs
     got = layer.feed_forward.w2.dequantize()
     assert float((got - w2).abs().max()) <= BF16_EPS * float(w2.abs().max())
+
+
+# -- the file's embedding rows (BlockEmbedding) -----------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["default_model_path", "gemma_model_path"])
+def test_block_embedding_rows_are_the_tables(which: str, request: pytest.FixtureRequest) -> None:
+    """Rows dequantized on lookup equal the dense table's, bit for bit, and it holds only the
+    file's bytes (Q8_0 in both packaged models)."""
+    from localllm.backends.torch.quantized import BlockEmbedding
+    from localllm.backends.torch.weights import tensor
+
+    path = request.getfixturevalue(which)
+    with GGUFFile(path) as f:
+        emb = BlockEmbedding.from_gguf(f, "token_embd.weight", torch.float32)
+        dense = tensor(f, "token_embd.weight")
+        stored = f.tensors["token_embd.weight"].nbytes
+    vocab = dense.shape[0]
+    ids = torch.tensor([[0, 1, vocab - 1], [17, 17, vocab // 2]])
+    got = emb(ids)
+    assert got.shape == (2, 3, dense.shape[1]) and got.dtype == torch.float32
+    assert torch.equal(got, dense[ids])
+    assert emb.blocks.numel() == stored
+
+
+def test_cpu_fast_paths_look_up_the_files_rows(default_model_path: Path) -> None:
+    from localllm.backends.torch.backend import TorchBackend
+    from localllm.backends.torch.quantized import BlockEmbedding
+
+    fast = TorchBackend(default_model_path, n_ctx=64, dtype="int4", device="cpu")
+    assert isinstance(fast.model.tok_embeddings, BlockEmbedding)
+    assert fast.model.make_caches(4)[0].dtype == torch.float32  # the working dtype, as before
+    ref = TorchBackend(default_model_path, n_ctx=64, dtype="f32", device="cpu")
+    assert isinstance(ref.model.tok_embeddings, torch.nn.Embedding)  # f32 shares it with the head
+    ids = torch.tensor([[1, 500, 49151]])
+    assert torch.equal(fast.model.embed(ids), ref.model.embed(ids))

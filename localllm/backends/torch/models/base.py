@@ -164,6 +164,15 @@ def embedding(vocab: int, dim: int) -> nn.Embedding:
     return nn.Embedding(vocab, dim, _weight=torch.empty(vocab, dim), _freeze=True)
 
 
+def working(emb: nn.Module) -> torch.Tensor:
+    """Something with the model's working dtype and device: the embedding's table, or for a
+    table kept in blocks (`quantized.BlockEmbedding`) an empty tensor of its output dtype."""
+    weight = getattr(emb, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return weight
+    return torch.empty(0, dtype=emb.dtype, device=emb.device)
+
+
 class RoPE:
     """Rotary embedding in the half-split ("NEOX") layout: dims i and i + n/2 form a pair.
 

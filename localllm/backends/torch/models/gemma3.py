@@ -40,6 +40,7 @@ from localllm.backends.torch.models.base import (
     embedding,
     positions,
     projection,
+    working,
 )
 
 
@@ -157,7 +158,7 @@ class Model(nn.Module):
         """One sequence's caches, one per layer (default: the model's dtype and device).
 
         Plain caches everywhere: the local layers' window is applied by the attention mask."""
-        w = self.tok_embeddings.weight
+        w = working(self.tok_embeddings)
         a = self.args
         return make_caches(a.n_layers, a.n_kv_heads, a.head_dim, capacity,
                            dtype=dtype or w.dtype, device=device or w.device)  # fmt: skip

@@ -31,6 +31,7 @@ from localllm.backends.torch.models.base import (
     embedding,
     positions,
     projection,
+    working,
 )
 
 
@@ -141,7 +142,7 @@ class Model(nn.Module):
     def make_caches(self, capacity: int, *, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None) -> list[KVCache]:  # fmt: skip
         """One sequence's caches, one per layer (default: the model's dtype and device)."""
-        w = self.tok_embeddings.weight
+        w = working(self.tok_embeddings)
         a = self.args
         return make_caches(a.n_layers, a.n_kv_heads, a.head_dim, capacity,
                            dtype=dtype or w.dtype, device=device or w.device)  # fmt: skip
