@@ -23,7 +23,6 @@ import torch
 
 from localllm.backends import TORCH
 from localllm.backends.base import Seq, Step, common_prefix
-from localllm.backends.torch.cache import KVCache
 from localllm.backends.torch.sampling import Sampler, logprobs, make_sampler
 from localllm.chat import template_for
 from localllm.errors import ContextOverflow, LocalLLMError
@@ -169,11 +168,13 @@ class TorchBackend:
         self.device = resolve_device(device)
         self.dtype, self.compute_dtype = resolve_dtype(dtype, self.device)
         k, v = parse_kv_cache(kv_cache)
-        if k != v or k not in _KV_DTYPES:
-            raise LocalLLMError(
-                f"the torch backend has no {kv_cache} KV cache (it has {', '.join(_KV_DTYPES)})"
-            )
-        self.kv_dtype = _KV_DTYPES[k]
+        if k != v or k not in (*_KV_DTYPES, "int8"):
+            raise LocalLLMError(f"the torch backend has no {kv_cache} KV cache "
+                                f"(it has {', '.join(_KV_DTYPES)}, int8)")  # fmt: skip
+        self.kv_type = k
+        # int8: codes and scales (kvquant.Int8KVCache), read back in the working dtype; the
+        # throwaway caches of embed() keep the working dtype
+        self.kv_dtype = self.compute_dtype if k == "int8" else _KV_DTYPES[k]
         linear = None
         if self.dtype in ("f16", "int4") and self.device.type == "cpu":
             from localllm.backends.torch.quantized import Fp16Linear, quantize_linear
@@ -223,7 +224,13 @@ class TorchBackend:
 
     # -- slots ---------------------------------------------------------------------------------
 
-    def _new_caches(self) -> list[KVCache]:
+    def _new_caches(self) -> list[Any]:
+        if self.kv_type == "int8":
+            from localllm.backends.torch.kvquant import Int8KVCache
+
+            a = self.model.args
+            return [Int8KVCache(a.n_kv_heads, a.head_dim, self.n_ctx, out_dtype=self.compute_dtype,
+                                device=self.device) for _ in range(a.n_layers)]  # fmt: skip
         return self.model.make_caches(self.n_ctx, dtype=self.kv_dtype, device=self.device)
 
     def admit(self, seq: Seq) -> int:
