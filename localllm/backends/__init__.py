@@ -110,7 +110,7 @@ TORCH_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_
                       "Q6_K")  # fmt: skip
 
 TORCH = Capabilities(
-    kv_cache_types=("f16", "bf16", "f32", "int8"),
+    kv_cache_types=("f16", "bf16", "f32", "int8", "fp8"),
     streaming=False,
     speculative=("off",),
     batching=True,

@@ -604,7 +604,7 @@ def test_settings_offer_the_torch_engines_devices_and_precisions(tiny_llama: Pat
             await pilot.pause()
             assert select_values(modal.query_one("#dtype")) == ["auto", "f32", "bf16", "f16", "int4"]
             assert select_values(modal.query_one("#device")) == ["auto", "cpu", "cuda", "mps"]
-            assert select_values(modal.query_one("#kv_cache")) == ["f16", "bf16", "f32", "int8"]
+            assert select_values(modal.query_one("#kv_cache")) == ["f16", "bf16", "f32", "int8", "fp8"]
             modal.query_one("#dtype").value = "f32"
             modal.query_one("#device").value = "cpu"
             await pilot.press("ctrl+s")

@@ -31,6 +31,7 @@ from localllm.memory import parse_kv_cache
 __all__ = ["TorchBackend", "open_backend", "resolve_device", "resolve_dtype"]
 
 _KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+_SCALED_KV = ("int8", "fp8")  # one scale per token and head (kvquant)
 # The CPU's default working precision: the fastest path measured here that keeps KL ≤ 0.01 nats
 # and top-1 ≥ 99% against f32 (bench/torch_gemv.py, bench/torch_engine.py; numbers in the issue
 # 11 note): the file's 4-bit feed-forward matrices kept 4-bit in torch's int4 matmul
@@ -168,13 +169,13 @@ class TorchBackend:
         self.device = resolve_device(device)
         self.dtype, self.compute_dtype = resolve_dtype(dtype, self.device)
         k, v = parse_kv_cache(kv_cache)
-        if k != v or k not in (*_KV_DTYPES, "int8"):
+        if k != v or k not in (*_KV_DTYPES, *_SCALED_KV):
             raise LocalLLMError(f"the torch backend has no {kv_cache} KV cache "
-                                f"(it has {', '.join(_KV_DTYPES)}, int8)")  # fmt: skip
+                                f"(it has {', '.join([*_KV_DTYPES, *_SCALED_KV])})")  # fmt: skip
         self.kv_type = k
-        # int8: codes and scales (kvquant.Int8KVCache), read back in the working dtype; the
-        # throwaway caches of embed() keep the working dtype
-        self.kv_dtype = self.compute_dtype if k == "int8" else _KV_DTYPES[k]
+        # int8, fp8: codes and scales (kvquant), read back in the working dtype; the throwaway
+        # caches of embed() keep the working dtype
+        self.kv_dtype = self.compute_dtype if k in _SCALED_KV else _KV_DTYPES[k]
         linear = None
         if self.dtype in ("f16", "int4") and self.device.type == "cpu":
             from localllm.backends.torch.quantized import Fp16Linear, quantize_linear
@@ -225,12 +226,13 @@ class TorchBackend:
     # -- slots ---------------------------------------------------------------------------------
 
     def _new_caches(self) -> list[Any]:
-        if self.kv_type == "int8":
-            from localllm.backends.torch.kvquant import Int8KVCache
+        if self.kv_type in _SCALED_KV:
+            from localllm.backends.torch import kvquant
 
+            kind = {"int8": kvquant.Int8KVCache, "fp8": kvquant.Fp8KVCache}[self.kv_type]
             a = self.model.args
-            return [Int8KVCache(a.n_kv_heads, a.head_dim, self.n_ctx, out_dtype=self.compute_dtype,
-                                device=self.device) for _ in range(a.n_layers)]  # fmt: skip
+            return [kind(a.n_kv_heads, a.head_dim, self.n_ctx, out_dtype=self.compute_dtype,
+                         device=self.device) for _ in range(a.n_layers)]  # fmt: skip
         return self.model.make_caches(self.n_ctx, dtype=self.kv_dtype, device=self.device)
 
     def admit(self, seq: Seq) -> int:

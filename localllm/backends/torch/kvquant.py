@@ -1,8 +1,10 @@
-"""Quantized KV caches with the plain cache's interface (`cache.KVCache`): issue 12's first type.
+"""Quantized KV caches with the plain cache's interface (`cache.KVCache`): issue 12's first types.
 
     Int8KVCache    symmetric int8 per token and head: x ≈ scale · q, q in [-127, 127],
                    scale = max|x| / 127 over the head's hd values (float16); 1 + 2/hd bytes per
                    element against f16's 2 (SmolLM2, hd 64: 1.94x smaller)
+    Fp8KVCache     the same with float8 e4m3 codes (scale = max|x| / 448): 3 mantissa bits, so
+                   2^-4 relative rounding where int8 has 2^-8 of the head's largest value
 
 Keys and values are quantized as they are appended and never again, so `trim(n)` restores exactly
 what was held before the last n tokens (speculative rollback) and `state` round-trips bit for bit.
@@ -15,14 +17,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Int8KVCache"]
+__all__ = ["Fp8KVCache", "Int8KVCache", "ScaledKVCache"]
 
 
-class Int8KVCache:
-    """int8 codes (1, n_kv, allocated, hd) and float16 scales (1, n_kv, allocated, 1) for K and V,
-    preallocated in steps of `step` tokens as the plain cache is."""
+class ScaledKVCache:
+    """Codes (1, n_kv, allocated, hd) of `CODES` and float16 scales (1, n_kv, allocated, 1) for K
+    and V, one scale per token and head, preallocated in steps of `step` tokens as the plain
+    cache is. Subclasses say how a scaled value becomes a code."""
 
     step = 256
+    CODES: torch.dtype = torch.int8
     _QMAX = 127.0
 
     def __init__(self, n_kv: int, head_dim: int, capacity: int, *, out_dtype: torch.dtype,
@@ -45,9 +49,9 @@ class Int8KVCache:
         size = min(self.capacity, -(-size // self.step) * self.step)
         shape = (1, self.n_kv, size)
         bufs = [
-            torch.empty(*shape, self.head_dim, dtype=torch.int8, device=self.device),
+            torch.empty(*shape, self.head_dim, dtype=self.CODES, device=self.device),
             torch.empty(*shape, 1, dtype=torch.float16, device=self.device),
-            torch.empty(*shape, self.head_dim, dtype=torch.int8, device=self.device),
+            torch.empty(*shape, self.head_dim, dtype=self.CODES, device=self.device),
             torch.empty(*shape, 1, dtype=torch.float16, device=self.device),
         ]
         if self.offset:
@@ -58,15 +62,21 @@ class Int8KVCache:
 
     @classmethod
     def quantize(cls, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (..., hd) → int8 codes (..., hd) and float16 scales (..., 1); |x - scale·q| ≤ scale/2
-        (scale = max|x| / 127, rounded to float16 first so the codes use the stored scale)."""
+        """x (..., hd) → codes (..., hd) and float16 scales (..., 1), scale = max|x| / QMAX
+        (rounded to float16 first, so the codes use the stored scale)."""
         amax = x.float().abs().amax(-1, keepdim=True)
         scale = (amax / cls._QMAX).to(torch.float16)
         s = scale.float()
-        q = torch.where(s > 0, x.float() / s, torch.zeros_like(s)).round_().clamp_(-127, 127)
-        return q.to(torch.int8), scale
+        y = torch.where(s > 0, x.float() / s, torch.zeros_like(s)).clamp_(-cls._QMAX, cls._QMAX)
+        return cls.encode(y), scale
+
+    @staticmethod
+    def encode(y: torch.Tensor) -> torch.Tensor:
+        """Scaled values in [-QMAX, QMAX] → codes."""
+        raise NotImplementedError
 
     def _dequantize(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Codes and scales → values in `dtype`, computed in float32."""
         return (q.to(torch.float32) * scale.to(torch.float32)).to(self.dtype)
 
     # -- the cache interface ---------------------------------------------------------------------
@@ -117,3 +127,26 @@ class Int8KVCache:
         for buf, part in zip(self._reserve(n), stored):
             buf[:, :, :n] = part
         self.offset = n
+
+
+class Int8KVCache(ScaledKVCache):
+    """int8 codes: |x - scale·q| ≤ scale / 2."""
+
+    CODES = torch.int8
+    _QMAX = 127.0
+
+    @staticmethod
+    def encode(y: torch.Tensor) -> torch.Tensor:
+        return y.round_().to(torch.int8)
+
+
+class Fp8KVCache(ScaledKVCache):
+    """float8 e4m3 codes (torch's round to nearest): |x - scale·q| ≤ 2^-4 |x| for scaled values
+    of 2^-6 and up, ≤ 2^-10 · scale below (e4m3's subnormals)."""
+
+    CODES = torch.float8_e4m3fn
+    _QMAX = 448.0
+
+    @staticmethod
+    def encode(y: torch.Tensor) -> torch.Tensor:
+        return y.to(torch.float8_e4m3fn)

@@ -12,7 +12,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from localllm.backends.torch.cache import KVCache  # noqa: E402
-from localllm.backends.torch.kvquant import Int8KVCache  # noqa: E402
+from localllm.backends.torch.kvquant import Fp8KVCache, Int8KVCache  # noqa: E402
 
 KV, HD = 3, 64
 
@@ -36,9 +36,25 @@ def test_round_trip_error_is_half_a_step_per_token_and_head() -> None:
     assert torch.equal(kk[0, 0, 0], torch.zeros(HD))
 
 
-def test_appends_in_pieces_equal_one_append() -> None:
-    whole = Int8KVCache(KV, HD, 512, out_dtype=torch.float32)
-    parts = Int8KVCache(KV, HD, 512, out_dtype=torch.float32)
+def test_fp8_round_trip_error_is_e4m3s() -> None:
+    cache = Fp8KVCache(KV, HD, 512, out_dtype=torch.float32)
+    k, v = kv(300, 8)
+    kk, vv = cache.update_and_fetch(k, v)
+    assert cache.state[0].dtype == torch.float8_e4m3fn and cache.state[0].element_size() == 1
+    for got, x in ((kk, k), (vv, v)):
+        scale = (x.abs().amax(-1, keepdim=True) / 448).half().float()
+        bound = torch.maximum(x.abs() * 2.0**-4, scale * 2.0**-10) + 1e-7
+        assert bool(((got - x).abs() <= bound).all())
+    assert torch.equal(kk[0, 0, 0], torch.zeros(HD))
+
+
+CACHES = [Int8KVCache, Fp8KVCache]
+
+
+@pytest.mark.parametrize("kind", CACHES, ids=["int8", "fp8"])
+def test_appends_in_pieces_equal_one_append(kind: type) -> None:
+    whole = kind(KV, HD, 512, out_dtype=torch.float32)
+    parts = kind(KV, HD, 512, out_dtype=torch.float32)
     k, v = kv(40, 2)
     want = whole.update_and_fetch(k, v)
     for i in range(0, 40, 7):
@@ -46,17 +62,20 @@ def test_appends_in_pieces_equal_one_append() -> None:
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def test_trim_restores_exactly_and_state_round_trips() -> None:
-    cache = Int8KVCache(KV, HD, 512, out_dtype=torch.float32)
+@pytest.mark.parametrize("kind", CACHES, ids=["int8", "fp8"])
+def test_trim_restores_exactly_and_state_round_trips(kind: type) -> None:
+    cache = kind(KV, HD, 512, out_dtype=torch.float32)
     k, v = kv(50, 3)
     cache.update_and_fetch(k[:, :, :30], v[:, :, :30])
     before = [t.clone() for t in cache.state]
     cache.update_and_fetch(k[:, :, 30:], v[:, :, 30:])
     assert cache.trim(20) == 20 and cache.offset == 30 and cache.is_trimmable()
-    assert all(torch.equal(a, b) for a, b in zip(cache.state, before))
-    copy = Int8KVCache(KV, HD, 512, out_dtype=torch.float32)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1
+               else torch.equal(a, b) for a, b in zip(cache.state, before))  # fmt: skip
+    copy = kind(KV, HD, 512, out_dtype=torch.float32)
     copy.state = cache.state
-    assert copy.offset == 30 and all(torch.equal(a, b) for a, b in zip(copy.state, before))
+    assert copy.offset == 30
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(copy.state, before))
     assert cache.trim(99) == 30 and cache.offset == 0
 
 
@@ -108,9 +127,21 @@ def test_the_backend_decodes_through_an_int8_cache(default_model_path) -> None: 
     assert texts["int8"] == texts["f16"], texts
 
 
+def test_the_backend_decodes_through_an_fp8_cache(default_model_path) -> None:  # noqa: ANN001
+    from localllm.backends.torch.backend import TorchBackend
+    from localllm.engine import Model
+
+    b = TorchBackend(default_model_path, n_ctx=256, dtype="f32", device="cpu", kv_cache="fp8")
+    with Model(b, "smollm2") as m:
+        r = m.complete("The capital of France is", max_tokens=8, temperature=0)
+        assert r.usage.completion_tokens == 8 and r.text.strip()
+        assert all(isinstance(c, Fp8KVCache) and c.offset > 0 for c in b._slots[0].caches)
+
+
 def test_mixed_k_and_v_types_are_refused_in_one_line(default_model_path) -> None:  # noqa: ANN001
     from localllm.backends.torch.backend import TorchBackend
     from localllm.errors import LocalLLMError
 
-    with pytest.raises(LocalLLMError, match="the torch backend has no k=int8,v=f16 KV cache"):
+    with pytest.raises(LocalLLMError, match="the torch backend has no k=int8,v=f16 KV cache "
+                                            r"\(it has f32, f16, bf16, int8, fp8\)"):  # fmt: skip
         TorchBackend(default_model_path, n_ctx=64, kv_cache="k=int8,v=f16")
