@@ -10,7 +10,7 @@ Keys and values are quantized as they are appended and never again, so `trim(n)`
 what was held before the last n tokens (speculative rollback) and `state` round-trips bit for bit.
 `update_and_fetch` returns the whole cache dequantized to `out_dtype`: one full-precision copy
 of this layer's keys and values exists per call (L · kv_heads · hd · 2 elements, freed when the
-layer is done); only the int8 codes and scales persist.
+layer is done); only the codes and scales persist.
 """
 
 from __future__ import annotations
