@@ -16,14 +16,38 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KVCache", "make_caches"]
+__all__ = ["KVCache", "PositionIndexed", "make_caches"]
 
 
-class KVCache:
-    """Position-indexed buffers, preallocated in steps: appending never copies what is held
-    except when the buffer grows (by `step` tokens at least, doubling, up to `capacity`)."""
+class PositionIndexed:
+    """What every position-indexed cache shares: `offset` tokens held at the front of buffers
+    that grow in steps (by `step` tokens at least, doubling, up to `capacity`), and a `trim`
+    that only moves `offset` back (what was appended is never rewritten, so it is exact)."""
 
     step = 256
+    capacity: int
+    offset: int
+
+    def _grown(self, have: int, n: int) -> int:
+        """The new buffer length for `n` tokens when `have` are allocated (ValueError past
+        `capacity`)."""
+        if n > self.capacity:
+            raise ValueError(f"KV cache full: {n} tokens, capacity {self.capacity}")
+        size = min(self.capacity, max(n, 2 * have, self.step))
+        return min(self.capacity, -(-size // self.step) * self.step)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = max(0, min(n, self.offset))
+        self.offset -= n
+        return n
+
+
+class KVCache(PositionIndexed):
+    """Position-indexed buffers, preallocated in steps: appending never copies what is held
+    except when the buffer grows."""
 
     def __init__(self, n_kv: int, head_dim: int, capacity: int, *, dtype: torch.dtype,
                  device: torch.device | str = "cpu", v_head_dim: int | None = None) -> None:  # fmt: skip
@@ -38,10 +62,7 @@ class KVCache:
         have = 0 if self.k is None else self.k.shape[2]
         if n <= have:
             return
-        if n > self.capacity:
-            raise ValueError(f"KV cache full: {n} tokens, capacity {self.capacity}")
-        size = min(self.capacity, max(n, 2 * have, self.step))
-        size = min(self.capacity, -(-size // self.step) * self.step)
+        size = self._grown(have, n)
         k = torch.empty(1, self.n_kv, size, self.head_dim, dtype=self.dtype, device=self.device)
         v = torch.empty(1, self.n_kv, size, self.v_head_dim, dtype=self.dtype, device=self.device)
         if self.offset:
@@ -58,14 +79,6 @@ class KVCache:
         self.v[:, :, self.offset : end] = v  # type: ignore[index]
         self.offset = end
         return self.k[:, :, :end], self.v[:, :, :end]  # type: ignore[index]
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        n = max(0, min(n, self.offset))
-        self.offset -= n
-        return n
 
     @property
     def nbytes(self) -> int:

@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import torch
 
+from localllm.backends.torch.cache import PositionIndexed
+
 __all__ = ["Fp8KVCache", "Int8KVCache", "ScaledKVCache"]
 
 
-class ScaledKVCache:
+class ScaledKVCache(PositionIndexed):
     """Codes (1, n_kv, allocated, hd) of `CODES` and float16 scales (1, n_kv, allocated, 1) for K
     and V, one scale per token and head, preallocated in steps of `step` tokens as the plain
     cache is. Subclasses say how a scaled value becomes a code."""
 
-    step = 256
     CODES: torch.dtype = torch.int8
     _QMAX = 127.0
 
@@ -43,11 +44,7 @@ class ScaledKVCache:
         have = 0 if self._bufs is None else self._bufs[0].shape[2]
         if n <= have:
             return self._bufs  # type: ignore[return-value]
-        if n > self.capacity:
-            raise ValueError(f"KV cache full: {n} tokens, capacity {self.capacity}")
-        size = min(self.capacity, max(n, 2 * have, self.step))
-        size = min(self.capacity, -(-size // self.step) * self.step)
-        shape = (1, self.n_kv, size)
+        shape = (1, self.n_kv, self._grown(have, n))
         bufs = [
             torch.empty(*shape, self.head_dim, dtype=self.CODES, device=self.device),
             torch.empty(*shape, 1, dtype=torch.float16, device=self.device),
@@ -93,14 +90,6 @@ class ScaledKVCache:
         self.offset = end
         return (self._dequantize(kq[:, :, :end], ks[:, :, :end]),
                 self._dequantize(vq[:, :, :end], vs[:, :, :end]))  # fmt: skip
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        n = max(0, min(n, self.offset))
-        self.offset -= n
-        return n
 
     @property
     def nbytes(self) -> int:
