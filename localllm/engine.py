@@ -676,30 +676,31 @@ def load(model: str, options: LoadOptions | None = None, *, check_memory: bool =
             )
     path = store.path_of(record)
     defaults, _source = sampling_defaults(path, sampling_for(record))
-    failed: dict[str, str] = {}  # with auto: backends that refused this file as they opened it
+    # With auto, a backend that refuses the file as it opens it (llama.cpp's first load may find
+    # that it computes wrong numbers for this file here, where torch is right) is passed over for
+    # the next that suits it; when none is left, or the next refuses the options, the error says
+    # what each one that was tried said.
+    failed: dict[str, str] = {}
     while True:
-        chosen, why = backends.select(opts.backend, path, failed=failed)
-        if chosen is not spec:
-            check_options(opts, chosen.capabilities, chosen.name)
+        try:
+            chosen, why = backends.select(opts.backend, path, failed=failed)
+            if chosen is not spec:
+                check_options(opts, chosen.capabilities, chosen.name)
+        except LocalLLMError:
+            if not failed:
+                raise
+            said = (next(iter(failed.values())) if len(failed) == 1
+                    else "; ".join(f"{n} failed: {r}" for n, r in failed.items()))  # fmt: skip
+            raise LocalLLMError(f"{record.name}: {said}") from None
         t0 = time.perf_counter()
         try:
             b = chosen.open(path, opts, name=record.name, digest=record.digest, home=store.home)
             break
         except LocalLLMError as e:
-            failed[chosen.name] = str(e).removeprefix(f"{record.name}: ")
-        # auto goes on to the next backend that suits the file (llama.cpp's first load may find
-        # that it computes wrong numbers for this file here, where torch is right); when none
-        # is left, or the next refuses the options, the error says what each one said
-        said = (next(iter(failed.values())) if len(failed) == 1
-                else "; ".join(f"{n} failed: {r}" for n, r in failed.items()))  # fmt: skip
-        if opts.backend != "auto":
-            raise LocalLLMError(f"{record.name}: {said}") from None
-        try:
-            nxt, _ = backends.select("auto", path, failed=failed)
-            if nxt is not spec:
-                check_options(opts, nxt.capabilities, nxt.name)
-        except LocalLLMError:
-            raise LocalLLMError(f"{record.name}: {said}") from None
+            reason = str(e).removeprefix(f"{record.name}: ")
+            if opts.backend != "auto":
+                raise LocalLLMError(f"{record.name}: {reason}") from None
+            failed[chosen.name] = reason
     return Model(b, record.name, load_s=time.perf_counter() - t0, options=opts,
                  sampling_defaults=defaults, backend_why=why)  # fmt: skip
 

@@ -145,6 +145,7 @@ class TorchBackend:
     name = "torch"
     capabilities = TORCH
 
+    @on_compute_thread  # loading is torch work too
     def __init__(self, path: str | Path, *, n_ctx: int, n_slots: int = 1, max_batch: int = 256,
                  device: str = "auto", dtype: str = "auto", kv_cache: str = "f16",
                  threads: int | None = None) -> None:  # fmt: skip
@@ -153,13 +154,9 @@ class TorchBackend:
         n_slots: sequences held at once.
         max_batch: prompt tokens one forward evaluates (the prefill piece: bounds peak memory).
         device, dtype: see `resolve_device`, `resolve_dtype`.
-        kv_cache: the cache's element type (f16, bf16, f32); attention computes in the working dtype.
+        kv_cache: the cache's element type (f16, bf16, f32, or int8 / fp8 codes: `kvquant`);
+            attention computes in the working dtype.
         """
-        on_compute_thread(self._load)(path, n_ctx, n_slots, max_batch, device, dtype, kv_cache,
-                                      threads)  # fmt: skip
-
-    def _load(self, path: str | Path, n_ctx: int, n_slots: int, max_batch: int, device: str,
-              dtype: str, kv_cache: str, threads: int | None) -> None:  # fmt: skip
         from localllm.backends.torch.models import build_model
         from localllm.backends.torch.tokenizer import GGUFTokenizer
         from localllm.gguf_file import GGUFFile

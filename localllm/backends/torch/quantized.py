@@ -86,22 +86,20 @@ class Fp16Linear(nn.Module):
         self._packed = None
         # (out, in) fp16 and (out,) fp32; `weight` is None while fbgemm holds the packed copy
         self.register_buffer("bias", None if bias is None else bias.detach().float())
-        if weight.dtype == torch.float32 and weight.is_cpu and fbgemm_fp16_available():
-            # fbgemm rounds to fp16 as torch does (to nearest, ties to even; subnormals too):
-            # packing the float32 matrix itself spares two copies (Gemma's head: 1 GB at load)
-            self.register_buffer("weight", None)
-            self._packed = torch.ops.quantized.linear_prepack_fp16(weight.detach(), self.bias)
-            return
-        self.register_buffer("weight", weight.detach().to(torch.float16))
-        self._pack()
+        self.register_buffer("weight", None)
+        self._store(weight.detach())
 
-    def _pack(self) -> None:
-        """On CPU, move the weight into fbgemm's packed form (no second copy is kept)."""
-        if self.weight is None or self.weight.device.type != "cpu" or not fbgemm_fp16_available():
-            return
-        # fbgemm rounds fp32 to fp16 itself; giving it fp16 values makes that exact
-        self._packed = torch.ops.quantized.linear_prepack_fp16(self.weight.float(), self.bias)
-        self.weight = None
+    def _store(self, weight: torch.Tensor) -> None:
+        """Keep `weight` rounded to fp16: on CPU only in fbgemm's packed form, else as `weight`.
+
+        fbgemm rounds float32 to fp16 as torch does (to nearest, ties to even; subnormals too),
+        so a float32 matrix is packed as it is: no fp16 and float32 copies (Gemma's head: 1 GB
+        at load)."""
+        if weight.is_cpu and fbgemm_fp16_available():
+            self._packed = torch.ops.quantized.linear_prepack_fp16(weight.float(), self.bias)
+            self.weight = None
+        else:
+            self._packed, self.weight = None, weight.to(torch.float16)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Fp16Linear:
@@ -137,8 +135,7 @@ class Fp16Linear(nn.Module):
         weight, self.weight = self.weight, None
         super()._apply(fn, recurse)
         if weight is not None:
-            self.weight = weight.to(device)
-            self._pack()
+            self._store(weight.to(device))
         return self
 
     def extra_repr(self) -> str:

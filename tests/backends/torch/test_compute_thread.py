@@ -71,13 +71,15 @@ def test_the_backend_loads_and_steps_there(default_model_path, monkeypatch) -> N
         return real(self, *a)
 
     monkeypatch.setattr(backend.TorchBackend, "_forward", forward)
-    real_load = backend.TorchBackend._load
+    from localllm.backends.torch import models
 
-    def load(self, *a):  # noqa: ANN001, ANN202
+    real_build = models.build_model
+
+    def build(*a, **kw):  # noqa: ANN002, ANN003, ANN202
         seen.append(threading.current_thread().name)
-        return real_load(self, *a)
+        return real_build(*a, **kw)
 
-    monkeypatch.setattr(backend.TorchBackend, "_load", load)
+    monkeypatch.setattr(models, "build_model", build)
     b = backend.TorchBackend(default_model_path, n_ctx=64, dtype="f32", device="cpu")
     with Model(b, "smollm2") as m:
         assert m.complete("Hello", max_tokens=3, temperature=0).text is not None

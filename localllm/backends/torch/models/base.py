@@ -360,7 +360,7 @@ def load_weights(model: nn.Module, f: GGUFFile, *, dtype: torch.dtype, device: t
     # as the file stores them (`FourBit`)
     four_bit = tuple(getattr(linear, "four_bit", ()))
     keep = {n for n, (module, _, kind) in targets.items()
-            if kind == "weight" and four_bit and module.endswith(four_bit)}  # fmt: skip
+            if kind == "weight" and module.endswith(four_bit)}  # fmt: skip
     for name, t in iter_tensors(f, dtype=dtype, device=device, keep_four_bit=keep):
         if name in hooks:
             hooks[name](t)
