@@ -20,10 +20,13 @@ from localllm.errors import LocalLLMError
 from localllm.gguf_file import GGML_TYPE_BY_NAME
 from localllm.model_info import ModelInfo
 
-# Cache element types: llama.cpp's ggml types by name, plus the torch engine's own.
-# The torch types keep one f16 scale and one f16 zero point per group of 64 elements.
+# Cache element types: llama.cpp's ggml types by name, plus the torch engine's own
+# (`backends.torch.kvquant`): int8 and fp8 keep one f16 scale per token and head (2 bytes per
+# head, below); int4 and int2 one f16 scale and one f16 zero point per group of 64 elements.
 _TORCH_GROUP = 64
-_TORCH_KV_BYTES = {"int8": 1 + 4 / _TORCH_GROUP, "int4": 0.5 + 4 / _TORCH_GROUP, "fp8": 1.0}
+_TORCH_KV_BYTES = {"int8": 1.0, "fp8": 1.0, "int4": 0.5 + 4 / _TORCH_GROUP,
+                   "int2": 0.25 + 4 / _TORCH_GROUP}  # fmt: skip
+_PER_HEAD_SCALE = ("int8", "fp8")
 _LLAMACPP_KV = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 KV_CACHE_TYPES: tuple[str, ...] = _LLAMACPP_KV + tuple(_TORCH_KV_BYTES)
 
@@ -50,21 +53,25 @@ def parse_kv_cache(spec: str) -> tuple[str, str]:
     return k, v
 
 
-def _row_bytes(cache_type: str, n: int) -> float:
-    """Bytes for one row of `n` elements, as ggml_row_size does for block types."""
+def _row_bytes(cache_type: str, n: int, heads: int = 1) -> float:
+    """Bytes for one token's row of `n` elements over `heads` heads, as ggml_row_size does for
+    block types."""
     if cache_type in _TORCH_KV_BYTES:
-        return n * _TORCH_KV_BYTES[cache_type]
+        return n * _TORCH_KV_BYTES[cache_type] + (2 * heads if cache_type in _PER_HEAD_SCALE else 0)
     t = GGML_TYPE_BY_NAME[cache_type.upper()]
     return -(-n // t.block_size) * t.type_size
 
 
+def kv_bytes_per_token(info: ModelInfo, type_k: str = "f16", type_v: str = "f16") -> float:
+    """What one more cached token costs, K and V over every layer: codes plus scales and zero
+    points (f16: 2 bytes × 2 × layers × kv_heads × head_dim)."""
+    return sum(_row_bytes(type_k, h * info.head_dim_k, h) + _row_bytes(type_v, h * info.head_dim_v, h)
+               for h in info.kv_heads)  # fmt: skip
+
+
 def kv_cache_bytes(info: ModelInfo, ctx: int, type_k: str = "f16", type_v: str = "f16") -> int:
     """Bytes of the KV cache for `ctx` positions (one sequence)."""
-    per_token = sum(
-        _row_bytes(type_k, h * info.head_dim_k) + _row_bytes(type_v, h * info.head_dim_v)
-        for h in info.kv_heads
-    )
-    return int(per_token * ctx)
+    return int(kv_bytes_per_token(info, type_k, type_v) * ctx)
 
 
 def compute_buffer_bytes(info: ModelInfo, n_ubatch: int = DEFAULT_UBATCH) -> int:

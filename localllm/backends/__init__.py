@@ -110,13 +110,13 @@ TORCH_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_
                       "Q6_K")  # fmt: skip
 
 TORCH = Capabilities(
-    kv_cache_types=("f16", "bf16", "f32", "int8", "fp8"),
-    streaming=False,
+    kv_cache_types=("f16", "bf16", "f32", "int8", "fp8", "int4", "int2"),
+    streaming=True,
     speculative=("off",),
     batching=True,
     embeddings=True,
     grammar=False,
-    eviction=(),
+    eviction=("h2o",),
     devices=("cpu", "cuda", "mps"),
     dtypes=("f32", "bf16", "f16", "int4"),
 )

@@ -27,11 +27,11 @@ from localllm.backends.torch.sampling import Sampler, logprobs, make_sampler
 from localllm.chat import template_for
 from localllm.errors import ContextOverflow, LocalLLMError
 from localllm.memory import parse_kv_cache
+from localllm.types import ContextPolicy
 
 __all__ = ["TorchBackend", "open_backend", "resolve_device", "resolve_dtype"]
 
 _KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-_SCALED_KV = ("int8", "fp8")  # one scale per token and head (kvquant)
 # The CPU's default working precision: the fastest path measured here that keeps KL ≤ 0.01 nats
 # and top-1 ≥ 99% against f32 (bench/torch_gemv.py, bench/torch_engine.py; numbers in the issue
 # 11 note): the file's 4-bit feed-forward matrices kept 4-bit in torch's int4 matmul
@@ -132,11 +132,12 @@ class _Slot:
     fed: int = 0  # prompt tokens in the cache
     last: int | None = None  # sampled, not yet evaluated
     history: list[int] = field(default_factory=list)  # prompt + generated, for penalties
+    policy: ContextPolicy = field(default_factory=ContextPolicy)  # what its caches were made for
+    shifted: list[int] = field(default_factory=list)  # tokens forgotten, not yet reported
 
     @property
     def n_past(self) -> int:
         return self.caches[0].offset if self.caches else 0
-
 
 
 class TorchBackend:
@@ -148,14 +149,16 @@ class TorchBackend:
     @on_compute_thread  # loading is torch work too
     def __init__(self, path: str | Path, *, n_ctx: int, n_slots: int = 1, max_batch: int = 256,
                  device: str = "auto", dtype: str = "auto", kv_cache: str = "f16",
-                 threads: int | None = None) -> None:  # fmt: skip
+                 evict: str | None = None, threads: int | None = None) -> None:  # fmt: skip
         """Args:
         n_ctx: tokens per sequence.
         n_slots: sequences held at once.
         max_batch: prompt tokens one forward evaluates (the prefill piece: bounds peak memory).
         device, dtype: see `resolve_device`, `resolve_dtype`.
-        kv_cache: the cache's element type (f16, bf16, f32, or int8 / fp8 codes: `kvquant`);
-            attention computes in the working dtype.
+        kv_cache: the cache's types, `TYPE` or `k=TYPE,v=TYPE` (f16, bf16, f32, or int8, fp8,
+            int4, int2 codes: `kvquant`); attention computes in the working dtype.
+        evict: `h2o:BUDGET` (`policies.H2OCache`) or None. StreamingLLM is per sequence
+            (`Seq.policy`).
         """
         from localllm.backends.torch.models import build_model
         from localllm.backends.torch.tokenizer import GGUFTokenizer
@@ -165,14 +168,20 @@ class TorchBackend:
             torch.set_num_threads(threads)
         self.device = resolve_device(device)
         self.dtype, self.compute_dtype = resolve_dtype(dtype, self.device)
-        k, v = parse_kv_cache(kv_cache)
-        if k != v or k not in (*_KV_DTYPES, *_SCALED_KV):
-            raise LocalLLMError(f"the torch backend has no {kv_cache} KV cache "
-                                f"(it has {', '.join([*_KV_DTYPES, *_SCALED_KV])})")  # fmt: skip
-        self.kv_type = k
-        # int8, fp8: codes and scales (kvquant), read back in the working dtype; the throwaway
-        # caches of embed() keep the working dtype
-        self.kv_dtype = self.compute_dtype if k in _SCALED_KV else _KV_DTYPES[k]
+        from localllm.backends.torch.kvquant import CODECS
+
+        self.kv_types = parse_kv_cache(kv_cache)
+        for t in self.kv_types:
+            if t not in CODECS:
+                raise LocalLLMError(f"the torch backend has no {t} KV cache "
+                                    f"(it has {', '.join(CODECS)})")  # fmt: skip
+        self.budget = int(evict.partition(":")[2]) if evict else 0
+        if evict and not evict.startswith("h2o:"):
+            raise LocalLLMError(f"the torch backend has no {evict.partition(':')[0]} eviction (it has h2o)")
+        # a plain cache of one float type is the fast path; the throwaway caches of embed() keep
+        # that type, or the working dtype when the cache quantizes
+        k = self.kv_types[0]
+        self.kv_dtype = _KV_DTYPES[k] if k == self.kv_types[1] and k in _KV_DTYPES else self.compute_dtype
         linear = None
         if self.dtype in ("f16", "int4") and self.device.type == "cpu":
             from localllm.backends.torch.quantized import Fp16Linear, quantize_linear
@@ -189,6 +198,13 @@ class TorchBackend:
                                                                      self.compute_dtype)  # fmt: skip
             meta = dict(f.metadata)
         self.model.eval()
+        if self.budget:
+            if any(getattr(layer.attention, "window", 0) for layer in self.model.layers):
+                raise LocalLLMError("H2O eviction (--evict) needs every layer to attend to the whole "
+                                    "cache; this model has sliding-window layers")  # fmt: skip
+            if any(t in ("int4", "int2") for t in self.kv_types):
+                raise LocalLLMError("H2O eviction keeps tokens one by one; int4 and int2 caches "
+                                    "group them (use f16, bf16, f32, int8 or fp8)")  # fmt: skip
         tok = self.tokenizer
         self.chat_template = template_for(
             meta,
@@ -222,15 +238,19 @@ class TorchBackend:
 
     # -- slots ---------------------------------------------------------------------------------
 
-    def _new_caches(self) -> list[Any]:
-        if self.kv_type in _SCALED_KV:
-            from localllm.backends.torch import kvquant
+    def new_caches(self, policy: ContextPolicy | None = None) -> list[Any]:
+        """One sequence's caches for `policy` (StreamingLLM) and this backend's types and H2O
+        budget (`policies.make_caches`)."""
+        from localllm.backends.torch.policies import make_caches
 
-            kind = {"int8": kvquant.Int8KVCache, "fp8": kvquant.Fp8KVCache}[self.kv_type]
-            a = self.model.args
-            return [kind(a.n_kv_heads, a.head_dim, self.n_ctx, out_dtype=self.compute_dtype,
-                         device=self.device) for _ in range(a.n_layers)]  # fmt: skip
-        return self.model.make_caches(self.n_ctx, dtype=self.kv_dtype, device=self.device)
+        return make_caches(self.model, self.n_ctx, kv_types=self.kv_types, policy=policy,
+                           budget=self.budget, dtype=self.compute_dtype, device=self.device)  # fmt: skip
+
+    def _chunk(self, policy: ContextPolicy) -> int:
+        """Prompt tokens one forward evaluates: under a policy that forgets, at most half of
+        what it keeps, so every new token still sees most of its window."""
+        keep = policy.window if policy.enabled else self.budget
+        return max(1, min(self.max_batch, keep // 2)) if keep else self.max_batch
 
     def admit(self, seq: Seq) -> int:
         """Give `seq` a free slot (the one whose cache shares the longest prefix with its prompt,
@@ -239,11 +259,16 @@ class TorchBackend:
         if not free:
             raise LocalLLMError(f"all {self.n_slots} torch slots are busy")
         limit = len(seq.ids) - 1  # at least one prompt token is evaluated, for its logits
-        shared = {s: common_prefix(s.tokens, seq.ids, limit) for s in free}
+        shared = {s: common_prefix(s.tokens, seq.ids, limit) if s.policy == seq.policy else 0
+                  for s in free}  # fmt: skip
         slot = max(free, key=lambda s: (shared[s], not s.tokens, -s.sid))
         reuse = shared[slot]
+        if slot.policy != seq.policy or (slot.caches and slot.caches[0].dropped):
+            slot.caches, slot.tokens = [], []  # made for another policy, or it forgot tokens
         if not slot.caches:
-            slot.caches = self._new_caches()
+            slot.caches, slot.policy = self.new_caches(seq.policy), seq.policy
+        if not all(c.exact(c.offset - reuse) for c in slot.caches):
+            reuse = 0  # the cache cannot give back exactly that prefix (a KIVI group's originals)
         for c in slot.caches:
             c.trim(c.offset - reuse)
         del slot.tokens[reuse:]
@@ -259,7 +284,7 @@ class TorchBackend:
             return
         seq.state = None
         slot.seq = slot.last = slot.sampler = None
-        slot.history = []
+        slot.history, slot.shifted = [], []
         if not keep:
             slot.caches, slot.tokens = [], []
 
@@ -285,17 +310,18 @@ class TorchBackend:
             if slot.last is None:  # prefilling
                 left = len(seq.ids) - slot.fed
                 tokens = seq.ids[slot.fed : slot.fed + (min(n, left) if n > 0 else left)]
-                if slot.n_past + len(tokens) > self.n_ctx:
+                if not seq.policy.enabled and slot.n_past + len(tokens) > self.n_ctx:
                     raise ContextOverflow(
                         f"{slot.n_past + len(tokens)} tokens do not fit the context of {self.n_ctx}"
                     )
                 h = None
-                for i in range(0, len(tokens), self.max_batch):
-                    h = self._forward([slot], [tokens[i : i + self.max_batch]])
+                size = self._chunk(seq.policy)
+                for i in range(0, len(tokens), size):
+                    h = self._forward([slot], [tokens[i : i + size]])
                 slot.fed += len(tokens)
                 if slot.fed == len(seq.ids) and h is not None:
                     out[seq] = [self._sample(slot, self.model.logits(h[0, -1]))]
-            elif slot.n_past + 1 > self.n_ctx:
+            elif not seq.policy.enabled and slot.n_past + 1 > self.n_ctx:
                 out[seq] = []  # the context is full
             else:
                 decoding.append(slot)
@@ -310,11 +336,15 @@ class TorchBackend:
         """Evaluate equally long token lists, one per slot, at each slot's next positions.
         On failure every cache is trimmed back, so each slot holds what it held before."""
         before = [s.n_past for s in slots]
+        dropped = [s.caches[0].dropped for s in slots]
         x = torch.tensor(tokens, dtype=torch.long, device=self.device)  # (B, T)
         try:
             h = self.model(x, [s.caches for s in slots])  # (B, T, dim)
         except Exception as e:
-            for s, n in zip(slots, before):
+            for s, n, d in zip(slots, before, dropped):
+                if s.caches[0].dropped != d:  # what was forgotten is gone: start afresh
+                    s.caches, s.tokens = [], []
+                    continue
                 for c in s.caches:
                     c.trim(c.offset - n)
             if isinstance(e, torch.OutOfMemoryError):
@@ -323,8 +353,10 @@ class TorchBackend:
                     f"{x.numel()} tokens; try a smaller --ctx or --parallel"
                 ) from None
             raise
-        for s, t in zip(slots, tokens):
+        for s, t, d in zip(slots, tokens, dropped):
             s.tokens.extend(t)
+            if s.caches[0].dropped != d:  # forgotten tokens: reported with the next token
+                s.shifted.append(s.caches[0].dropped - d)
         return h
 
     def _sample(self, slot: _Slot, logits: torch.Tensor) -> Step:
@@ -337,7 +369,9 @@ class TorchBackend:
             lp, top = logprobs(logits, token, seq.sampling.logprobs)
         slot.last = token
         slot.history.append(token)
-        return Step(token, logprob=lp, top=top)
+        step = Step(token, shifted=tuple(slot.shifted), logprob=lp, top=top)
+        slot.shifted = []
+        return step
 
     # -- the rest ------------------------------------------------------------------------------
 
@@ -376,7 +410,7 @@ def open_backend(path: str | Path, options: Any, *, name: str, digest: str,
     """The registry's factory."""
     del name, digest, home  # the torch engine runs in this process: no first-load child
     return TorchBackend(path, n_ctx=options.ctx, n_slots=options.parallel, device=options.device,
-                        dtype=options.dtype, kv_cache=options.kv_cache,
+                        dtype=options.dtype, kv_cache=options.kv_cache, evict=options.evict,
                         threads=options.threads or _default_threads())  # fmt: skip
 
 

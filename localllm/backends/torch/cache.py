@@ -27,6 +27,15 @@ class PositionIndexed:
     step = 256
     capacity: int
     offset: int
+    pre_rope = False  # keys arrive rotated (see `policies`)
+    observes = False  # no attention probabilities wanted
+    dropped = 0  # nothing is ever forgotten
+
+    def make_room(self, n: int) -> int:
+        return 0
+
+    def exact(self, n: int) -> bool:
+        return True
 
     def _grown(self, have: int, n: int) -> int:
         """The new buffer length for `n` tokens when `have` are allocated (ValueError past

@@ -44,9 +44,10 @@ ARCH = {"LlamaConfig": "llama", "Qwen2Config": "qwen2", "Qwen3Config": "qwen3",
         "Gemma3TextConfig": "gemma3"}  # fmt: skip
 
 
-def hf_model(family: str):
+def hf_model(family: str, **overrides):
     """A tiny random transformers model: GQA, weights scaled so activations and logits are O(1)
-    (the default 0.02 init would make every logit nearly 0 and any comparison pass)."""
+    (the default 0.02 init would make every logit nearly 0 and any comparison pass).
+    `overrides`: config settings over the family's (e.g. num_hidden_layers)."""
     import transformers
 
     cls_name, extra = TINY[family]
@@ -56,6 +57,7 @@ def hf_model(family: str):
         "rms_norm_eps": 1e-6, "tie_word_embeddings": family in ("qwen2", "gemma3"),
     }  # fmt: skip
     kwargs.update(extra)
+    kwargs.update(overrides)
     if "rope_scaling" in kwargs:  # transformers 5 spells it rope_parameters
         kwargs["rope_parameters"] = {
             **kwargs.pop("rope_scaling"),

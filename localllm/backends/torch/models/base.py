@@ -188,6 +188,7 @@ class RoPE:
         if factors is not None:
             inv_freq = inv_freq / factors.to(device=device, dtype=torch.float32)
         self.inv_freq = inv_freq * scale  # (hd/2,)
+        self._table: tuple[int, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """positions (B, T) → cos, signed sin (B, T, 1, hd), broadcasting over heads.
@@ -198,6 +199,16 @@ class RoPE:
         freqs = positions[:, :, None, None].float() * self.inv_freq  # (B, T, 1, hd/2)
         cos, sin = freqs.cos(), freqs.sin()
         return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
+
+
+    def table(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin for positions 0..n-1 as (1, 1, n, hd), for keys laid out (1, KV, n, hd)
+        (a cache that rotates keys at use). Kept for the last n: every layer of a step asks."""
+        if self._table is None or self._table[:2] != (n, dtype):
+            pos = torch.arange(n, device=self.inv_freq.device)[None]
+            cos, sin = self(pos, dtype)
+            self._table = (n, dtype, (cos.transpose(1, 2), sin.transpose(1, 2)))
+        return self._table[2]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -244,7 +255,8 @@ class Masks:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[Any],
-           masks: Masks, *, window: int = 0, scale: float | None = None) -> torch.Tensor:  # fmt: skip
+           masks: Masks, *, window: int = 0, scale: float | None = None,
+           k_raw: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Append the new k, v (B, T, KV, hd) to each row's cache and attend from q (B, T, H, hd).
 
     Returns (B, T, H * hd), ready for the output projection. Inputs may be strided views of the
@@ -252,29 +264,58 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[A
     goes through SDPA's `enable_gqa` (no repeated keys in memory). Rows attend one by one over
     their own caches: padding them to one length would copy every row's keys each layer, which
     costs more than the extra calls once contexts grow.
+
+    A cache with `pre_rope` gets `k_raw` (the keys before RoPE) and rotates what it returns
+    itself; one that `observes` (H2O) gets this step's attention probabilities, which only it
+    makes attention compute outside the fused kernel.
     """
     gqa = q.shape[2] != k.shape[2]
     outs = []
     for b, cache in enumerate(caches):
+        kin = k_raw if k_raw is not None and cache.pre_rope else k
         if len(caches) > 1:
-            qb, kb, vb = q[b : b + 1], k[b : b + 1], v[b : b + 1]
+            qb, kb, vb = q[b : b + 1], kin[b : b + 1], v[b : b + 1]
         else:
-            qb, kb, vb = q, k, v
+            qb, kb, vb = q, kin, v
         kk, vv = cache.update_and_fetch(kb.transpose(1, 2), vb.transpose(1, 2))  # (1, KV, L, hd)
         if kk.dtype != q.dtype:  # a cache may store f16 while we compute in f32
             kk, vv = kk.to(q.dtype), vv.to(q.dtype)
         mask, causal = masks.get(b, kk.shape[2], window)
-        out = F.scaled_dot_product_attention(
-            qb.transpose(1, 2), kk, vv, attn_mask=mask, is_causal=causal, scale=scale,
-            enable_gqa=gqa,
-        )  # fmt: skip
+        if cache.observes:
+            out = _attend_observed(qb.transpose(1, 2), kk, vv, mask, causal, scale, cache)
+        else:
+            out = F.scaled_dot_product_attention(
+                qb.transpose(1, 2), kk, vv, attn_mask=mask, is_causal=causal, scale=scale,
+                enable_gqa=gqa,
+            )  # fmt: skip
         outs.append(out.transpose(1, 2))  # (1, T, H, hd)
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.reshape(out.shape[0], out.shape[1], -1)
 
 
+def _attend_observed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     causal: bool, scale: float | None, cache: Any) -> torch.Tensor:  # fmt: skip
+    """Attention written out, for a cache that observes it: q (1, H, T, hd), k, v (1, KV, L, hd)
+    → (1, H, T, hd); the cache gets the probabilities summed over its KV heads' queries, (KV, L)."""
+    _, h, t, hd = q.shape
+    kv, n = k.shape[1], k.shape[2]
+    qg = q.reshape(1, kv, h // kv, t, hd)
+    scores = qg @ k[:, :, None].transpose(-1, -2) * (scale if scale is not None else hd**-0.5)
+    if causal and mask is None:
+        mask = torch.ones(t, n, dtype=torch.bool, device=q.device).tril(n - t)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.float().softmax(-1)
+    cache.observe(probs.sum((0, 2, 3)))
+    return (probs.to(v.dtype) @ v[:, :, None]).reshape(1, h, t, hd)
+
+
 def positions(caches: Sequence[Sequence[Any]], n_new: int, device: torch.device) -> torch.Tensor:
-    """(B, T) positions of the new tokens: each row continues from its cache's offset."""
+    """(B, T) positions of the new tokens: each row continues from its cache's offset, once
+    every cache has made room for them (an evicting cache forgets tokens here)."""
+    for row in caches:
+        for c in row:
+            c.make_room(n_new)
     starts = [row[0].offset for row in caches]
     if len(starts) == 1:
         return torch.arange(starts[0], starts[0] + n_new, device=device)[None]

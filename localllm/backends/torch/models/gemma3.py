@@ -85,8 +85,10 @@ class Attention(nn.Module):
         H, KV = self.n_heads, self.n_kv
         qkv = self.wqkv(x).view(b, t, H + 2 * KV, self.head_dim)
         q = apply_rope(self.q_norm(qkv[:, :, :H]), *rope)  # (B, T, H, hd)
-        k = apply_rope(self.k_norm(qkv[:, :, H : H + KV]), *rope)  # (B, T, KV, hd)
-        out = attend(q, k, qkv[:, :, H + KV :], caches, masks, window=self.window, scale=self.scale)
+        raw = self.k_norm(qkv[:, :, H : H + KV])
+        k = apply_rope(raw, *rope)  # (B, T, KV, hd)
+        out = attend(q, k, qkv[:, :, H + KV :], caches, masks, window=self.window, scale=self.scale,
+                     k_raw=raw)  # fmt: skip
         return self.wo(out)
 
 
@@ -141,6 +143,10 @@ class Model(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(h, ropes[layer.attention.local], [row[i] for row in caches], masks)
         return self.norm(h)
+
+    def rope_for(self, layer: int) -> RoPE:
+        """The rotation layer `layer` uses (for caches that rotate keys at use)."""
+        return self.rope_local if self.layers[layer].attention.local else self.rope_global
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)

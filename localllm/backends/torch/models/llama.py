@@ -57,9 +57,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 caches: Sequence[KVCache], masks: Masks) -> torch.Tensor:  # fmt: skip
-        qk, v = self.qkv(x)
-        qk = apply_rope(qk, *rope)  # (B, T, H + KV, hd)
-        out = attend(qk[:, :, : self.n_heads], qk[:, :, self.n_heads :], v, caches, masks)
+        raw, v = self.qkv(x)
+        qk = apply_rope(raw, *rope)  # (B, T, H + KV, hd)
+        out = attend(qk[:, :, : self.n_heads], qk[:, :, self.n_heads :], v, caches, masks,
+                     k_raw=raw[:, :, self.n_heads :])  # fmt: skip
         return self.wo(out)
 
 
@@ -134,6 +135,10 @@ class Model(nn.Module):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.tok_embeddings(tokens)
+
+    def rope_for(self, layer: int) -> RoPE:
+        """The rotation layer `layer` uses (for caches that rotate keys at use)."""
+        return self.rope
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(..., dim) → (..., vocab) float32."""

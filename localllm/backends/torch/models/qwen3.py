@@ -31,8 +31,8 @@ class Attention(llama.Attention):
                 caches: Sequence[KVCache], masks: Masks) -> torch.Tensor:  # fmt: skip
         qk, v = self.qkv(x)  # (B, T, H + KV, hd), (B, T, KV, hd)
         q = apply_rope(self.q_norm(qk[:, :, : self.n_heads]), *rope)
-        k = apply_rope(self.k_norm(qk[:, :, self.n_heads :]), *rope)
-        return self.wo(attend(q, k, v, caches, masks))
+        raw = self.k_norm(qk[:, :, self.n_heads :])
+        return self.wo(attend(q, apply_rope(raw, *rope), v, caches, masks, k_raw=raw))
 
 
 class Block(llama.Block):

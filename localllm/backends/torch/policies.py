@@ -1,0 +1,247 @@
+"""Caches that forget: StreamingLLM's sinks and window, and H2O's heavy hitters. Both hold their
+keys and values in `kvquant.Store`s, so every cache type composes with them (int4 keys with a
+window, int8 with H2O, ...), and both keep the cache interface (`cache.KVCache`) plus:
+
+    cache.make_room(n)     before n new tokens: forget what the policy says; returns how many
+    cache.dropped          tokens forgotten so far
+    cache.pre_rope         True: `update_and_fetch` takes keys before RoPE and returns them
+                           rotated at their positions inside the cache (StreamingLLM)
+    cache.observes         True: attention reports each step's probabilities (`observe`)
+    cache.exact(n)         whether trim(n) gives back exactly the earlier state (not when the
+                           policy forgot something during those n tokens: forgetting is final)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from localllm.backends.torch.kvquant import QuantizedKVCache, Store, make_store
+from localllm.backends.torch.models.base import RoPE, apply_rope
+from localllm.types import ContextPolicy
+
+__all__ = ["H2OCache", "StreamingCache", "make_caches"]
+
+_FLOATS = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# Tokens a window keeps after forgetting them, until their room is needed: the held ones move
+# down once per this many tokens instead of at every token.
+WINDOW_SLACK = 64
+
+
+class _Forgetting:
+    """Accounting both policies share: what was appended, what was forgotten and when."""
+
+    pre_rope = False
+    observes = False
+
+    def __init__(self) -> None:
+        self.dropped = 0
+        self._appended = 0
+        self._forgot_at = -1  # `_appended` when the policy last forgot something
+
+    def _forgot(self, n: int) -> int:
+        if n > 0:
+            self.dropped += n
+            self._forgot_at = self._appended
+        return n
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def exact(self, n: int) -> bool:
+        stores = self._stores()
+        return self._appended - n > self._forgot_at and all(s.exact(n) for s in stores)
+
+    def _stores(self) -> list[Store]:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self._stores())
+
+    @property
+    def residual_bytes(self) -> int:
+        return sum(s.residual_bytes for s in self._stores())
+
+    @property
+    def state(self) -> tuple[tuple[torch.Tensor, ...], ...]:
+        return tuple(s.state for s in self._stores())
+
+    @state.setter
+    def state(self, stored: tuple[tuple[torch.Tensor, ...], ...]) -> None:
+        for s, part in zip(self._stores(), stored):
+            s.state = part
+
+
+class StreamingCache(_Forgetting):
+    """StreamingLLM (arXiv 2309.17453): the first `sinks` tokens and the most recent `window`.
+
+    Positions are positions inside the cache, as in the paper: keys are stored before RoPE and
+    rotated at every read with positions 0..L-1 (the model's queries sit at L-T..L-1: the cache's
+    `offset` after `make_room`). One token is forgotten per token appended once the window is
+    full, the oldest after the sinks. Sinks and window are stores of the cache's types; the
+    sinks quantize as soon as they are complete (a KIVI key group of `sinks` tokens).
+    """
+
+    pre_rope = True
+
+    def __init__(self, sinks: tuple[Store, Store], window: tuple[Store, Store], *,
+                 n_sinks: int, n_window: int, rope: RoPE) -> None:  # fmt: skip
+        super().__init__()
+        self.sink_k, self.sink_v = sinks
+        self.win_k, self.win_v = window
+        self.n_sinks, self.window, self.rope = n_sinks, n_window, rope
+        self.capacity = n_sinks + n_window
+
+    def _stores(self) -> list[Store]:
+        return [self.sink_k, self.sink_v, self.win_k, self.win_v]
+
+    @property
+    def offset(self) -> int:
+        return len(self.sink_k) + len(self.win_k)
+
+    def _split(self, n: int) -> int:
+        """How many of n new tokens go to the sinks."""
+        return max(0, min(n, self.n_sinks - len(self.sink_k)))
+
+    def make_room(self, n: int) -> int:
+        over = len(self.win_k) + n - self._split(n) - self.window
+        if over <= 0:
+            return 0
+        if over > len(self.win_k):
+            raise ValueError(f"{n} new tokens do not fit a window of {self.window}")
+        self.win_k.drop_front(over)
+        self.win_v.drop_front(over)
+        return self._forgot(over)
+
+    def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k (1, KV, T, hd) before RoPE, v → every held key, rotated at 0..L-1, and value."""
+        s = self._split(k.shape[2])
+        if s:
+            self.sink_k.append(k[:, :, :s])
+            self.sink_v.append(v[:, :, :s])
+        if s < k.shape[2]:
+            self.win_k.append(k[:, :, s:])
+            self.win_v.append(v[:, :, s:])
+        self._appended += k.shape[2]
+        kk = torch.cat([self.sink_k.fetch(), self.win_k.fetch()], 2)
+        vv = torch.cat([self.sink_v.fetch(), self.win_v.fetch()], 2)
+        cos, sin = self.rope.table(kk.shape[2], kk.dtype)
+        return apply_rope(kk, cos, sin), vv
+
+    def trim(self, n: int) -> int:
+        n = max(0, min(n, self.offset))
+        w = min(n, len(self.win_k))
+        self.win_k.truncate(w)
+        self.win_v.truncate(w)
+        self.sink_k.truncate(n - w)
+        self.sink_v.truncate(n - w)
+        self._appended -= n
+        return n
+
+    def bytes_per_token(self) -> float:
+        return self.win_k.bytes_per_token() + self.win_v.bytes_per_token()
+
+
+class H2OCache(_Forgetting):
+    """H2O (arXiv 2306.14048): at most `budget` tokens per layer and KV head — the `recent`
+    newest and the heavy hitters, the older tokens with the most attention accumulated over every
+    query so far (summed over the query heads that share the KV head). Keys keep their RoPE at
+    their positions in the text; `offset` is the next position, not the count held."""
+
+    observes = True
+
+    def __init__(self, k: Store, v: Store, *, budget: int, recent: int | None = None) -> None:
+        super().__init__()
+        self.k, self.v = k, v
+        self.budget = budget
+        self.recent = budget // 2 if recent is None else recent
+        self.capacity = k.capacity  # positions: the model's context
+        self.pos = 0
+        self.scores = torch.zeros(k.n_kv, 0, dtype=torch.float32, device=k.device)
+
+    def _stores(self) -> list[Store]:
+        return [self.k, self.v]
+
+    @property
+    def offset(self) -> int:
+        return self.pos
+
+    def make_room(self, n: int) -> int:
+        held = len(self.k)
+        over = held + n - self.budget
+        if over <= 0:
+            return 0
+        older = held - min(held, self.recent)  # candidates: all but the recent ones
+        if over > older:
+            raise ValueError(f"{n} new tokens do not fit an H2O budget of {self.budget}")
+        heavy = self.scores[:, :older].topk(older - over, dim=1).indices.sort(dim=1).values
+        recent = torch.arange(older, held, device=heavy.device).expand(heavy.shape[0], -1)
+        index = torch.cat([heavy, recent], 1)
+        self.k.keep(index)
+        self.v.keep(index)
+        self.scores = torch.gather(self.scores, 1, index)
+        return self._forgot(over)
+
+    def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k.append(k)
+        self.v.append(v)
+        t = k.shape[2]
+        self.pos += t
+        self._appended += t
+        fresh = torch.zeros(self.scores.shape[0], t, dtype=self.scores.dtype, device=self.scores.device)
+        self.scores = torch.cat([self.scores, fresh], 1)
+        return self.k.fetch(), self.v.fetch()
+
+    def observe(self, probs: torch.Tensor) -> None:
+        """probs (KV, L): this step's attention on each held token, summed over its queries."""
+        self.scores += probs.float()
+
+    def trim(self, n: int) -> int:
+        n = max(0, min(n, len(self.k)))
+        self.k.truncate(n)
+        self.v.truncate(n)
+        self.scores = self.scores[:, : len(self.k)]
+        self.pos -= n
+        self._appended -= n
+        return n
+
+    def bytes_per_token(self) -> float:
+        return self.k.bytes_per_token() + self.v.bytes_per_token()
+
+
+def make_caches(model: Any, capacity: int, *, kv_types: tuple[str, str] = ("f16", "f16"),
+                policy: ContextPolicy | None = None, budget: int = 0,
+                dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu") -> list[Any]:  # fmt: skip
+    """One sequence's caches, one per layer of `model`: the plain cache for one float type and no
+    policy (the fast path); else K and V stores of their types (`kvquant.make_store`), under
+    StreamingLLM (`policy` enabled: sinks and window) or H2O (`budget` tokens) or neither.
+    Attention reads them in `dtype`."""
+    policy = policy or ContextPolicy()
+    k_type, v_type = kv_types
+    if not policy.enabled and not budget and k_type == v_type and k_type in _FLOATS:
+        return model.make_caches(capacity, dtype=_FLOATS[k_type], device=device)
+    a = model.args
+
+    def pair(size: int, **kw: Any) -> tuple[Store, Store]:
+        return tuple(make_store(t, key=key, n_kv=a.n_kv_heads, head_dim=a.head_dim, capacity=size,
+                                out_dtype=dtype, device=device, **kw)
+                     for t, key in ((k_type, True), (v_type, False)))  # type: ignore[return-value]  # fmt: skip
+
+    caches: list[Any] = []
+    for layer in range(a.n_layers):
+        if policy.enabled:
+            sinks = policy.sinks or 0
+            window = min(policy.window, capacity - sinks)
+            # the sinks quantize as soon as they are complete: one key group of `sinks` tokens
+            caches.append(StreamingCache(pair(sinks, residual=0, group=max(1, sinks)),
+                                         pair(window, slack=WINDOW_SLACK), n_sinks=sinks,
+                                         n_window=window,
+                                         rope=model.rope_for(layer)))  # fmt: skip
+        elif budget:
+            caches.append(H2OCache(*pair(capacity), budget=budget))
+        else:
+            caches.append(QuantizedKVCache(*pair(capacity)))
+    return caches
