@@ -548,7 +548,7 @@ def run(
     SamplingParams.from_kwargs(**given)  # a bad value is one line before the model loads
     response_format = _json_schema_format(json_schema) if json_schema is not None else None
     if response_format is not None:  # refused by the engine's own check, before loading
-        spec = backends.describe(options.backend)
+        spec = backends.describe(options.backend, options)
         check_supported(Request(prompt="", response_format=response_format),
                         spec.capabilities, spec.name)  # fmt: skip
     interactive = prompt is None and sys.stdin.isatty()
@@ -582,6 +582,100 @@ def run(
         _repl(llm, history, ask, raw)
     finally:
         llm.close()
+
+
+@app.command("eval")
+def eval_text(
+    model: Annotated[str, typer.Argument(help="Model name, e.g. smollm2.")],
+    text: Annotated[Path, typer.Option("--text", help="A UTF-8 text file to evaluate on.")],
+    limit: Annotated[
+        int | None, typer.Option("--limit", help="Evaluate the first TOKENS tokens (default: all).")
+    ] = None,
+    ctx: Annotated[int | None, typer.Option("--ctx", help="Context length (default: the text's).")] = None,
+    backend: Annotated[str, typer.Option("--backend", help=BACKEND_HELP)] = "auto",
+    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or mps.")] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", help="torch engine's working precision.")] = "auto",
+    kv_cache: Annotated[
+        str, typer.Option("--kv-cache", help="KV cache type, or k=TYPE,v=TYPE (torch: int8, fp8, "
+                          "int4, int2 too).")  # fmt: skip
+    ] = "f16",
+    streaming: Annotated[
+        str | None, typer.Option("--streaming", help="SINKS:WINDOW: StreamingLLM's cache.")
+    ] = None,
+    evict: Annotated[str | None, typer.Option("--evict", help="h2o:BUDGET (torch).")] = None,
+    ref: Annotated[
+        str | None, typer.Option("--ref", help="A reference model for KL and top-1 agreement.")
+    ] = None,
+    ref_kv: Annotated[
+        str | None, typer.Option("--ref-kv", help="Reference: this model with this KV cache type.")
+    ] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Perplexity over a text, evaluated as generation runs; KV-cache cost; KL and top-1
+    agreement against a reference cache type (--ref-kv) or model (--ref)."""
+    from localllm.evaluate import evaluate, read_text
+    from localllm.memory import parse_kv_cache
+    from localllm.model_info import human_bytes
+    from localllm.types import LoadOptions
+
+    options = LoadOptions(backend=backend, device=device, dtype=dtype, ctx=ctx, kv_cache=kv_cache,
+                          streaming=streaming, evict=evict, parallel=1)  # fmt: skip
+    if ref_kv is not None:
+        parse_kv_cache(ref_kv)
+    if limit is not None and limit < 2:
+        raise LocalLLMError(f"--limit must be at least 2 tokens, got {limit}")
+    body = read_text(text)
+    with _EvalProgress(quiet=json_out) as bar:
+        result = evaluate(model, body, options=options, limit=limit, ref=ref, ref_kv=ref_kv,
+                          progress=bar.update)  # fmt: skip
+    if json_out:
+        _emit_json(result)
+        return
+    r = result
+    print(f"{r['model']}  perplexity {r['perplexity']:.4f} over {r['tokens']:,} tokens "
+          f"({r['backend']}, KV {r['kv_cache']}"
+          + (f", streaming {r['streaming']}" if r["streaming"] else "")
+          + (f", evict {r['evict']}" if r["evict"] else "") + f"; {r['evaluated']})")  # fmt: skip
+    print(f"KV cache: {r['kv_bytes_per_token']:,.0f} bytes per token; residual "
+          f"{human_bytes(r['kv_residual_bytes'])}; peak {human_bytes(r['kv_peak_bytes'])}")
+    if "kl_mean" in r:
+        print(f"against {r['reference']['model']} with KV {r['reference']['kv_cache']}: "
+              f"KL mean {r['kl_mean']:.5f} nats, p99 {r['kl_p99']:.5f}; "
+              f"top-1 agreement {100 * r['top1_agreement']:.2f}%")
+    print(f"{r['seconds']:.1f} s")
+
+
+class _EvalProgress:
+    """A rich progress bar of evaluated tokens on a terminal (stderr); nothing otherwise."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.bar: Any = None
+        self.quiet = quiet
+
+    def __enter__(self) -> _EvalProgress:
+        if not self.quiet and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+
+            self.bar = Progress(TextColumn("evaluating"), BarColumn(), MofNCompleteColumn(),
+                                TimeRemainingColumn(), console=Console(stderr=True), transient=True)  # fmt: skip
+            self.bar.start()
+            self.task = self.bar.add_task("eval", total=None)
+        return self
+
+    def update(self, done: int, total: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done, total=total)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
 
 
 def _json_schema_format(path: Path) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -46,21 +46,28 @@ from localllm.types import (
 
 def check_options(options: LoadOptions, caps: Capabilities, backend: str) -> None:
     """Every load option the backend lacks is one `Unsupported` line, before anything loads."""
+    from localllm import backends
     from localllm.memory import parse_kv_cache
 
-    def no(what: str, has: Sequence[str] | None = None) -> Unsupported:
+    def no(what: str, has: Sequence[str] | None = None,
+           elsewhere: Callable[[Capabilities], bool] | None = None) -> Unsupported:  # fmt: skip
         tail = f" (it has: {', '.join(has)})" if has else ""
+        others = [s.name for s in backends.specs()
+                  if elsewhere is not None and s.name != backend and elsewhere(s.capabilities)]  # fmt: skip
+        if others:
+            tail += f"; the {others[0]} backend has it (--backend {others[0]})"
         return Unsupported(f"the {backend} backend has no {what}{tail}")
 
     for t in dict.fromkeys(parse_kv_cache(options.kv_cache)):
         if t not in caps.kv_cache_types:
-            raise no(f"{t} KV cache", caps.kv_cache_types)
+            raise no(f"{t} KV cache", caps.kv_cache_types, lambda c, t=t: t in c.kv_cache_types)  # type: ignore[misc]
     if options.streaming and not caps.streaming:
-        raise no("context shift (--streaming)")
+        raise no("context shift (--streaming)", None, lambda c: c.streaming)
     if options.evict:
         kind = options.evict.partition(":")[0]
         if kind not in caps.eviction:
-            raise no(f"{kind} eviction (--evict)", caps.eviction or ("none",))
+            raise no(f"{kind} eviction (--evict)", caps.eviction or ("none",),
+                     lambda c: kind in c.eviction)  # fmt: skip
     mode = speculative_mode(options.speculative)
     if mode not in caps.speculative:
         raise no(f"speculative mode {mode!r}", caps.speculative)
@@ -659,7 +666,7 @@ def load(model: str, options: LoadOptions | None = None, *, check_memory: bool =
     if "n_threads" in kw:
         kw["threads"] = kw.pop("n_threads")
     opts = (options or LoadOptions()).replace(**kw) if kw else (options or LoadOptions())
-    spec = backends.describe(opts.backend)
+    spec = backends.describe(opts.backend, opts)  # auto: the first that can honour opts
     check_options(opts, spec.capabilities, spec.name)
     store = Store()
     record = ensure_local(model, store)
@@ -683,7 +690,7 @@ def load(model: str, options: LoadOptions | None = None, *, check_memory: bool =
     failed: dict[str, str] = {}
     while True:
         try:
-            chosen, why = backends.select(opts.backend, path, failed=failed)
+            chosen, why = backends.select(opts.backend, path, failed=failed, options=opts)
             if chosen is not spec:
                 check_options(opts, chosen.capabilities, chosen.name)
         except LocalLLMError:

@@ -76,7 +76,7 @@ def registry_fit(store: Any = None) -> Fit:
         record = find_local(name, store or Store())
         if record is None:
             return None
-        spec = backends.describe(options.backend)
+        spec = backends.describe(options.backend, options)
         est = spec.estimate(record.info, options.replace(ctx=resolve_ctx(record.info, options.ctx)))
         return est.total_bytes, est.available_bytes
 

@@ -13,6 +13,7 @@ from localllm import backends
 from localllm.backends import Availability
 from localllm.cli import main
 from localllm.errors import BackendUnavailable, LocalLLMError
+from localllm.types import LoadOptions
 
 from ggufs import copy_gguf
 
@@ -121,6 +122,23 @@ def test_auto_moves_on_when_llamacpp_refuses_the_file(localllm_home: Path,
         assert m.backend_why.startswith("auto: torch runs here")
         assert "llama.cpp failed on this file: llama.cpp computes wrong numbers" in m.backend_why
         assert m.complete("Hi", max_tokens=2, temperature=0).text
+
+
+def test_auto_takes_the_backend_that_honours_the_options(localllm_home: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """llama.cpp runs here, but it has no int4 KV cache and no H2O: auto loads torch instead,
+    without opening llama.cpp, and says why."""
+    from localllm.engine import load
+
+    opened = _refusing_llamacpp(monkeypatch)  # it would refuse the file too: it must not be tried
+    for kw in ({"kv_cache": "k=int4,v=int8"}, {"evict": "h2o:64"}):
+        with load("smollm2", ctx=256, parallel=1, **kw) as m:
+            assert m.backend.name == "torch" and opened == []
+            assert m.backend_why.startswith("auto: torch runs here")
+            assert "the llama.cpp backend has no" in m.backend_why
+            assert m.complete("Hi", max_tokens=2, temperature=0).text
+    assert backends.describe("auto", LoadOptions(kv_cache="int2")).name == "torch"
+    assert backends.describe("auto", LoadOptions(kv_cache="q8_0")).name == "llama.cpp"
 
 
 def test_a_named_backend_that_refuses_the_file_is_one_error(localllm_home: Path,

@@ -210,10 +210,14 @@ def test_show_says_which_template_a_model_without_one_gets(
 @pytest.mark.parametrize(
     ("args", "text"),
     [
-        (["--evict", "h2o:64"], "the llama.cpp backend has no h2o eviction (--evict)"),
+        (["--backend", "llama.cpp", "--evict", "h2o:64"], "the llama.cpp backend has no h2o eviction (--evict) (it has: "
+                                "none); the torch backend has it (--backend torch)"),
         (["--evict", "lru"], "bad --evict 'lru'"),
         (["--speculative", "lookup"], "the llama.cpp backend has no speculative mode 'lookup'"),
-        (["--kv-cache", "int8"], "the llama.cpp backend has no int8 KV cache"),
+        (["--backend", "llama.cpp", "--kv-cache", "int8"], "the llama.cpp backend has no int8 KV cache"),
+        (["--backend", "llama.cpp", "--kv-cache", "k=q8_0,v=int4"], "the llama.cpp backend has no int4 KV cache (it has: "
+                                          "f16, f32, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1); "
+                                          "the torch backend has it (--backend torch)"),
         (["--backend", "vllm"], "unknown backend 'vllm' (choose from auto, llama.cpp"),
         (["--backend", "torch", "--kv-cache", "q8_0"], "the torch backend has no q8_0 KV cache"),
         (["--dtype", "int8"], "unknown dtype 'int8'"),

@@ -200,7 +200,7 @@ class SettingsScreen(ModalScreen[Result | None]):
             else mode,
         }  # fmt: skip
         options = self.options.replace(**engine)  # keeps what this screen does not show
-        spec = backends.describe(options.backend)
+        spec = backends.describe(options.backend, options)
         check_options(options, spec.capabilities, spec.name)
         system = str(f["system"]).strip() or None
         return system, sampling, options

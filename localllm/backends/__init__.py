@@ -224,11 +224,28 @@ def specs() -> tuple[BackendSpec, ...]:
     return tuple(_SPECS.values())
 
 
-def describe(name: str = "auto") -> BackendSpec:
-    """The spec a load would use, without checking that it runs here (for `show` and the app)."""
+def _refuses(spec: BackendSpec, options: Any) -> str | None:
+    """Why `spec` cannot honour load `options` (a KV type, --streaming, --evict, ...), or None."""
+    from localllm.engine import check_options
+    from localllm.errors import Unsupported
+
+    try:
+        check_options(options, spec.capabilities, spec.name)
+    except Unsupported as e:
+        return str(e)
+    return None
+
+
+def describe(name: str = "auto", options: Any = None) -> BackendSpec:
+    """The spec a load would use, without checking that it runs here (for `show` and the app).
+    With load `options`, auto means the first backend that can honour them."""
     if name == "auto":
         if not AUTO_ORDER:
             raise BackendUnavailable("no backend is installed")
+        if options is not None:
+            for n in AUTO_ORDER:
+                if _refuses(_SPECS[n], options) is None:
+                    return _SPECS[n]
         return _SPECS[AUTO_ORDER[0]]
     return get(name)
 
@@ -239,13 +256,15 @@ def choose(name: str = "auto", path: Path | None = None) -> BackendSpec:
 
 
 def select(name: str = "auto", path: Path | None = None, *,
-           failed: Mapping[str, str] | None = None) -> tuple[BackendSpec, str]:  # fmt: skip
+           failed: Mapping[str, str] | None = None,
+           options: Any = None) -> tuple[BackendSpec, str]:  # fmt: skip
     """The backend a load of `path` will use and why, or `BackendUnavailable` saying why none can.
 
     `auto` takes the first backend in `AUTO_ORDER` that runs here and suits the file (llama.cpp
     first when its probe passes), passing over those in `failed` (name → why opening this file
     failed: llama.cpp's first-load check refusing it); a named one must run here and suit the
     file itself.
+    (With load `options`, auto also passes over backends that cannot honour them.)
     """
     if name != "auto":
         spec = get(name)
@@ -270,6 +289,10 @@ def select(name: str = "auto", path: Path | None = None, *,
         why = spec.suits(path) if path is not None else None
         if why:
             said.append(f"{n} cannot load this file: {why}")
+            continue
+        refused = _refuses(spec, options) if options is not None else None
+        if refused:
+            said.append(refused)
             continue
         first = f"auto: {n} runs here ({a.reason})"
         return spec, "; ".join([first, *said]) if said else first

@@ -31,7 +31,7 @@ from localllm.backends.base import Seq, Step, common_prefix
 from localllm.chat import template_for
 from localllm.errors import ContextOverflow, LocalLLMError
 from localllm.memory import parse_kv_cache
-from localllm.types import SamplingParams
+from localllm.types import ContextPolicy, SamplingParams
 
 _GGML_TYPE = {
     "f32": 0,
@@ -607,6 +607,10 @@ class LlamaCppBackend:
 
     # -- the rest ------------------------------------------------------------------------------
 
+    def scorer(self, policy: ContextPolicy | None = None) -> LlamaScorer:
+        """Logits for every position of a text through slot 0 (`localllm eval`)."""
+        return LlamaScorer(self, policy or ContextPolicy())
+
     def embed(self, texts: Sequence[str]) -> list[list[float]]:
         """Mean-pooled, L2-normalised embeddings from a second context made for embedding."""
         with self._embed_lock:
@@ -639,6 +643,57 @@ class LlamaCppBackend:
             self._model.close()
             self._ctx = self._model = None
 
+
+
+class LlamaScorer:
+    """Feeds a text through slot 0's cells and returns the logits after every token
+    (`localllm eval`); under a StreamingLLM policy the cache rolls one token at a time once full
+    (llama.cpp's context shift with `n_keep` sinks and `n_discard` 1), so `token_by_token`.
+
+    Whole chunks are otherwise what generation computes: llama.cpp writes a batch's keys and
+    values into the cache (quantized there) before its attention reads them back."""
+
+    def __init__(self, backend: LlamaCppBackend, policy: ContextPolicy) -> None:
+        self.b, self.policy = backend, policy
+        self.slot = backend._slots[0]
+        if self.slot.seq is not None:
+            raise LocalLLMError("slot 0 is generating")
+        backend.drop_caches()
+        if policy.enabled and not backend._lib.llama_memory_can_shift(backend._mem):
+            raise LocalLLMError("this model's cache cannot be shifted (--streaming)")
+        self.token_by_token = policy.enabled
+        self.chunk = 1 if policy.enabled else backend.max_batch
+        self.shifts = 0
+
+    def feed(self, tokens: Sequence[int]) -> Any:
+        """numpy float32 (len(tokens), vocab): the logits after each of `tokens`."""
+        b, slot, lib = self.b, self.slot, self.b._lib
+        n = len(tokens)
+        if self.policy.enabled:
+            keep = self.policy.sinks or 0
+            capacity = min(b.n_ctx, keep + self.policy.window)
+            if n > 1:
+                raise LocalLLMError("a rolling cache is fed one token at a time")
+            if slot.n_past + 1 > capacity:  # forget the oldest token after the sinks
+                lib.llama_memory_seq_rm(b._mem, slot.sid, keep, keep + 1)
+                lib.llama_memory_seq_add(b._mem, slot.sid, keep + 1, slot.n_past, -1)
+                slot.n_past -= 1
+                self.shifts += 1
+        elif slot.n_past + n > b.n_ctx:
+            raise ContextOverflow(f"{slot.n_past + n} tokens do not fit the context of {b.n_ctx}")
+        batch = b._batch
+        batch.token[:n] = tokens
+        batch.pos[:n] = np.arange(slot.n_past, slot.n_past + n)
+        batch.seq_id[:n] = slot.sid
+        batch.logits[:n] = 1
+        rc = batch.decode(b._ctx.ctx, n)
+        if rc != 0:
+            lib.llama_memory_seq_rm(b._mem, slot.sid, slot.n_past, -1)
+            raise LocalLLMError(f"llama.cpp could not evaluate {n} tokens (llama_decode returned {rc})")
+        slot.n_past += n
+        slot.tokens = []  # what it holds is no prompt prefix any more
+        ptr = lib.llama_get_logits(b._ctx.ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n, b._n_vocab)).copy()
 
 
 class _Batch:

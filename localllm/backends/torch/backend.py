@@ -246,6 +246,10 @@ class TorchBackend:
         return make_caches(self.model, self.n_ctx, kv_types=self.kv_types, policy=policy,
                            budget=self.budget, dtype=self.compute_dtype, device=self.device)  # fmt: skip
 
+    def scorer(self, policy: ContextPolicy | None = None) -> TorchScorer:
+        """Logits for every position of a text through one sequence's caches (`localllm eval`)."""
+        return TorchScorer(self, policy or ContextPolicy())
+
     def _chunk(self, policy: ContextPolicy) -> int:
         """Prompt tokens one forward evaluates: under a policy that forgets, at most half of
         what it keeps, so every new token still sees most of its window."""
@@ -403,6 +407,49 @@ class TorchBackend:
         for slot in self._slots:
             slot.caches, slot.tokens, slot.seq = [], [], None
         self.model = None  # type: ignore[assignment]
+
+
+class TorchScorer:
+    """Feeds a text through one sequence's caches and returns the logits after every token.
+
+    `token_by_token`: whether `feed` must get one token at a time to evaluate as generation does.
+    Whole chunks are the same computation only when every key and value reads back as it was
+    written, whichever query reads it: a plain float cache, or int8 / fp8 (each token quantized on
+    its own, before any query reads it). KIVI's residual quantizes a group once later tokens
+    arrive, and StreamingLLM and H2O forget between tokens: one at a time there.
+    """
+
+    def __init__(self, backend: TorchBackend, policy: ContextPolicy) -> None:
+        self.backend = backend
+        self.caches = backend.new_caches(policy)
+        self.token_by_token = bool(policy.enabled or backend.budget
+                                   or {"int4", "int2"} & set(backend.kv_types))  # fmt: skip
+        self.chunk = 1 if self.token_by_token else backend.max_batch
+        self.peak_bytes = 0
+        self.step_bytes = 0  # the largest full-precision copy attention read in one layer
+
+    @on_compute_thread
+    @torch.inference_mode()
+    def feed(self, tokens: Sequence[int]) -> Any:
+        """numpy float32 (len(tokens), vocab): the logits after each of `tokens`."""
+        b = self.backend
+        x = torch.tensor([list(tokens)], dtype=torch.long, device=b.device)
+        h = b.model(x, [self.caches])
+        logits = b.model.logits(h[0]).float().cpu().numpy()
+        self.peak_bytes = max(self.peak_bytes, sum(c.nbytes for c in self.caches))
+        held = self.caches[0].held
+        a = b.model.args
+        elem = torch.empty(0, dtype=b.compute_dtype).element_size()
+        self.step_bytes = max(self.step_bytes, held * 2 * a.n_kv_heads * a.head_dim * elem)
+        return logits
+
+    def kv_stats(self) -> dict[str, float]:
+        return {
+            "kv_bytes_per_token": sum(c.bytes_per_token() for c in self.caches),
+            "kv_residual_bytes": sum(c.residual_bytes for c in self.caches),
+            "kv_peak_bytes": self.peak_bytes,
+            "kv_step_bytes": self.step_bytes,
+        }
 
 
 def open_backend(path: str | Path, options: Any, *, name: str, digest: str,

@@ -6,6 +6,9 @@
     cache.trim(n)                         forget the last n tokens (speculative rollback); returns n
     cache.is_trimmable()                  whether trim works (a rotating window cannot)
     cache.nbytes                          bytes held by its buffers
+    cache.held                            keys attention reads (H2O: fewer than `offset`)
+    cache.bytes_per_token()               what one more cached token costs (K and V)
+    cache.residual_bytes                  full-precision bytes kept beside quantized ones
     cache.state                           (K, V) of what is held; assignable
 
 The model never keeps state: the caller owns `[cache(layer) for layer in range(n_layers)]` per
@@ -33,6 +36,11 @@ class PositionIndexed:
 
     def make_room(self, n: int) -> int:
         return 0
+
+    @property
+    def held(self) -> int:
+        """Keys attention reads (`offset` is the next position; they differ under H2O)."""
+        return self.offset
 
     def exact(self, n: int) -> bool:
         return True
@@ -94,6 +102,13 @@ class KVCache(PositionIndexed):
         if self.k is None or self.v is None:
             return 0
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    residual_bytes = 0  # nothing is kept beside the cache itself
+
+    def bytes_per_token(self) -> float:
+        """What one more cached token costs, K and V."""
+        size = torch.empty(0, dtype=self.dtype).element_size()
+        return self.n_kv * (self.head_dim + self.v_head_dim) * size
 
     @property
     def state(self) -> tuple[torch.Tensor, torch.Tensor] | None:

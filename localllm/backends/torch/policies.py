@@ -101,6 +101,8 @@ class StreamingCache(_Forgetting):
     def offset(self) -> int:
         return len(self.sink_k) + len(self.win_k)
 
+    held = offset
+
     def _split(self, n: int) -> int:
         """How many of n new tokens go to the sinks."""
         return max(0, min(n, self.n_sinks - len(self.sink_k)))
@@ -167,6 +169,10 @@ class H2OCache(_Forgetting):
     @property
     def offset(self) -> int:
         return self.pos
+
+    @property
+    def held(self) -> int:
+        return len(self.k)
 
     def make_room(self, n: int) -> int:
         held = len(self.k)

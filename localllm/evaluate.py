@@ -1,0 +1,166 @@
+"""`localllm eval`: perplexity over a long text, evaluated the way generation runs, with what the KV
+cache costs and, against a reference (another cache type, or another model), how far the
+next-token distributions move.
+
+Each backend gives a scorer (`backend.scorer(policy)`): `feed(tokens)` returns the logits after
+each token, evaluated through one sequence's cache exactly as decoding would fill it — one token
+at a time whenever a policy quantizes late (KIVI's residual) or forgets (StreamingLLM, H2O),
+whole chunks only where that is the same computation (`scorer.token_by_token` says which).
+
+    perplexity      exp(mean negative log-likelihood of tokens 2..N given what precedes them)
+    kl_mean, kl_p99 KL(reference ‖ this) per position, in nats: mean and 99th percentile
+    top1_agreement  share of positions where both put the same token first
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from localllm.errors import LocalLLMError
+from localllm.types import LoadOptions
+
+__all__ = ["evaluate", "read_text"]
+
+
+def read_text(path: Path) -> str:
+    """The text to evaluate, or one line saying why it cannot be read."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise LocalLLMError(f"no such text file: {path}") from None
+    except IsADirectoryError:
+        raise LocalLLMError(f"{path} is a directory, not a text file") from None
+    except UnicodeDecodeError as e:
+        raise LocalLLMError(f"{path} is not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise LocalLLMError(f"cannot read {path}: {e.strerror or e}") from None
+    if not text.strip():
+        raise LocalLLMError(f"{path} is empty")
+    return text
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float32, copy=False)
+    m = x.max(-1, keepdims=True)
+    z = np.log(np.exp(x - m).sum(-1, keepdims=True, dtype=np.float64)).astype(np.float32)
+    return x - m - z
+
+
+def _kv_stats(llm: Any, scorer: Any) -> dict[str, float]:
+    """What the cache costs: measured by the torch engine's caches, computed from the model's
+    shape for llama.cpp (which allocates every cell when the context is made)."""
+    if hasattr(scorer, "kv_stats"):
+        return scorer.kv_stats()
+    from localllm.memory import kv_bytes_per_token, parse_kv_cache
+    from localllm.model_info import read_model_info
+
+    info = read_model_info(llm.backend.model_path)
+    per = kv_bytes_per_token(info, *parse_kv_cache(llm.options.kv_cache))
+    return {"kv_bytes_per_token": per, "kv_residual_bytes": 0,
+            "kv_peak_bytes": int(per * llm.backend.n_ctx), "kv_step_bytes": 0}  # fmt: skip
+
+
+def evaluate(model: str, text: str, *, options: LoadOptions, limit: int | None = None,
+             ref: str | None = None, ref_kv: str | None = None,
+             progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Perplexity of `model` (loaded with `options`) over the first `limit` tokens of `text`.
+
+    With `ref` (a model) or `ref_kv` (a cache type), the same text also goes through the reference
+    — that model, or this one with that cache type — with a full cache and no policy, and the
+    result adds KL and top-1 agreement against it. `progress(done, total)` is called as it goes.
+    """
+    from localllm.engine import load
+    from localllm.models_registry.catalog import ensure_local
+    from localllm.models_registry.store import Store
+
+    started = time.perf_counter()
+    policy = options.context
+    if limit is not None and limit < 2:
+        raise LocalLLMError(f"--limit must be at least 2 tokens, got {limit}")
+    # The context the run needs: the window under StreamingLLM, else the text — `limit` tokens,
+    # or up to the model's own context when the text's length in tokens is not known yet.
+    if policy.enabled:
+        ctx = options.ctx or (policy.sinks or 0) + policy.window
+    else:
+        ctx = options.ctx or limit or ensure_local(model, Store()).info.context_length or 4096
+    llm = load(model, options.replace(parallel=1, ctx=ctx))
+    reference = None
+    try:
+        ids = llm.backend.tokenize(text, add_special=True)
+        ids = ids[:limit] if limit else ids
+        n = len(ids)
+        if n < 2:
+            raise LocalLLMError("the text has fewer than 2 tokens: nothing to predict")
+        if not policy.enabled and n > llm.backend.n_ctx:
+            raise LocalLLMError(f"the text has {n} tokens but the context holds "
+                                f"{llm.backend.n_ctx}; use --limit or --streaming SINKS:WINDOW")  # fmt: skip
+        scorer = llm.backend.scorer(policy)
+        ref_scorer = None
+        if ref or ref_kv:
+            ref_opts = options.replace(parallel=1, ctx=n, streaming=None, evict=None,
+                                       kv_cache=ref_kv or options.kv_cache)  # fmt: skip
+            reference = load(ref or model, ref_opts)
+            if reference.backend.tokenize(text, add_special=True)[:n] != ids:
+                raise LocalLLMError(f"{reference.name} tokenizes the text differently from "
+                                    f"{llm.name}: no position-by-position comparison")  # fmt: skip
+            ref_scorer = reference.backend.scorer(None)
+        result = _score(ids, scorer, ref_scorer, progress)
+        result.update(_kv_stats(llm, scorer))
+        result.update({
+            "model": llm.name, "backend": llm.backend.name, "kv_cache": llm.options.kv_cache,
+            "streaming": options.streaming, "evict": options.evict,
+            "evaluated": "token by token" if scorer.token_by_token else f"chunks of {scorer.chunk}",
+            "reference": (None if ref_scorer is None else
+                          {"model": reference.name, "kv_cache": reference.options.kv_cache}),  # type: ignore[union-attr]
+            "seconds": round(time.perf_counter() - started, 3),
+        })  # fmt: skip
+        shifts = getattr(scorer, "shifts", None)
+        if shifts is not None and policy.enabled:
+            result["context_shifts"] = shifts
+        return result
+    finally:
+        llm.close()
+        if reference is not None:
+            reference.close()
+
+
+def _score(ids: list[int], scorer: Any, ref: Any,
+           progress: Callable[[int, int], None] | None) -> dict[str, Any]:  # fmt: skip
+    """Feed ids[:-1] through `scorer` (and `ref` in step), predicting ids[1:]."""
+    total = len(ids) - 1
+    nll = 0.0
+    kls: list[np.ndarray] = []
+    agree = 0
+    pending: list[np.ndarray] = []  # reference rows not yet matched
+    ref_pos = 0
+    pos = 0
+    while pos < total:
+        piece = ids[pos : min(pos + scorer.chunk, total)]
+        logp = _log_softmax(scorer.feed(piece))
+        m = len(piece)
+        targets = np.asarray(ids[pos + 1 : pos + 1 + m])
+        nll -= float(logp[np.arange(m), targets].astype(np.float64).sum())
+        if ref is not None:
+            while sum(len(p) for p in pending) < m:
+                rp = ids[ref_pos : min(ref_pos + ref.chunk, total)]
+                pending.append(_log_softmax(ref.feed(rp)))
+                ref_pos += len(rp)
+            rows = np.concatenate(pending) if len(pending) > 1 else pending[0]
+            r, pending = rows[:m], ([rows[m:]] if len(rows) > m else [])
+            kls.append((np.exp(r) * (r - logp)).sum(-1, dtype=np.float64))
+            agree += int((r.argmax(-1) == logp.argmax(-1)).sum())
+        pos += m
+        if progress is not None:
+            progress(pos, total)
+    out: dict[str, Any] = {"perplexity": math.exp(nll / total), "tokens": total}
+    if ref is not None:
+        kl = np.concatenate(kls)
+        out.update({"kl_mean": float(kl.mean()), "kl_p99": float(np.percentile(kl, 99)),
+                    "top1_agreement": agree / total})  # fmt: skip
+    return out
