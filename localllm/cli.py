@@ -138,7 +138,7 @@ def show(
     kv_cache: Annotated[
         str,
         typer.Option(
-            "--kv-cache", help="KV cache type: f16, q8_0, q4_0, int8, int4, fp8 or k=..,v=.."
+            "--kv-cache", help="KV cache type: f16, q8_0, q4_0, int8, fp8, int4, int2 or k=..,v=.."
         ),
     ] = "f16",
     json_out: JsonFlag = False,
@@ -159,10 +159,11 @@ def show(
         info = model_info(gf)
         template = gf.get("tokenizer.chat_template")
         used = template_for(gf)  # what `run` renders with: the file's own, a family's, or plain
-    backend = _backend_status("auto", path)
     options = LoadOptions(ctx=ctx, kv_cache=kv_cache, parallel=1)  # checks both, in run's words
+    backend = _backend_status("auto", path, options)  # e.g. an int4 cache: the torch engine
     try:
-        spec = backends.get(backend["name"]) if backend["available"] else backends.describe()
+        spec = (backends.get(backend["name"]) if backend["available"]
+                else backends.describe("auto", options))  # fmt: skip
         est, estimator = spec.estimate(info, options), spec.name
     except LocalLLMError:  # no backend to ask: llama.cpp's arithmetic
         est, estimator = estimate(info, ctx=ctx, kv_cache=kv_cache), "llama.cpp"
@@ -246,18 +247,20 @@ def _capabilities_text(caps: dict[str, Any] | None) -> str:
     ])  # fmt: skip
 
 
-def _backend_status(name: str = "auto", path: Path | None = None) -> dict[str, Any]:
-    """The backend `run` would use here for `path`, and why: what it can do (the registry says,
-    nothing is imported), whether it runs (llama.cpp's probe runs once per build and machine, in a
-    child) and whether it reads the file."""
+def _backend_status(name: str = "auto", path: Path | None = None,
+                    options: Any = None) -> dict[str, Any]:  # fmt: skip
+    """The backend `run` would use here for `path` (and load `options`: auto takes one that
+    honours them), and why: what it can do (the registry says, nothing is imported), whether it
+    runs (llama.cpp's probe runs once per build and machine, in a child) and whether it reads
+    the file."""
     try:
-        spec = backends.describe(name)
+        spec = backends.describe(name, options)
     except LocalLLMError as e:
         return {"name": None, "available": False, "reason": str(e), "capabilities": None,
                 "summary": ""}  # fmt: skip
     status = {"name": spec.name, "capabilities": spec.capabilities.to_dict(), "summary": spec.summary}
     try:
-        chosen, why = backends.select(name, path)
+        chosen, why = backends.select(name, path, options=options)
     except LocalLLMError as e:
         return status | {"available": False, "reason": str(e)}
     return status | {"name": chosen.name, "capabilities": chosen.capabilities.to_dict(),
@@ -511,7 +514,8 @@ def run(
     system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
     ctx: Annotated[int | None, typer.Option("--ctx", help="Context length.")] = None,
     kv_cache: Annotated[
-        str, typer.Option("--kv-cache", help="KV cache type (f16, q8_0, q4_0, ... or k=..,v=..).")
+        str, typer.Option("--kv-cache", help="KV cache type (llama.cpp: f16, q8_0, q4_0, ...; torch: "
+                          "f16, int8, fp8, int4, int2) or k=TYPE,v=TYPE.")
     ] = "f16",
     streaming: Annotated[
         str | None,

@@ -424,6 +424,11 @@ class Model:
     def capabilities(self) -> Capabilities:
         return self.backend.capabilities
 
+    def kv_bytes(self) -> int | None:
+        """Bytes the backend's KV caches hold now, where it can say (None: it cannot)."""
+        held = getattr(self.backend, "kv_bytes", None)
+        return held() if callable(held) else None
+
     @property
     def n_ctx(self) -> int:
         return self.backend.n_ctx

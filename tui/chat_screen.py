@@ -409,29 +409,46 @@ class ChatScreen(Screen):
         n = result.usage.completion_tokens
         used = result.usage.prompt_tokens + n
         limit = getattr(self.llm, "n_ctx", 0) or 0
-        frac = used / limit if limit else 0.0
-        level = "danger" if frac >= 0.95 else "warning" if frac >= 0.8 else ""
         stopped = " · stopped" if result.finish_reason == "cancelled" else ""
+        policy = self.options.context
+        if policy.enabled:  # no hard limit: the meter shows the window and what fell out of it
+            window = min(limit, (policy.sinks or 0) + policy.window) if limit else 0
+            held = min(used, window) if window else used
+            meter = (f"context {used:,} · window {held:,}/{window:,} "
+                     f"({policy.sinks} sinks) · {used - held:,} evicted")  # fmt: skip
+            level, tokens = "", window
+        else:
+            frac = used / limit if limit else 0.0
+            meter = f"context {used:,}/{limit:,} ({frac:.0%})"
+            level = "danger" if frac >= 0.95 else "warning" if frac >= 0.8 else ""
+            tokens = limit
         shifted = f" · shifted {result.context_shifts}x" if result.context_shifts else ""
         self._status(
             f"{self.model_name} · TTFT {result.timings.ttft_s * 1000:.0f} ms · "
-            f"{result.timings.tokens_per_s(n):.1f} tokens/s · context {used:,}/{limit:,} "
-            f"({frac:.0%}){self._kv_text(limit)}{shifted}{stopped}",
+            f"{result.timings.tokens_per_s(n):.1f} tokens/s · {meter}"
+            f"{self._kv_text(tokens)}{shifted}{stopped}",
             level=level,
         )
 
-    def _kv_text(self, n_ctx: int) -> str:
-        """KV memory at this context, from the model file (what llama.cpp allocates)."""
+    def _kv_text(self, n_tokens: int) -> str:
+        """KV memory: what the engine's caches hold now where it can say (the torch engine,
+        whatever the cache types and policy), else what `n_tokens` cells of the chosen K and V
+        types take (llama.cpp allocates its cells when it loads; H2O keeps at most its budget)."""
         try:
             from localllm.memory import kv_cache_bytes, parse_kv_cache
             from localllm.model_info import human_bytes
             from localllm.models_registry.catalog import find_local
 
+            live = getattr(self.llm, "kv_bytes", None)
+            if callable(live) and (held := live()) is not None:
+                return f" · KV {human_bytes(held)} ({self.options.kv_cache})"
             record = find_local(self.model_name, self.app.store)
-            if record is None or not n_ctx:
+            if record is None or not n_tokens:
                 return ""
+            if self.options.evict:
+                n_tokens = min(n_tokens, int(self.options.evict.partition(":")[2]))
             type_k, type_v = parse_kv_cache(self.options.kv_cache)
-            return f" · KV {human_bytes(kv_cache_bytes(record.info, n_ctx, type_k, type_v))}"
+            return f" · KV {human_bytes(kv_cache_bytes(record.info, n_tokens, type_k, type_v))}"
         except (LocalLLMError, TypeError, ValueError):
             return ""
 

@@ -34,6 +34,21 @@ SAMPLING = (
 )
 
 Result = tuple[str | None, dict[str, Any], LoadOptions]
+SAME = "same"  # the value cache's choice that follows the key cache's
+
+
+def _kv_pair(spec: str) -> tuple[str, str]:
+    """`q8_0` → (q8_0, q8_0); `k=q8_0,v=q4_0` → (q8_0, q4_0); anything unreadable: f16."""
+    from localllm.memory import parse_kv_cache
+
+    try:
+        return parse_kv_cache(spec)
+    except LocalLLMError:
+        return "f16", "f16"
+
+
+def _kv_spec(k: str, v: str) -> str:
+    return k if v in (SAME, k) else f"k={k},v={v}"
 
 
 def capabilities_of(name: str) -> tuple[Any, str]:
@@ -91,11 +106,19 @@ class SettingsScreen(ModalScreen[Result | None]):
             yield Input(f["ctx"], id="ctx", placeholder=f"default {DEFAULT_CTX}")
             caps = self.caps
             if caps is not None:
-                yield Label("KV cache type")
-                kv = f["kv_cache"] if f["kv_cache"] in caps.kv_cache_types else (
-                    "f16" if "f16" in caps.kv_cache_types else caps.kv_cache_types[0])  # fmt: skip
-                yield Select([(t, t) for t in caps.kv_cache_types], value=kv, id="kv_cache",
-                             allow_blank=False)  # fmt: skip
+                types = caps.kv_cache_types
+                k_type, v_type = _kv_pair(str(f["kv_cache"]))
+                if "kv_v" in f:  # read back from the widgets before a redraw
+                    v_type = k_type if f["kv_v"] == SAME else str(f["kv_v"])
+                fallback = "f16" if "f16" in types else types[0]
+                yield Label("KV cache type (keys, and values unless set below)")
+                yield Select([(t, t) for t in types], id="kv_cache", allow_blank=False,
+                             value=k_type if k_type in types else fallback)  # fmt: skip
+                yield Label("Value cache type (keys are the sensitive half: e.g. keys q8_0 / "
+                            "int8, values q4_0 / int4)")  # fmt: skip
+                yield Select([("same as keys", SAME), *((t, t) for t in types)], id="kv_v",
+                             allow_blank=False,
+                             value=v_type if v_type in types and v_type != k_type else SAME)  # fmt: skip
                 if caps.streaming:
                     yield Label("Context shift SINKS:WINDOW (blank: refuse on overflow)")
                     yield Input(f["streaming"], id="streaming", placeholder="e.g. 4:2044")
@@ -191,7 +214,8 @@ class SettingsScreen(ModalScreen[Result | None]):
         engine = {
             "backend": f["backend"],
             "ctx": int(ctx) if ctx else None,
-            "kv_cache": f["kv_cache"] if "kv_cache" in offered else self.options.kv_cache,
+            "kv_cache": (_kv_spec(str(f["kv_cache"]), str(f.get("kv_v", SAME)))
+                         if "kv_cache" in offered else self.options.kv_cache),
             "streaming": text("streaming"),
             "evict": text("evict"),
             "device": f["device"] if "device" in offered else "auto",

@@ -154,7 +154,7 @@ def _torch_estimate(info: ModelInfo, options: LoadOptions, available: Any = None
     upper bound: only 4-bit feed-forward matrices shrink), on the GPU when one is seen."""
     from dataclasses import replace
 
-    from localllm.memory import available_memory, estimate
+    from localllm.memory import available_memory, estimate, kv_cache_bytes
 
     avail = available or available_memory("cpu" if options.device == "cpu" else "auto")
     gpu = avail.device.startswith("cuda")
@@ -164,7 +164,16 @@ def _torch_estimate(info: ModelInfo, options: LoadOptions, available: Any = None
     weights = info.parameters * per + embedding
     est = estimate(info, ctx=options.ctx, kv_cache=options.kv_cache, parallel=options.parallel,
                    available=avail)  # fmt: skip
-    return replace(est, weights_bytes=int(weights))
+    # its caches hold what the policy keeps, not llama.cpp's padded context: StreamingLLM's
+    # sinks and window, H2O's budget
+    tokens = est.ctx
+    policy = options.context
+    if policy.enabled:
+        tokens = min(tokens, (policy.sinks or 0) + policy.window)
+    if options.evict:
+        tokens = min(tokens, int(options.evict.partition(":")[2]))
+    kv = kv_cache_bytes(info, tokens, est.type_k, est.type_v) * max(1, options.parallel)
+    return replace(est, weights_bytes=int(weights), kv_bytes=kv)
 
 
 _SPECS: dict[str, BackendSpec] = {}

@@ -292,6 +292,10 @@ class TorchBackend:
         if not keep:
             slot.caches, slot.tokens = [], []
 
+    def kv_bytes(self) -> int:
+        """Bytes every slot's caches hold now (codes, scales, residuals, free room)."""
+        return sum(c.nbytes for slot in list(self._slots) for c in list(slot.caches))
+
     def drop_caches(self) -> None:
         """Forget what every free slot's cache holds (and free its memory)."""
         for slot in self._slots:

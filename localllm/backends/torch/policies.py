@@ -93,6 +93,7 @@ class StreamingCache(_Forgetting):
         self.win_k, self.win_v = window
         self.n_sinks, self.window, self.rope = n_sinks, n_window, rope
         self.capacity = n_sinks + n_window
+        self._sinks: tuple[torch.Tensor, torch.Tensor] | None = None  # read back, K rotated
 
     def _stores(self) -> list[Store]:
         return [self.sink_k, self.sink_v, self.win_k, self.win_v]
@@ -127,10 +128,27 @@ class StreamingCache(_Forgetting):
             self.win_k.append(k[:, :, s:])
             self.win_v.append(v[:, :, s:])
         self._appended += k.shape[2]
-        kk = torch.cat([self.sink_k.fetch(), self.win_k.fetch()], 2)
-        vv = torch.cat([self.sink_v.fetch(), self.win_v.fetch()], 2)
-        cos, sin = self.rope.table(kk.shape[2], kk.dtype)
-        return apply_rope(kk, cos, sin), vv
+        sk, sv = self._read_sinks()
+        wk, wv = self.win_k.fetch(), self.win_v.fetch()
+        cos, sin = self.rope.table(len(self.sink_k) + wk.shape[2], wk.dtype)
+        n = sk.shape[2]
+        wk = apply_rope(wk, cos[:, :, n:], sin[:, :, n:])
+        if not n:
+            return wk, wv
+        return torch.cat([sk, wk], 2), torch.cat([sv, wv], 2)
+
+    def _read_sinks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sinks read back (keys rotated at 0..sinks-1): once complete they never change, so
+        they are read once, not at every token."""
+        if self._sinks is not None:
+            return self._sinks
+        sk, sv = self.sink_k.fetch(), self.sink_v.fetch()
+        if sk.shape[2]:
+            cos, sin = self.rope.table(sk.shape[2], sk.dtype)
+            sk = apply_rope(sk, cos, sin)
+        if len(self.sink_k) == self.n_sinks:
+            self._sinks = (sk, sv)
+        return sk, sv
 
     def trim(self, n: int) -> int:
         n = max(0, min(n, self.offset))
@@ -139,11 +157,23 @@ class StreamingCache(_Forgetting):
         self.win_v.truncate(w)
         self.sink_k.truncate(n - w)
         self.sink_v.truncate(n - w)
+        if n > w:
+            self._sinks = None
         self._appended -= n
         return n
 
     def bytes_per_token(self) -> float:
         return self.win_k.bytes_per_token() + self.win_v.bytes_per_token()
+
+    @property
+    def state(self) -> tuple[tuple[torch.Tensor, ...], ...]:
+        return tuple(s.state for s in self._stores())
+
+    @state.setter
+    def state(self, stored: tuple[tuple[torch.Tensor, ...], ...]) -> None:
+        for s, part in zip(self._stores(), stored):
+            s.state = part
+        self._sinks = None
 
 
 class H2OCache(_Forgetting):
