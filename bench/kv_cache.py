@@ -86,7 +86,7 @@ def types(tokens: int) -> dict:
         rows = {k: evaluate(backend, k, tokens=tokens, ref_kv=None if k == "f16" else "f16")
                 for k in kinds}  # fmt: skip
         base = rows["f16"]
-        for k, r in rows.items():
+        for r in rows.values():
             r["ppl_cost"] = r["perplexity"] / base["perplexity"] - 1
             r["bytes_vs_f16"] = base["kv_bytes_per_token"] / r["kv_bytes_per_token"]
         out[backend] = rows
@@ -190,7 +190,7 @@ def streaming(tokens: int, quick: bool) -> dict:
     at = sorted(oracle)
     ppl_oracle = math.exp(float(np.mean([oracle[p] for p in at])))
     full = sinks + window
-    for name, r in got.items():
+    for r in got.values():
         nll, secs = r.pop("nll"), r.pop("secs")
         r["ppl_at_oracle_positions"] = math.exp(float(np.mean([nll[p] for p in at])))
         r["vs_oracle"] = r["ppl_at_oracle_positions"] / ppl_oracle - 1
