@@ -62,6 +62,12 @@ def _row_bytes(cache_type: str, n: int, heads: int = 1) -> float:
     return -(-n // t.block_size) * t.type_size
 
 
+def element_bytes(cache_type: str, head_dim: int = 64) -> float:
+    """Bytes per cached element of a type, scales and zero points included (for one head of
+    `head_dim` where a type keeps one scale per head)."""
+    return _row_bytes(cache_type, head_dim, 1) / head_dim
+
+
 def kv_bytes_per_token(info: ModelInfo, type_k: str = "f16", type_v: str = "f16") -> float:
     """What one more cached token costs, K and V over every layer: codes plus scales and zero
     points (f16: 2 bytes × 2 × layers × kv_heads × head_dim)."""

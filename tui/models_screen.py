@@ -36,18 +36,24 @@ HINT_EMPTY = (
 
 def kv_choices(backend: str = "auto") -> tuple[str, ...]:
     """The KV-cache types `k` cycles through: what the backend declares (the registry says, no
-    backend is imported), f16 first, then the smaller types largest first, then the larger ones."""
+    backend is imported; auto: every installed backend's, since a load takes one that has the
+    type), f16 first, then the smaller types largest first, then the larger ones."""
     from localllm import backends
-    from localllm.gguf_file import GGML_TYPE_BY_NAME
+    from localllm.memory import KV_CACHE_TYPES, element_bytes
 
     try:
-        types = backends.describe(backend).capabilities.kv_cache_types
+        if backend == "auto":
+            types = tuple(dict.fromkeys(t for n in backends.AUTO_ORDER
+                                        for t in backends.get(n).capabilities.kv_cache_types))  # fmt: skip
+            if not types:
+                raise LocalLLMError("no backend")
+        else:
+            types = backends.describe(backend).capabilities.kv_cache_types
     except LocalLLMError:
         return ("f16",)
 
     def size(t: str) -> float:  # bytes per element
-        g = GGML_TYPE_BY_NAME.get(t.upper())
-        return g.type_size / g.block_size if g else 2.0
+        return element_bytes(t) if t in KV_CACHE_TYPES else 2.0
 
     rest = [t for t in types if t != "f16"]
     smaller = sorted((t for t in rest if size(t) < 2.0), key=size, reverse=True)

@@ -604,12 +604,26 @@ def test_settings_offer_the_torch_engines_devices_and_precisions(tiny_llama: Pat
             await pilot.pause()
             assert select_values(modal.query_one("#dtype")) == ["auto", "f32", "bf16", "f16", "int4"]
             assert select_values(modal.query_one("#device")) == ["auto", "cpu", "cuda", "mps"]
-            assert select_values(modal.query_one("#kv_cache")) == ["f16", "bf16", "f32", "int8", "fp8"]
+            assert select_values(modal.query_one("#kv_cache")) == ["f16", "bf16", "f32", "int8",
+                                                                   "fp8", "int4", "int2"]
+            assert select_values(modal.query_one("#kv_v"))[0] == "same"
+            assert modal.query("#streaming") and modal.query("#evict")
             modal.query_one("#dtype").value = "f32"
             modal.query_one("#device").value = "cpu"
+            modal.query_one("#kv_cache").value = "int8"  # keys int8, values int4 (KIVI's)
+            modal.query_one("#kv_v").value = "int4"
+            modal.query_one("#streaming").value = "4:508"
             await pilot.press("ctrl+s")
             assert app.screen is chat
-            assert chat.options == LoadOptions(backend="torch", device="cpu", dtype="f32")
+            assert chat.options == LoadOptions(backend="torch", device="cpu", dtype="f32",
+                                               kv_cache="k=int8,v=int4", streaming="4:508")
+            await pilot.press("ctrl+s")  # reopened: the pair is shown as saved
+            modal = app.screen
+            assert modal.query_one("#kv_cache").value == "int8"
+            assert modal.query_one("#kv_v").value == "int4"
+            modal.query_one("#kv_v").value = "same"
+            await pilot.press("ctrl+s")
+            assert chat.options.kv_cache == "int8"
 
     asyncio.run(go())
 
