@@ -628,6 +628,30 @@ def test_settings_offer_the_torch_engines_devices_and_precisions(tiny_llama: Pat
     asyncio.run(go())
 
 
+def test_the_context_meter_under_streaming_shows_the_window_and_the_evicted_span(tiny_llama: Path) -> None:
+    """With --streaming there is no hard limit: the meter shows what the window holds and how many
+    tokens fell out of it (10 prompt + 130 answer tokens through a 100-token context)."""
+    Store().add_file(tiny_llama, "tiny", source="file:x")
+    fake = FakeLLM([[f"w{i} " for i in range(130)]], delay=0.0)
+
+    async def go() -> None:
+        app = app_with(fake, chat_model="tiny")
+        async with app.run_test(size=(160, 40)) as pilot:
+            chat = app.screen
+            await pilot.press("ctrl+s")
+            app.screen.query_one("#streaming").value = "4:60"
+            await pilot.press("ctrl+s")
+            assert app.screen is chat and chat.options.streaming == "4:60"
+            await pilot.press(*"hi", "enter")
+            await wait_for(pilot, lambda: not chat.generating and chat.history)
+            status = str(chat.query_one("#status").render())
+            assert "context 140 · window 64/64 (4 sinks) · 76 evicted" in status, status
+            assert "KV " in status and "%" not in status
+            assert fake.requests[0].context.sinks == 4
+
+    asyncio.run(go())
+
+
 def test_a_saved_unknown_option_still_opens_and_is_said_once(tiny_llama: Path) -> None:
     from localllm.conversations import Conversations
 

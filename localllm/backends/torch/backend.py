@@ -23,6 +23,7 @@ import torch
 
 from localllm.backends import TORCH
 from localllm.backends.base import Seq, Step, common_prefix
+from localllm.backends.torch.cache import KVCache
 from localllm.backends.torch.sampling import Sampler, logprobs, make_sampler
 from localllm.chat import template_for
 from localllm.errors import ContextOverflow, LocalLLMError
@@ -269,6 +270,7 @@ class TorchBackend:
         reuse = shared[slot]
         if slot.policy != seq.policy or (slot.caches and slot.caches[0].dropped):
             slot.caches, slot.tokens = [], []  # made for another policy, or it forgot tokens
+            reuse = 0
         if not slot.caches:
             slot.caches, slot.policy = self.new_caches(seq.policy), seq.policy
         if not all(c.exact(c.offset - reuse) for c in slot.caches):
@@ -441,10 +443,14 @@ class TorchScorer:
         h = b.model(x, [self.caches])
         logits = b.model.logits(h[0]).float().cpu().numpy()
         self.peak_bytes = max(self.peak_bytes, sum(c.nbytes for c in self.caches))
-        held = self.caches[0].held
-        a = b.model.args
-        elem = torch.empty(0, dtype=b.compute_dtype).element_size()
-        self.step_bytes = max(self.step_bytes, held * 2 * a.n_kv_heads * a.head_dim * elem)
+        # a cache stored in another type than attention computes in is read back as a copy of
+        # one layer's keys and values at a time (quantized ones, and f16 under f32 compute)
+        first = self.caches[0]
+        if getattr(first, "dtype", None) != b.compute_dtype or not isinstance(first, KVCache):
+            a = b.model.args
+            elem = torch.empty(0, dtype=b.compute_dtype).element_size()
+            copy = first.held * 2 * a.n_kv_heads * a.head_dim * elem
+            self.step_bytes = max(self.step_bytes, copy)
         return logits
 
     def kv_stats(self) -> dict[str, float]:

@@ -194,3 +194,17 @@ def test_an_unknown_type_is_refused_in_one_line(default_model_path) -> None:  # 
     with pytest.raises(LocalLLMError, match=r"the torch backend has no q8_0 KV cache \(it has "
                                             "f16, bf16, f32, int8, fp8, int4, int2\\)"):  # fmt: skip
         TorchBackend(default_model_path, n_ctx=64, kv_cache="k=q8_0,v=f16")
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "int8", "fp8", "int4", "int2", "k=int8,v=int4"])
+def test_show_estimates_what_the_caches_cost(default_model_path, kv_type) -> None:  # noqa: ANN001
+    """`show`'s and the app's arithmetic (memory.kv_bytes_per_token, from the file's shape) is
+    what the torch engine's caches report per token, for every type."""
+    from localllm.backends.torch.backend import TorchBackend
+    from localllm.memory import kv_bytes_per_token, parse_kv_cache
+    from localllm.model_info import read_model_info
+
+    b = TorchBackend(default_model_path, n_ctx=64, dtype="f32", device="cpu", kv_cache=kv_type)
+    caches = b.new_caches()
+    info = read_model_info(str(default_model_path))
+    assert sum(c.bytes_per_token() for c in caches) == kv_bytes_per_token(info, *parse_kv_cache(kv_type))
