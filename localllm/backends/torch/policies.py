@@ -72,6 +72,10 @@ class _Forgetting:
     def state(self, stored: tuple[tuple[torch.Tensor, ...], ...]) -> None:
         for s, part in zip(self._stores(), stored):
             s.state = part
+        self._restored()
+
+    def _restored(self) -> None:
+        """After `state` was set: forget what was derived from the stores."""
 
 
 class StreamingCache(_Forgetting):
@@ -165,14 +169,7 @@ class StreamingCache(_Forgetting):
     def bytes_per_token(self) -> float:
         return self.win_k.bytes_per_token() + self.win_v.bytes_per_token()
 
-    @property
-    def state(self) -> tuple[tuple[torch.Tensor, ...], ...]:
-        return tuple(s.state for s in self._stores())
-
-    @state.setter
-    def state(self, stored: tuple[tuple[torch.Tensor, ...], ...]) -> None:
-        for s, part in zip(self._stores(), stored):
-            s.state = part
+    def _restored(self) -> None:
         self._sinks = None
 
 
