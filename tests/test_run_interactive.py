@@ -12,11 +12,18 @@ import time
 from pathlib import Path
 
 
+def _default_sigint() -> None:
+    """In the child: Ctrl-C's default disposition, whatever the test runner inherited (a runner
+    started in the background of a shell without job control ignores SIGINT, and so would the
+    child)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_generation_with_exit_130(default_model_path: Path) -> None:
     p = subprocess.Popen(
         [sys.executable, "-m", "localllm", "run", "smollm2", "Write a very long story about the sea.",
          "--max-tokens", "2000", "--temperature", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_default_sigint,
     )  # fmt: skip
     assert p.stdout.read(20)  # it is streaming
     p.send_signal(signal.SIGINT)
@@ -45,6 +52,7 @@ def _read_until(fd: int, needle: bytes, timeout: float = 60) -> bytes:
 def test_repl_on_a_terminal(default_model_path: Path) -> None:
     pid, fd = pty.fork()
     if pid == 0:
+        _default_sigint()  # ^C on the terminal must reach the REPL as Ctrl-C
         os.execv(sys.executable, [sys.executable, "-m", "localllm", "run", "smollm2", "--temperature", "0",
                                   "--max-tokens", "400"])  # fmt: skip
     try:

@@ -495,7 +495,9 @@ def test_cli_pull_and_errors(hub: FakeHub) -> None:
 
 def test_cli_ctrl_c_keeps_partial(hub: FakeHub) -> None:
     hub.faults[Q4] = Fault(rate=2e6)
-    proc = _cli("pull", f"hf.co/{REPO}")
+    # Ctrl-C's default disposition in the child, whatever the runner inherited
+    proc = _cli("pull", f"hf.co/{REPO}",
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     store = Store()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
