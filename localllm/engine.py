@@ -35,6 +35,7 @@ from localllm.types import (
     Request,
     Result,
     SamplingParams,
+    SpeculativeStats,
     Timings,
     TokenLogprob,
     Usage,
@@ -204,6 +205,9 @@ class Assembler:
         self.cached = self.shifts = self.discarded = 0
         self.finish_reason: FinishReason | None = None
         self.stop_hit = False
+        # speculative decoding: what the decode passes did (`SpeculativeStats`' fields)
+        self.spec = dict.fromkeys(("drafted", "accepted", "passes", "rounds", "tokens"), 0)
+        self.spec_off = ""
 
     @property
     def done(self) -> bool:
@@ -216,6 +220,14 @@ class Assembler:
         if not self.t_first:
             self.t_first = self.t_last
             self.cached = max(self.cached, step.cached)
+        else:  # a token of a decode pass
+            sp = self.spec
+            sp["tokens"] += 1
+            sp["passes"] += step.passes
+            sp["drafted"] += step.drafted
+            sp["accepted"] += step.accepted
+            sp["rounds"] += bool(step.drafted)
+            self.spec_off = self.spec_off or step.spec_off
         self.shifts += len(step.shifted)
         self.discarded += sum(step.shifted)
         if b.is_end(step.token):
@@ -271,6 +283,9 @@ class Assembler:
             timings=timings, tool_calls=tool_calls, context_shifts=self.shifts,
             discarded_tokens=self.discarded, error=error,
             logprobs=tuple(self.logprobs) if self.request.sampling.logprobs is not None else None,
+            speculative=(SpeculativeStats(mode=self.request.speculative or "", **self.spec,
+                                          switched_off=self.spec_off)
+                         if speculative_mode(self.request.speculative) != "off" else None),
         )  # fmt: skip
         ids, self.pending = tuple(self.pending), []
         return Chunk(tail, ids, result=result)
@@ -547,6 +562,8 @@ class Model:
         submitted = time.perf_counter()
         if request.context == ContextPolicy() and self.context.enabled:
             request = replace(request, context=self.context)
+        if request.speculative is None and self.options.speculative:
+            request = replace(request, speculative=self.options.speculative)
         check_supported(request, self.capabilities, self.backend.name)
         ids = prompt_ids(self.backend, request)
         check_context(len(ids), self.backend.n_ctx, request.sampling, request.context)

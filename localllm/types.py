@@ -217,9 +217,11 @@ class Request:
     response_format: dict[str, Any] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     context: ContextPolicy = field(default_factory=ContextPolicy)
-    speculative: str | None = None
+    speculative: str | None = None  # None: the model's (LoadOptions.speculative); "off" says off
 
     def __post_init__(self) -> None:
+        if self.speculative is not None:
+            object.__setattr__(self, "speculative", _parse_speculative(self.speculative) or "off")
         if (self.prompt is None) == (self.messages is None):
             raise LocalLLMError("a request needs a prompt or messages (one of them)")
         if self.messages is not None:
@@ -277,12 +279,36 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class SpeculativeStats:
+    """What speculative decoding did in one request's decode passes (after the first token)."""
+
+    mode: str = ""  # lookup, self, draft:MODEL
     drafted: int = 0
     accepted: int = 0
+    passes: int = 0  # target passes while decoding, plain ones included
+    rounds: int = 0  # passes that verified drafts
+    tokens: int = 0  # tokens those passes yielded
+    switched_off: str = ""  # why speculation switched itself off ("": it did not)
 
     @property
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def accepted_per_round(self) -> float:
+        """Mean accepted drafts per verifying pass."""
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.tokens / self.passes if self.passes else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode, "drafted": self.drafted, "accepted": self.accepted,
+            "acceptance": self.acceptance, "passes": self.passes, "rounds": self.rounds,
+            "accepted_per_round": self.accepted_per_round, "tokens_per_pass": self.tokens_per_pass,
+            "switched_off": self.switched_off or None,
+        }  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -334,15 +360,7 @@ class Result:
             },
             "context_shifts": self.context_shifts,
             "discarded_tokens": self.discarded_tokens,
-            "speculative": (
-                {
-                    "drafted": self.speculative.drafted,
-                    "accepted": self.speculative.accepted,
-                    "acceptance": self.speculative.acceptance,
-                }  # fmt: skip
-                if self.speculative
-                else None
-            ),
+            "speculative": self.speculative.to_dict() if self.speculative else None,
             "error": self.error,
         }
 

@@ -150,8 +150,10 @@ def test_fields_the_backend_lacks_are_refused(model: Model) -> None:
 
     with pytest.raises(Unsupported, match="response_format json_object"):
         model.submit(replace(base, response_format={"type": "json_object"}))
-    with pytest.raises(Unsupported, match="speculative mode 'lookup'"):
-        model.submit(replace(base, speculative="lookup"))
+    for mode, spec in (("lookup", "lookup"), ("self", "self"), ("draft", "draft:other")):
+        if mode not in model.capabilities.speculative:
+            with pytest.raises(Unsupported, match=f"speculative mode '{mode}'"):
+                model.submit(replace(base, speculative=spec))
     if base.messages is not None:
         tools = ({"type": "function", "function": {"name": "f", "parameters": {}}},)
         with pytest.raises(Unsupported, match="tool_choice"):

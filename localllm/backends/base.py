@@ -60,6 +60,12 @@ class Step:
     shifted: tuple[int, ...] = ()  # tokens discarded by context shifts since the last step
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] = ()
+    # speculative decoding, on the first Step of each decode pass: target passes it took (1), the
+    # tokens drafted and accepted in it; `spec_off` says why speculation switched itself off
+    passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    spec_off: str = ""
 
 
 class _Tokens(Protocol):

@@ -13,9 +13,10 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from localllm.backends.torch.sampling import Sampler, logprobs, make_sampler
 from localllm.chat import template_for
 from localllm.errors import ContextOverflow, LocalLLMError
 from localllm.memory import parse_kv_cache
-from localllm.types import ContextPolicy
+from localllm.types import ContextPolicy, speculative_mode
 
 __all__ = ["TorchBackend", "open_backend", "resolve_device", "resolve_dtype"]
 
@@ -38,6 +39,8 @@ _KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16
 # 11 note): the file's 4-bit feed-forward matrices kept 4-bit in torch's int4 matmul
 # (`quantized.Int4Linear`), every other projection fp16 in fbgemm's GEMM (`quantized.Fp16Linear`).
 CPU_DEFAULT_DTYPE = "int4"
+LOOKUP_K = 10  # the most tokens prompt lookup proposes in one pass
+DRAFT_K = 8  # ... and a draft model
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -135,6 +138,9 @@ class _Slot:
     history: list[int] = field(default_factory=list)  # prompt + generated, for penalties
     policy: ContextPolicy = field(default_factory=ContextPolicy)  # what its caches were made for
     shifted: list[int] = field(default_factory=list)  # tokens forgotten, not yet reported
+    drafter: Any = None  # the sequence's speculative drafter (`speculative`), None: off
+    pace: Any = None  # its `speculative.Pace`
+    draft: Any = None  # a draft model's (caches, tokens they hold), kept like `caches`
 
     @property
     def n_past(self) -> int:
@@ -150,7 +156,9 @@ class TorchBackend:
     @on_compute_thread  # loading is torch work too
     def __init__(self, path: str | Path, *, n_ctx: int, n_slots: int = 1, max_batch: int = 256,
                  device: str = "auto", dtype: str = "auto", kv_cache: str = "f16",
-                 evict: str | None = None, threads: int | None = None) -> None:  # fmt: skip
+                 evict: str | None = None, threads: int | None = None,
+                 speculative: str | None = None, draft: tuple[str, str | Path] | None = None,
+                 tuned: Path | None = None) -> None:  # fmt: skip
         """Args:
         n_ctx: tokens per sequence.
         n_slots: sequences held at once.
@@ -160,11 +168,11 @@ class TorchBackend:
             int4, int2 codes: `kvquant`); attention computes in the working dtype.
         evict: `h2o:BUDGET` (`policies.H2OCache`) or None. StreamingLLM is per sequence
             (`Seq.policy`).
+        speculative: the sequences' default mode (off, lookup, self, draft:MODEL); a sequence
+            may ask for another (`Seq.speculative`), but `draft:` only for the loaded draft.
+        draft: (name, path) of the draft model `draft:NAME` loads (same vocabulary, checked).
+        tuned: where the `self` drafter's tuned skip set for this file and device is kept.
         """
-        from localllm.backends.torch.models import build_model
-        from localllm.backends.torch.tokenizer import GGUFTokenizer
-        from localllm.gguf_file import GGUFFile
-
         if threads:
             torch.set_num_threads(threads)
         self.device = resolve_device(device)
@@ -189,16 +197,8 @@ class TorchBackend:
 
             linear = quantize_linear if self.dtype == "int4" else Fp16Linear.from_float
         self.model_path = str(path)
-        with GGUFFile(path) as f:
-            self.tokenizer = GGUFTokenizer.from_gguf(f)
-            self.model = build_model(f, dtype=self.compute_dtype, device=self.device, linear=linear)
-            if linear is not None:  # the head has its own fp16 copy: lookups read the file's rows
-                from localllm.backends.torch.quantized import BlockEmbedding
-
-                self.model.tok_embeddings = BlockEmbedding.from_gguf(f, "token_embd.weight",
-                                                                     self.compute_dtype)  # fmt: skip
-            meta = dict(f.metadata)
-        self.model.eval()
+        self._linear = linear
+        self.tokenizer, self.model, meta = self._load(path)
         if self.budget:
             if any(getattr(layer.attention, "window", 0) for layer in self.model.layers):
                 raise LocalLLMError("H2O eviction (--evict) needs every layer to attend to the whole "
@@ -219,6 +219,40 @@ class TorchBackend:
         self.max_batch = max(1, int(max_batch))
         self._slots = [_Slot(i) for i in range(self.n_slots)]
         self._lock = threading.Lock()  # embed() may come from another thread than the scheduler's
+        self.speculative = speculative if speculative_mode(speculative) != "off" else None
+        self.tuned_path = tuned
+        self._self_config: Any = None  # the `self` drafter's skip set, tuned once (`tune`)
+        self.draft_name, self.draft_model = None, None
+        if speculative_mode(speculative) == "draft" and draft is None:
+            raise LocalLLMError(f"--speculative {speculative}: no draft model was given")
+        if draft is not None:
+            self.draft_name = draft[0]
+            tok, self.draft_model, _ = self._load(draft[1])
+            if tok.tokens != self.tokenizer.tokens:
+                raise LocalLLMError(
+                    f"the draft model {draft[0]} has another vocabulary ({len(tok.tokens)} tokens) "
+                    f"than the model ({len(self.tokenizer.tokens)}): a draft must share it"
+                )
+        self._check_speculative(speculative, ContextPolicy())
+
+    def _load(self, path: str | Path) -> tuple[Any, Any, dict[str, Any]]:
+        """(tokenizer, model, metadata) of a GGUF file in this backend's precision and device."""
+        from localllm.backends.torch.models import build_model
+        from localllm.backends.torch.tokenizer import GGUFTokenizer
+        from localllm.gguf_file import GGUFFile
+
+        linear = self._linear
+        with GGUFFile(path) as f:
+            tokenizer = GGUFTokenizer.from_gguf(f)
+            model = build_model(f, dtype=self.compute_dtype, device=self.device, linear=linear)
+            if linear is not None:  # the head has its own fp16 copy: lookups read the file's rows
+                from localllm.backends.torch.quantized import BlockEmbedding
+
+                model.tok_embeddings = BlockEmbedding.from_gguf(f, "token_embd.weight",
+                                                                self.compute_dtype)  # fmt: skip
+            meta = dict(f.metadata)
+        model.eval()
+        return tokenizer, model, meta
 
     # -- tokens --------------------------------------------------------------------------------
 
@@ -251,6 +285,82 @@ class TorchBackend:
         """Logits for every position of a text through one sequence's caches (`localllm eval`)."""
         return TorchScorer(self, policy or ContextPolicy())
 
+    # -- speculative decoding ------------------------------------------------------------------
+
+    def _check_speculative(self, spec: str | None, policy: ContextPolicy) -> None:
+        check_speculative(spec, policy=policy, budget=self.budget, draft_name=self.draft_name)
+
+    def _drafter(self, seq: Seq) -> tuple[Any, Any]:
+        """(drafter, pace) for a sequence's speculative mode; (None, None) when off."""
+        from localllm.backends.torch import speculative as sp
+
+        spec = seq.speculative if seq.speculative is not None else self.speculative
+        self._check_speculative(spec, seq.policy)
+        mode = speculative_mode(spec)
+        if mode == "lookup":
+            return sp.Lookup(), sp.Pace(LOOKUP_K, LOOKUP_K // 2)
+        if mode == "draft":
+            drafter = sp.DraftModel(self.draft_model, capacity=self.n_ctx, dtype=self.kv_dtype,
+                                    device=self.device, chunk=self.max_batch)  # fmt: skip
+            return drafter, sp.Pace(DRAFT_K, DRAFT_K // 2)
+        if mode == "self":
+            config = self.self_config()
+            drafter = sp.LayerSkip(self.model, config.skip, device=self.device,
+                                   confidence=config.confidence)  # fmt: skip
+            return drafter, sp.Pace(max(1, config.k), on=config.pays)
+        return None, None
+
+    def self_config(self) -> Any:
+        """The `self` drafter's skip set and draft length for this model and device: tuned once
+        (`tune.tune`) and kept beside the store's models (`tuned`)."""
+        if self._self_config is None:
+            from localllm.backends.torch import tune
+
+            self._self_config = tune.cached_or_tuned(self)
+        return self._self_config
+
+    def _speculate(self, slot: _Slot) -> list[Step]:
+        """One decode pass of a speculating sequence: draft, verify in one target pass, keep
+        what the exact rule accepts and trim the rest from the caches. Without a draft (none
+        proposed, or a pass kept plain to measure plain decoding) it is a plain pass."""
+        from localllm.backends.torch.speculative import Draft, accept
+
+        seq, pace = slot.seq, slot.pace
+        assert seq is not None and slot.sampler is not None and slot.last is not None
+        t0 = time.perf_counter()
+        k = min(pace.want(), self.n_ctx - slot.n_past - 1)
+        if seq.sampling.max_tokens:
+            k = min(k, seq.sampling.max_tokens - (len(slot.history) - len(seq.ids)) - 1)
+        draft = slot.drafter.propose(slot, k) if k > 0 else Draft([])
+        h = self._forward([slot], [[slot.last, *draft.tokens]])
+        logits = self.model.logits(h[0]).float()  # (1 + drafts, V)
+        if not draft.tokens:
+            step = self._sample(slot, logits[-1])
+            pace.plain(time.perf_counter() - t0)
+            return [replace(step, passes=1)]
+        history = slot.history
+        start = len(history)
+        tokens, n = accept(lambda i: logits[i], draft, slot.sampler, history)
+        rejected = len(draft.tokens) - n
+        if rejected:
+            for c in slot.caches:
+                c.trim(rejected)
+            del slot.tokens[-rejected:]
+        slot.last = tokens[-1]
+        pace.verified(len(draft.tokens), n, time.perf_counter() - t0)
+        steps = []
+        want_lp = seq.sampling.logprobs
+        for i, t in enumerate(tokens):
+            lp, top = logprobs(logits[i], t, want_lp) if want_lp is not None else (None, ())
+            steps.append(Step(t, logprob=lp, top=top))
+        steps[0] = replace(steps[0], shifted=tuple(slot.shifted), passes=1,
+                           drafted=len(draft.tokens), accepted=n)  # fmt: skip
+        slot.shifted = []
+        if not pace.on:
+            steps[-1] = replace(steps[-1], spec_off=pace.reason)
+        assert len(history) == start + len(tokens)
+        return steps
+
     def _chunk(self, policy: ContextPolicy) -> int:
         """Prompt tokens one forward evaluates: under a policy that forgets, at most half of
         what it keeps, so every new token still sees most of its window."""
@@ -281,6 +391,7 @@ class TorchBackend:
         slot.seq, slot.fed, slot.last = seq, reuse, None
         slot.history = list(seq.ids)
         slot.sampler = make_sampler(seq.sampling, self.device)
+        slot.drafter, slot.pace = self._drafter(seq)
         seq.state = slot
         return reuse
 
@@ -289,10 +400,10 @@ class TorchBackend:
         if not isinstance(slot, _Slot) or slot.seq is not seq:
             return
         seq.state = None
-        slot.seq = slot.last = slot.sampler = None
+        slot.seq = slot.last = slot.sampler = slot.drafter = slot.pace = None
         slot.history, slot.shifted = [], []
         if not keep:
-            slot.caches, slot.tokens = [], []
+            slot.caches, slot.tokens, slot.draft = [], [], None
 
     def kv_bytes(self) -> int:
         """Bytes every slot's caches hold now (codes, scales, residuals, free room)."""
@@ -302,7 +413,7 @@ class TorchBackend:
         """Forget what every free slot's cache holds (and free its memory)."""
         for slot in self._slots:
             if slot.seq is None:
-                slot.caches, slot.tokens = [], []
+                slot.caches, slot.tokens, slot.draft = [], [], None
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -313,6 +424,7 @@ class TorchBackend:
         sequence in one (B, 1) forward. A decoding sequence whose context is full gets no Step."""
         out: dict[Seq, list[Step]] = {}
         decoding: list[_Slot] = []
+        speculating: list[_Slot] = []
         for seq, n in plan.items():
             slot = seq.state
             if not isinstance(slot, _Slot) or slot.seq is not seq:
@@ -333,13 +445,18 @@ class TorchBackend:
                     out[seq] = [self._sample(slot, self.model.logits(h[0, -1]))]
             elif not seq.policy.enabled and slot.n_past + 1 > self.n_ctx:
                 out[seq] = []  # the context is full
+            elif slot.pace is not None and slot.pace.on:
+                speculating.append(slot)
             else:
                 decoding.append(slot)
         if decoding:
             h = self._forward(decoding, [[s.last] for s in decoding])  # type: ignore[list-item]
             logits = self.model.logits(h[:, -1])  # (B, V)
             for row, slot in enumerate(decoding):
-                out[slot.seq] = [self._sample(slot, logits[row])]  # type: ignore[index]
+                step = self._sample(slot, logits[row])
+                out[slot.seq] = [replace(step, passes=1)]  # type: ignore[index]
+        for slot in speculating:  # one at a time: each verifies its own number of drafts
+            out[slot.seq] = self._speculate(slot)  # type: ignore[index]
         return out
 
     def _forward(self, slots: Sequence[_Slot], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -462,13 +579,51 @@ class TorchScorer:
         }
 
 
+def check_speculative(spec: str | None, *, policy: ContextPolicy, budget: int = 0,
+                      draft_name: str | None = None) -> None:  # fmt: skip
+    """What speculation cannot compose with (`LocalLLMError`, one line each)."""
+    mode = speculative_mode(spec)
+    if mode == "off":
+        return
+    if budget:
+        raise LocalLLMError(
+            "speculative decoding cannot run with H2O eviction (--evict): verifying drafts adds "
+            "their attention to the heavy-hitter scores and can evict tokens, which a "
+            "rollback cannot undo"
+        )
+    if policy.enabled:
+        raise LocalLLMError(
+            "speculative decoding cannot run with --streaming: verifying k drafts at once "
+            "makes the window forget k tokens early, which a rollback cannot bring back"
+        )
+    if mode == "draft" and spec != f"draft:{draft_name}":
+        raise LocalLLMError(
+            f"--speculative {spec}: this model was loaded "
+            + (f"with the draft model {draft_name}" if draft_name else "without a draft model")
+            + "; load it with that --speculative to use another"
+        )
+
+
 def open_backend(path: str | Path, options: Any, *, name: str, digest: str,
                  home: Path | None = None) -> TorchBackend:  # fmt: skip
     """The registry's factory."""
-    del name, digest, home  # the torch engine runs in this process: no first-load child
+    del name  # the torch engine runs in this process: no first-load child
+    from localllm.models_registry.store import Store
+
+    check_speculative(options.speculative, policy=options.context,
+                      budget=int((options.evict or ":0").partition(":")[2]))  # fmt: skip
+    store = Store(home)
+    draft = None
+    if speculative_mode(options.speculative) == "draft":
+        from localllm.models_registry.catalog import ensure_local
+
+        record = ensure_local(options.speculative.partition(":")[2], store)
+        draft = (record.name, store.path_of(record))
     return TorchBackend(path, n_ctx=options.ctx, n_slots=options.parallel, device=options.device,
                         dtype=options.dtype, kv_cache=options.kv_cache, evict=options.evict,
-                        threads=options.threads or _default_threads())  # fmt: skip
+                        threads=options.threads or _default_threads(),
+                        speculative=options.speculative, draft=draft,
+                        tuned=store.home / "tuned" / f"{digest[:16]}.json")  # fmt: skip
 
 
 def _default_threads() -> int:

@@ -88,12 +88,28 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
         """logits: (V,) float32 → the chosen token id."""
-        for fn in self.processors:
-            logits = fn(logits, history)
+        logits = self.process(logits, history)
         if self.greedy:
             return int(logits.argmax())
-        probs = logits.softmax(-1)
+        return self.draw(logits.softmax(-1))
+
+    def process(self, logits: torch.Tensor, history: Sequence[int] = ()) -> torch.Tensor:
+        """The logits after every processor: what greedy takes the argmax of."""
+        for fn in self.processors:
+            logits = fn(logits, history)
+        return logits
+
+    def distribution(self, logits: torch.Tensor, history: Sequence[int] = ()) -> torch.Tensor:
+        """(V,) probabilities this sampler draws from (speculative decoding's p and q)."""
+        return self.process(logits, history).softmax(-1)
+
+    def draw(self, probs: torch.Tensor) -> int:
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def uniform(self) -> float:
+        """u ~ U[0, 1) from the sequence's own generator (speculative acceptance)."""
+        gen = self.generator
+        return float(torch.rand(1, generator=gen, device=gen.device if gen else "cpu"))
 
 
 def make_sampler(params: SamplingParams, device: torch.device | str = "cpu") -> Sampler:

@@ -21,7 +21,7 @@ No attention-logit softcapping in Gemma 3; a final-logit softcap is applied if t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,13 +134,18 @@ class Model(nn.Module):
         self.rope_local = RoPE(args.head_dim, args.rope_base_local, device="cpu")
         self.rope_global = RoPE(args.head_dim, args.rope_base, scale=args.rope_scale, device="cpu")
 
-    def forward(self, tokens: torch.Tensor, caches: Sequence[Sequence[KVCache]]) -> torch.Tensor:
-        """tokens (B, T); caches[b]: row b's per-layer caches. Returns (B, T, dim), normed."""
+    def forward(self, tokens: torch.Tensor, caches: Sequence[Sequence[KVCache]],
+                skip: Collection[int] = ()) -> torch.Tensor:  # fmt: skip
+        """tokens (B, T); caches[b]: row b's per-layer caches. Returns (B, T, dim), normed.
+
+        `skip`: layers left out (a self-speculative draft); their caches are not touched."""
         h = self.embed(tokens)
-        pos = positions(caches, tokens.shape[1], h.device)
+        live = [i for i in range(len(self.layers)) if i not in skip]
+        pos = positions([[row[i] for i in live] for row in caches], tokens.shape[1], h.device)
         ropes = self.rope_global(pos, h.dtype), self.rope_local(pos, h.dtype)
-        masks = Masks([row[0].offset for row in caches], tokens.shape[1], h.device)
-        for i, layer in enumerate(self.layers):
+        masks = Masks([row[live[0]].offset for row in caches], tokens.shape[1], h.device)
+        for i in live:
+            layer = self.layers[i]
             h = layer(h, ropes[layer.attention.local], [row[i] for row in caches], masks)
         return self.norm(h)
 

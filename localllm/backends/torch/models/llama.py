@@ -13,7 +13,7 @@ interleaving. Llama 3's RoPE scaling arrives as the `rope_freqs.weight` tensor.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -123,14 +123,18 @@ class Model(nn.Module):
         rest = t.shape[1:]
         return t.reshape(heads, -1, 2, *rest).transpose(1, 2).reshape(t.shape).contiguous()
 
-    def forward(self, tokens: torch.Tensor, caches: Sequence[Sequence[KVCache]]) -> torch.Tensor:
-        """tokens (B, T); caches[b]: row b's per-layer caches. Returns (B, T, dim), normed."""
+    def forward(self, tokens: torch.Tensor, caches: Sequence[Sequence[KVCache]],
+                skip: Collection[int] = ()) -> torch.Tensor:  # fmt: skip
+        """tokens (B, T); caches[b]: row b's per-layer caches. Returns (B, T, dim), normed.
+
+        `skip`: layers left out (a self-speculative draft); their caches are not touched."""
         h = self.embed(tokens)
-        pos = positions(caches, tokens.shape[1], h.device)
+        live = [i for i in range(len(self.layers)) if i not in skip]
+        pos = positions([[row[i] for i in live] for row in caches], tokens.shape[1], h.device)
         rope = self.rope(pos, h.dtype)
-        masks = Masks([row[0].offset for row in caches], tokens.shape[1], h.device)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, rope, [row[i] for row in caches], masks)
+        masks = Masks([row[live[0]].offset for row in caches], tokens.shape[1], h.device)
+        for i in live:
+            h = self.layers[i](h, rope, [row[i] for row in caches], masks)
         return self.norm(h)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

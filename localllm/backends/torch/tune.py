@@ -1,0 +1,211 @@
+"""Tuning the `self` drafter: which layers to skip and how far to draft, by measured tokens/s.
+
+Draft & Verify (arXiv 2309.08168) and SWIFT (2410.06916) pick the skipped layers by search on a
+short text; so does this, in three stages, each cheaper than the next:
+
+1. A calibration text: a built-in prompt and the model's own greedy continuation of it (what a
+   draft must agree with is the model's choice, not the text's).
+2. Agreement: with teacher forcing, one forward of the whole text per skip set gives the share of
+   positions where the skipping model's argmax is the full model's (greedy acceptance α). Single
+   layers are ranked by it; skip sets grow from the least harmful, trying a few candidates at each
+   size and keeping the best.
+3. Speed: the most promising (skip set, draft length) pairs — by the predicted tokens per second,
+   (1 − α^(k+1)) / (1 − α) tokens per pass at a cost of k draft passes plus one target pass —
+   generate for real, beside plain decoding, and the fastest wins. When none beats plain decoding
+   the result says so (`pays` False) and `self` decodes plainly on this model and device.
+
+The result is kept per model file (its digest) and device in the store (`tuned/`), so it runs once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["SelfConfig", "cached_or_tuned", "tune"]
+
+# A public-domain opening (Jane Austen, Pride and Prejudice) for the model to continue.
+CALIBRATION_PROMPT = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+    "must be in want of a wife. However little known the feelings or views of such a man may be "
+    "on his first entering a neighbourhood, this truth is so well fixed in the minds of the "
+    "surrounding families, that he is considered the rightful property of some one or other of "
+    "their daughters."
+)
+VERSION = 1  # of the search: a stored result from another version is searched again
+
+
+@dataclass(frozen=True)
+class SelfConfig:
+    """The `self` drafter for one model and device."""
+
+    skip: tuple[int, ...] = ()
+    k: int = 1
+    confidence: float = 0.0
+    pays: bool = False  # whether it beat plain decoding when measured
+    speedup: float = 0.0  # its tokens/s over plain decoding's, as measured
+    acceptance: float = 0.0  # greedy agreement with the full model on the calibration text
+    table: list[dict[str, Any]] = field(default_factory=list)  # every candidate the search measured
+
+
+def device_key(backend: Any) -> str:
+    dev = backend.device
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+    return f"{name}/{backend.dtype}/{torch.get_num_threads()}t"
+
+
+def cached_or_tuned(backend: Any, *, report: Callable[[str], None] | None = None) -> SelfConfig:
+    """The stored result for this model and device, else a search (stored when it can be)."""
+    path: Path | None = backend.tuned_path
+    key = device_key(backend)
+    stored = _read(path).get(key) if path else None
+    if isinstance(stored, dict) and stored.get("version") == VERSION:
+        try:
+            return SelfConfig(**{k: tuple(v) if k == "skip" else v for k, v in stored.items()
+                                 if k != "version"})  # fmt: skip
+        except TypeError:
+            pass  # written by another layout: search again
+    config = tune(backend, report=report)
+    if path is not None:
+        save(path, key, config)
+    return config
+
+
+def _read(path: Path | None) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text()) if path else {}
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def save(path: Path, key: str, config: SelfConfig) -> None:
+    """Written whole to a temporary file, then renamed: a kill leaves the old file or the new."""
+    data = _read(path)
+    data[key] = {"version": VERSION, **asdict(config)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # an unwritable store tunes again next time; the answer is the same
+
+
+@torch.inference_mode()
+def _argmax(model: Any, ids: Sequence[int], skip: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Teacher-forced argmax after every token of `ids` with `skip` left out: (len(ids),)."""
+    caches = model.make_caches(len(ids) + 1)
+    h = model(torch.tensor([list(ids)], dtype=torch.long, device=device), [caches], skip=skip)
+    return model.logits(h[0]).argmax(-1)
+
+
+def tune(backend: Any, *, report: Callable[[str], None] | None = None, gen_tokens: int = 48,
+         max_skip: float = 0.6, tries: int = 3, measure: int = 6) -> SelfConfig:  # fmt: skip
+    """Search the skip set and draft length that maximise measured tokens/s (see the module).
+
+    Args:
+        gen_tokens: tokens of the calibration continuation, and of every timed generation.
+        max_skip: the largest share of layers a draft may leave out.
+        tries: candidates tried at each skip-set size (from the ranked single layers).
+        measure: (skip set, k) pairs generated for real.
+    """
+    from localllm.backends.torch.backend import on_compute_thread
+
+    return on_compute_thread(_tune)(backend, report or (lambda _line: None), gen_tokens, max_skip,
+                                    tries, measure)  # fmt: skip
+
+
+def _tune(b: Any, say: Callable[[str], None], gen_tokens: int, max_skip: float, tries: int,
+          measure: int) -> SelfConfig:  # fmt: skip
+    from localllm.backends.torch.speculative import LayerSkip, Pace
+
+    model, n_layers = b.model, len(b.model.layers)
+    prompt = b.tokenize(CALIBRATION_PROMPT)
+    plain_ids, plain_s = _generate(b, prompt, gen_tokens)
+    text = prompt + plain_ids
+    t0 = time.perf_counter()
+    full = _argmax(model, text, (), b.device)
+    forward_s = time.perf_counter() - t0
+    span = slice(len(prompt) - 1, len(text) - 1)  # positions whose next token was generated
+
+    def agreement(skip: Sequence[int]) -> float:
+        got = _argmax(model, text, skip, b.device)
+        return float((got[span] == full[span]).float().mean())
+
+    say(f"calibration: {len(prompt)} prompt + {len(plain_ids)} generated tokens; plain decoding "
+        f"{len(plain_ids) / plain_s:.1f} tokens/s; {n_layers} layers, one pass over the text "
+        f"{forward_s * 1000:.0f} ms")  # fmt: skip
+    single = {i: agreement((i,)) for i in range(n_layers)}
+    order = sorted(single, key=lambda i: (-single[i], i))
+    say("agreement with one layer skipped: "
+        + ", ".join(f"{i}:{single[i]:.2f}" for i in order))  # fmt: skip
+    sets: list[tuple[tuple[int, ...], float]] = []
+    current: tuple[int, ...] = ()
+    for _size in range(1, max(1, int(max_skip * n_layers)) + 1):
+        options = [i for i in order if i not in current][:tries]
+        scored = [(tuple(sorted((*current, i))), 0.0) for i in options]
+        scored = [(s, agreement(s)) for s, _ in scored]
+        current, alpha = max(scored, key=lambda x: x[1])
+        sets.append((current, alpha))
+        say(f"skip {len(current):2d} layers {list(current)}: agreement {alpha:.2f}")
+
+    def predicted(skip: tuple[int, ...], alpha: float, k: int) -> float:
+        """Tokens per plain-pass time: a draft pass costs its share of layers, verifying one."""
+        per_pass = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
+        draft = (n_layers - len(skip)) / n_layers
+        return per_pass / (k * draft + 1.0)
+
+    candidates = sorted(((predicted(s, a, k), s, a, k) for s, a in sets for k in (1, 2, 3, 4, 6)),
+                        reverse=True)[:measure]  # fmt: skip
+    table = []
+    best = SelfConfig(pays=False, speedup=1.0, table=table)
+    # plain again beside the candidates, so both see the machine in the same state
+    _ids, plain_s = _generate(b, prompt, gen_tokens)
+    plain_rate = gen_tokens / plain_s
+    for pred, skip, alpha, k in candidates:
+        drafter = LayerSkip(model, skip, device=b.device)
+        pace = Pace(k, k)
+        ids, secs = _generate(b, prompt, gen_tokens, drafter=drafter, pace=pace)
+        rate = len(ids) / secs
+        row = {"skip": list(skip), "layers_skipped": len(skip), "k": k, "agreement": round(alpha, 3),
+               "predicted_speedup": round(pred, 3), "tokens_per_s": round(rate, 2),
+               "speedup": round(rate / plain_rate, 3), "same_text": ids == plain_ids[: len(ids)]}  # fmt: skip
+        table.append(row)
+        say(f"skip {len(skip):2d} k={k}: agreement {alpha:.2f}, predicted {pred:.2f}x, "
+            f"measured {rate:.1f} tokens/s = {rate / plain_rate:.2f}x of plain {plain_rate:.1f}")  # fmt: skip
+        if rate / plain_rate > best.speedup:
+            best = SelfConfig(skip=skip, k=k, pays=True, speedup=rate / plain_rate, acceptance=alpha,
+                              table=table)  # fmt: skip
+    return best if best.pays else SelfConfig(pays=False, speedup=1.0, table=table)
+
+
+def _generate(b: Any, prompt: Sequence[int], n: int, *, drafter: Any = None,
+              pace: Any = None) -> tuple[list[int], float]:  # fmt: skip
+    """Greedy tokens after `prompt` through slot machinery, and the seconds the decode took
+    (after the first token), with `drafter` and `pace` when given."""
+    from localllm.backends.base import Seq
+    from localllm.types import SamplingParams
+
+    seq = Seq(prompt, SamplingParams(temperature=0, max_tokens=n), speculative="off")
+    b.admit(seq)
+    try:
+        slot = seq.state
+        slot.drafter, slot.pace = drafter, pace
+        out = [s.token for s in b.step({seq: 0})[seq]]
+        t0 = time.perf_counter()
+        while len(out) < n:
+            steps = b.step({seq: 0})[seq]
+            if not steps:
+                break
+            out.extend(s.token for s in steps)
+        return out[:n], time.perf_counter() - t0
+    finally:
+        b.release(seq)
