@@ -468,6 +468,13 @@ def _print_stats(result: Any, llm: Any = None) -> None:
         ),
         file=sys.stderr,
     )
+    sp = result.speculative
+    if sp is not None:
+        print(f"speculative {sp.mode}: {sp.accepted}/{sp.drafted} drafted tokens accepted "
+              f"({sp.acceptance:.0%}) in {sp.rounds} of {sp.passes} passes, "
+              f"{sp.tokens_per_pass:.2f} tokens per pass"
+              + (f"; switched off: {sp.switched_off}" if sp.switched_off else ""),
+              file=sys.stderr)  # fmt: skip
 
 
 def _generate(llm: Any, request: Any, *, stream_out: bool) -> Any:
@@ -588,6 +595,38 @@ def run(
         llm.close()
 
 
+@app.command()
+def tune(
+    model: Annotated[str, typer.Argument(help="Model name, e.g. smollm2.")],
+    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or mps.")] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", help="torch engine's working precision.")] = "auto",
+    json_out: JsonFlag = False,
+) -> None:
+    """Search the layers `--speculative self` skips and how far it drafts, by measured tokens/s on
+    this machine; print the table searched and keep the choice for this model and device."""
+    from localllm.backends.torch import tune as tuning
+    from localllm.engine import load
+
+    say = None if json_out else (lambda line: print(line, flush=True))
+    with load(model, backend="torch", device=device, dtype=dtype, ctx=512, parallel=1) as llm:
+        b = llm.backend
+        config = tuning.tune(b, report=say)
+        if b.tuned_path is not None:
+            tuning.save(b.tuned_path, tuning.device_key(b), config)
+        b._self_config = config
+    if json_out:
+        from dataclasses import asdict
+
+        _emit_json({"model": llm.name, "device": tuning.device_key(b), **asdict(config)})
+        return
+    if config.pays:
+        print(f"chosen: skip {len(config.skip)} layers {list(config.skip)}, draft {config.k} tokens: "
+              f"{config.speedup:.2f}x of plain decoding (agreement {config.acceptance:.2f})")  # fmt: skip
+    else:
+        print("chosen: none — no skip set beat plain decoding here, so --speculative self decodes "
+              "plainly on this model and device")  # fmt: skip
+
+
 @app.command("eval")
 def eval_text(
     model: Annotated[str, typer.Argument(help="Model name, e.g. smollm2.")],
@@ -613,6 +652,10 @@ def eval_text(
     ref_kv: Annotated[
         str | None, typer.Option("--ref-kv", help="Reference: this model with this KV cache type.")
     ] = None,
+    speculative: Annotated[
+        str | None, typer.Option("--speculative", help="lookup, self or draft:MODEL: how often "
+                                 "its draft is the model's choice on the text.")  # fmt: skip
+    ] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Perplexity over a text, evaluated as generation runs; KV-cache cost; KL and top-1
@@ -623,7 +666,8 @@ def eval_text(
     from localllm.types import LoadOptions
 
     options = LoadOptions(backend=backend, device=device, dtype=dtype, ctx=ctx, kv_cache=kv_cache,
-                          streaming=streaming, evict=evict, parallel=1)  # fmt: skip
+                          streaming=streaming, evict=evict, speculative=speculative,
+                          parallel=1)  # fmt: skip
     if ref_kv is not None:
         parse_kv_cache(ref_kv)
     if limit is not None and limit < 2:
@@ -646,6 +690,12 @@ def eval_text(
         print(f"against {r['reference']['model']} with KV {r['reference']['kv_cache']}: "
               f"KL mean {r['kl_mean']:.5f} nats, p99 {r['kl_p99']:.5f}; "
               f"top-1 agreement {100 * r['top1_agreement']:.2f}%")
+    sp = r.get("speculative")
+    if sp:
+        print(f"speculative {sp['mode']}: " + (sp.get("note") or
+              f"a draft at {100 * sp['coverage']:.1f}% of positions; its first token is the model's "
+              f"choice {100 * sp['acceptance']:.1f}% of the time (α); "
+              f"{sp['tokens_per_pass']:.2f} tokens per pass predicted at k={sp['k']}"))  # fmt: skip
     print(f"{r['seconds']:.1f} s")
 
 

@@ -71,7 +71,7 @@ def check_options(options: LoadOptions, caps: Capabilities, backend: str) -> Non
                      lambda c: kind in c.eviction)  # fmt: skip
     mode = speculative_mode(options.speculative)
     if mode not in caps.speculative:
-        raise no(f"speculative mode {mode!r}", caps.speculative)
+        raise no(f"speculative mode {mode!r}", caps.speculative, lambda c: mode in c.speculative)
     if options.device not in ("auto", *caps.devices):
         raise no(f"{options.device} device", caps.devices)
     if options.dtype not in ("auto", *caps.dtypes):

@@ -10,6 +10,11 @@ whole chunks only where that is the same computation (`scorer.token_by_token` sa
     perplexity      exp(mean negative log-likelihood of tokens 2..N given what precedes them)
     kl_mean, kl_p99 KL(reference ‖ this) per position, in nats: mean and 99th percentile
     top1_agreement  share of positions where both put the same token first
+
+With `--speculative MODE` it also says how well that drafter predicts this model on the text:
+at every position, teacher-forced, whether the drafter's next token (lookup's proposal, the
+layer-skipping model's or the draft model's argmax) is the model's own argmax — the greedy
+acceptance α of a first draft — and the tokens per target pass (1 − α^(k+1)) / (1 − α) predicts.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from localllm.errors import LocalLLMError
-from localllm.types import LoadOptions
+from localllm.types import LoadOptions, speculative_mode
 
 __all__ = ["evaluate", "read_text"]
 
@@ -111,6 +116,10 @@ def evaluate(model: str, text: str, *, options: LoadOptions, limit: int | None =
                                     f"{llm.name}: no position-by-position comparison")  # fmt: skip
             ref_scorer = reference.backend.scorer(None)
         result = _score(ids, scorer, ref_scorer, progress)
+        spec = speculative_mode(options.speculative)
+        if spec != "off":
+            result["speculative"] = _acceptance(llm.backend, spec, ids, result.pop("_argmax"))
+        result.pop("_argmax", None)
         result.update(_kv_stats(llm, scorer))
         result.update({
             "model": llm.name, "backend": llm.backend.name, "kv_cache": llm.options.kv_cache,
@@ -137,6 +146,7 @@ def _score(ids: list[int], scorer: Any, ref: Any,
     nll = 0.0
     kls: list[np.ndarray] = []
     agree = 0
+    argmax: list[np.ndarray] = []
     pending: list[np.ndarray] = []  # reference rows not yet matched
     ref_pos = 0
     pos = 0
@@ -146,6 +156,7 @@ def _score(ids: list[int], scorer: Any, ref: Any,
         m = len(piece)
         targets = np.asarray(ids[pos + 1 : pos + 1 + m])
         nll -= float(logp[np.arange(m), targets].astype(np.float64).sum())
+        argmax.append(logp.argmax(-1))
         if ref is not None:
             while sum(len(p) for p in pending) < m:
                 rp = ids[ref_pos : min(ref_pos + ref.chunk, total)]
@@ -158,9 +169,41 @@ def _score(ids: list[int], scorer: Any, ref: Any,
         pos += m
         if progress is not None:
             progress(pos, total)
-    out: dict[str, Any] = {"perplexity": math.exp(nll / total), "tokens": total}
+    out: dict[str, Any] = {"perplexity": math.exp(nll / total), "tokens": total,
+                           "_argmax": np.concatenate(argmax)}  # fmt: skip
     if ref is not None:
         kl = np.concatenate(kls)
         out.update({"kl_mean": float(kl.mean()), "kl_p99": float(np.percentile(kl, 99)),
                     "top1_agreement": agree / total})  # fmt: skip
     return out
+
+
+def _acceptance(backend: Any, mode: str, ids: list[int], target: np.ndarray) -> dict[str, Any]:
+    """How often the drafter's next token is the model's argmax (`target[i]`: after ids[:i+1])."""
+    from localllm.backends.torch.speculative import Lookup
+
+    total = len(target)
+    if mode == "lookup":
+        lookup = Lookup()
+        guess = np.full(total, -1)
+        for i in range(total):
+            got = lookup.lookup(ids[: i + 1], 1)
+            if got:
+                guess[i] = got[0]
+        k = 10
+    else:
+        if not hasattr(backend, "draft_argmax"):
+            raise LocalLLMError(f"the {backend.name} backend cannot measure speculative mode {mode!r}")
+        drafted = backend.draft_argmax(mode, ids[:total])
+        if drafted is None:
+            return {"mode": mode, "proposed": 0, "coverage": 0.0, "acceptance": 0.0,
+                    "tokens_per_pass": 1.0, "k": 0,
+                    "note": "self does not pay on this model and device (tuned): it decodes plainly"}  # fmt: skip
+        guess = np.asarray(drafted)
+        k = backend.self_config().k if mode == "self" else 8
+    proposed = guess >= 0
+    n = int(proposed.sum())
+    alpha = float((guess[proposed] == target[proposed]).mean()) if n else 0.0
+    per_pass = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1.0
+    return {"mode": mode, "proposed": n, "coverage": n / total, "acceptance": alpha, "k": k,
+            "tokens_per_pass": per_pass}  # fmt: skip

@@ -423,10 +423,15 @@ class ChatScreen(Screen):
             level = "danger" if frac >= 0.95 else "warning" if frac >= 0.8 else ""
             tokens = limit
         shifted = f" · shifted {result.context_shifts}x" if result.context_shifts else ""
+        sp = getattr(result, "speculative", None)
+        spec = ""
+        if sp is not None:  # acceptance and tokens per target pass; "off" once it switched off
+            spec = (f" · {sp.mode} {sp.acceptance:.0%} accepted, {sp.tokens_per_pass:.2f}/pass"
+                    + (" (off)" if sp.switched_off else ""))  # fmt: skip
         self._status(
             f"{self.model_name} · TTFT {result.timings.ttft_s * 1000:.0f} ms · "
             f"{result.timings.tokens_per_s(n):.1f} tokens/s · {meter}"
-            f"{self._kv_text(tokens)}{shifted}{stopped}",
+            f"{self._kv_text(tokens)}{spec}{shifted}{stopped}",
             level=level,
         )
 

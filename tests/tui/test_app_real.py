@@ -70,3 +70,28 @@ def test_real_model_chat_flow(default_model_path: Path) -> None:
             assert texts[:2] == ["Say hello", hello] and len(texts) == 4
 
     asyncio.run(second())
+
+
+def test_speculative_mode_is_a_chat_setting_and_the_status_shows_acceptance(default_model_path: Path) -> None:
+    """The torch engine with `lookup` chosen in the chat's settings: the request carries it, and
+    after the answer the status line shows the share of drafts accepted and tokens per pass."""
+
+    async def go() -> None:
+        app = LocalLLMApp(chat_model="smollm2")
+        async with app.run_test(size=(160, 50)) as pilot:
+            chat = app.screen
+            await pilot.press("ctrl+s")
+            modal = app.screen
+            modal.query_one("#backend").value = "torch"
+            await wait_for(pilot, lambda: modal.query("#speculative"))
+            await pilot.pause()
+            modal.query_one("#speculative").value = "lookup"
+            await pilot.press("ctrl+s")
+            assert app.screen is chat and chat.options.speculative == "lookup"
+            chat.sampling = {"temperature": 0, "max_tokens": 48}
+            await pilot.press(*"Repeat after me: one two three, one two three, one two three.", "enter")
+            await wait_for(pilot, lambda: not chat.generating and chat.answer, timeout=120)
+            status = str(chat.query_one("#status").render())
+            assert "lookup" in status and "accepted" in status and "/pass" in status, status
+
+    asyncio.run(go())

@@ -319,6 +319,26 @@ class TorchBackend:
             self._self_config = tune.cached_or_tuned(self)
         return self._self_config
 
+    @on_compute_thread
+    @torch.inference_mode()
+    def draft_argmax(self, mode: str, ids: Sequence[int]) -> Any:
+        """The `self` or `draft` drafter's greedy choice after every token of `ids`, teacher-
+        forced (numpy (len(ids),)), for `localllm eval --speculative`; None where `self` does not
+        pay on this model and device (it then decodes plainly)."""
+        if mode == "self":
+            config = self.self_config()
+            if not config.pays:
+                return None
+            model, skip = self.model, tuple(config.skip)
+        else:
+            model, skip = self.draft_model, ()
+        caches = model.make_caches(len(ids) + 1, dtype=self.kv_dtype, device=self.device)
+        out = []
+        for i in range(0, len(ids), self.max_batch):
+            x = torch.tensor([list(ids[i : i + self.max_batch])], dtype=torch.long, device=self.device)
+            out.append(model.logits(model(x, [caches], skip=skip)[0]).argmax(-1))
+        return torch.cat(out).cpu().numpy()
+
     def _speculate(self, slot: _Slot) -> list[Step]:
         """One decode pass of a speculating sequence: draft, verify in one target pass, keep
         what the exact rule accepts and trim the rest from the caches. Without a draft (none
@@ -580,8 +600,9 @@ class TorchScorer:
 
 
 def check_speculative(spec: str | None, *, policy: ContextPolicy, budget: int = 0,
-                      draft_name: str | None = None) -> None:  # fmt: skip
-    """What speculation cannot compose with (`LocalLLMError`, one line each)."""
+                      draft_name: str | None = "") -> None:  # fmt: skip
+    """What speculation cannot compose with (`LocalLLMError`, one line each). `draft_name`: the
+    loaded draft model's (None: none loaded; "": not known yet, before loading)."""
     mode = speculative_mode(spec)
     if mode == "off":
         return
@@ -596,7 +617,7 @@ def check_speculative(spec: str | None, *, policy: ContextPolicy, budget: int = 
             "speculative decoding cannot run with --streaming: verifying k drafts at once "
             "makes the window forget k tokens early, which a rollback cannot bring back"
         )
-    if mode == "draft" and spec != f"draft:{draft_name}":
+    if mode == "draft" and draft_name != "" and spec != f"draft:{draft_name}":
         raise LocalLLMError(
             f"--speculative {spec}: this model was loaded "
             + (f"with the draft model {draft_name}" if draft_name else "without a draft model")
@@ -617,8 +638,8 @@ def open_backend(path: str | Path, options: Any, *, name: str, digest: str,
     if speculative_mode(options.speculative) == "draft":
         from localllm.models_registry.catalog import ensure_local
 
-        record = ensure_local(options.speculative.partition(":")[2], store)
-        draft = (record.name, store.path_of(record))
+        given = options.speculative.partition(":")[2]
+        draft = (given, store.path_of(ensure_local(given, store)))
     return TorchBackend(path, n_ctx=options.ctx, n_slots=options.parallel, device=options.device,
                         dtype=options.dtype, kv_cache=options.kv_cache, evict=options.evict,
                         threads=options.threads or _default_threads(),
