@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from test_cli import assert_one_line_error, run
 
-from conftest import need
 from localllm.models_registry.store import Store
+
+from conftest import need
 
 COPY = "red green blue, " * 5 + "red"  # the model goes on with the pattern
 
