@@ -142,13 +142,16 @@ def test_the_off_switch_through_the_engine(default_model_path: Path) -> None:
         return Wrong(), pace
 
     b._drafter = wrong  # type: ignore[method-assign]
+    # enough tokens for WINDOW rounds even where each failed round pauses it (1 + 2 + ... + 32)
+    n = 110
     with Model(b, "smollm2") as llm:
-        plain = llm.complete("Once upon a time", max_tokens=40, temperature=0)
-        spec = llm.complete("Once upon a time", max_tokens=40, temperature=0, speculative="lookup")
+        plain = llm.complete("Once upon a time", max_tokens=n, temperature=0)
+        spec = llm.complete("Once upon a time", max_tokens=n, temperature=0, speculative="lookup")
     assert spec.token_ids == plain.token_ids and plain.speculative is None
+    assert spec.usage.completion_tokens == n
     sp = spec.speculative
     assert sp.switched_off and "rejected" in sp.switched_off and sp.accepted == 0
-    assert sp.rounds == Pace.WINDOW and sp.passes == 39  # then plain to the end
+    assert sp.rounds == Pace.WINDOW and sp.passes == n - 1  # then plain to the end
 
 
 def test_the_python_api_takes_a_default_and_a_per_call_mode() -> None:

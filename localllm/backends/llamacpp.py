@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,8 @@ from localllm.backends.base import Seq, Step, common_prefix
 from localllm.chat import template_for
 from localllm.errors import ContextOverflow, LocalLLMError
 from localllm.memory import parse_kv_cache
-from localllm.types import ContextPolicy, SamplingParams
+from localllm.speculation import Draft, Lookup, Pace
+from localllm.types import ContextPolicy, SamplingParams, speculative_mode
 
 _GGML_TYPE = {
     "f32": 0,
@@ -54,10 +55,30 @@ def open_backend(path: str | Path, options: Any, *, name: str, digest: str,
     from localllm.backends.llamacpp_guard import check_load
 
     n_gpu_layers = 0 if options.device == "cpu" else -1
+    if speculative_mode(options.speculative) != "off" and options.context.enabled:
+        raise LocalLLMError(_NO_SHIFT_SPECULATION)
     check_load(path, digest, name, n_gpu_layers=n_gpu_layers, home=home)
+    draft = None
+    if speculative_mode(options.speculative) == "draft":
+        from localllm.models_registry.catalog import ensure_local
+        from localllm.models_registry.store import Store
+
+        store = Store(home)
+        given = options.speculative.partition(":")[2]
+        record = ensure_local(given, store)
+        draft_path = store.path_of(record)
+        check_load(draft_path, record.digest, record.name, n_gpu_layers=n_gpu_layers, home=home)
+        draft = (given, draft_path)
     return LlamaCppBackend(path, n_ctx=options.ctx, n_slots=options.parallel,
                            kv_cache=options.kv_cache, n_threads=options.threads,
-                           n_gpu_layers=n_gpu_layers)  # fmt: skip
+                           n_gpu_layers=n_gpu_layers, speculative=options.speculative,
+                           draft=draft)  # fmt: skip
+
+
+_NO_SHIFT_SPECULATION = ("speculative decoding cannot run with --streaming: verifying k drafts "
+                         "at once can make the context shift early, which a rollback cannot undo")  # fmt: skip
+LOOKUP_K = 10  # the most tokens prompt lookup proposes in one pass
+DRAFT_K = 8  # ... and a draft model
 
 
 def default_threads() -> int:
@@ -221,6 +242,9 @@ class _Slot:
     last: int | None = None  # the token sampled last, not yet evaluated
     shifted: list[int] = field(default_factory=list)  # discards not yet reported in a Step
     stamp: int = 0  # when it was last admitted into (least recently used goes first)
+    history: list[int] = field(default_factory=list)  # prompt + generated (prompt lookup)
+    drafter: Any = None  # speculative decoding: what proposes drafts (None: off)
+    pace: Any = None  # its `Pace`
 
 
 class LlamaCppBackend:
@@ -240,11 +264,16 @@ class LlamaCppBackend:
         n_threads: int | None = None,
         n_gpu_layers: int = -1,
         flash_attn: bool | None = None,
+        speculative: str | None = None,
+        draft: tuple[str, str | Path] | None = None,
     ) -> None:
         """Args:
         n_ctx: cells per sequence (llama.cpp rounds it up to a multiple of 256).
         n_slots: sequences held at once, one llama.cpp sequence id each.
         max_batch: tokens one step may evaluate (llama.cpp's n_batch and n_ubatch).
+        speculative: the sequences' default mode (off, lookup, draft:MODEL).
+        draft: (name, path) of the draft model `draft:NAME` loads: a second llama.cpp context
+            with a sequence per slot (same vocabulary, checked).
         """
         llama_cpp = quiet_llama_log()
         from llama_cpp import _internals
@@ -323,6 +352,17 @@ class LlamaCppBackend:
         )
         self.has_template = "tokenizer.chat_template" in meta
         self.llm = _SlotZero(self)
+        self.speculative = speculative if speculative_mode(speculative) != "off" else None
+        self.draft_name: str | None = None
+        self._draft: _DraftContext | None = None
+        if speculative_mode(speculative) == "draft" and draft is None:
+            raise LocalLLMError(f"--speculative {speculative}: no draft model was given")
+        if draft is not None:
+            _same_vocabulary(self.model_path, draft)
+            self.draft_name = draft[0]
+            self._draft = _DraftContext(llama_cpp, draft[1], n_ctx=self.n_ctx, n_slots=n_slots,
+                                        n_batch=self.max_batch, n_threads=self.n_threads,
+                                        n_gpu_layers=mp.n_gpu_layers)  # fmt: skip
 
     # -- tokens --------------------------------------------------------------------------------
 
@@ -382,10 +422,32 @@ class LlamaCppBackend:
         slot.n_past, slot.exact = reuse, True
         slot.seq, slot.fed, slot.last, slot.shifted = seq, reuse, None, []
         slot.chain = self._sampler(seq.sampling)
+        slot.history = list(seq.ids)
+        slot.drafter, slot.pace = self._drafter(seq, slot)
         self._stamp += 1
         slot.stamp = self._stamp
         seq.state = slot
         return reuse
+
+    def _drafter(self, seq: Seq, slot: _Slot) -> tuple[Any, Pace | None]:
+        spec = seq.speculative if seq.speculative is not None else self.speculative
+        mode = speculative_mode(spec)
+        if mode == "off":
+            return None, None
+        if seq.policy.enabled:
+            raise LocalLLMError(_NO_SHIFT_SPECULATION)
+        if mode == "lookup":
+            return Lookup(), Pace(LOOKUP_K, LOOKUP_K // 2, give_up=False)
+        if mode == "draft" and self._draft is not None and spec == f"draft:{self.draft_name}":
+            return _DraftProposer(self._draft, slot), Pace(DRAFT_K, DRAFT_K // 2)
+        if mode == "draft":
+            raise LocalLLMError(
+                f"--speculative {spec}: this model was loaded "
+                + (f"with the draft model {self.draft_name}" if self.draft_name else "without a draft model")
+                + "; load it with that --speculative to use another"
+            )
+        raise LocalLLMError(f"the llama.cpp backend has no speculative mode {mode!r} "
+                            "(the torch backend has it: --backend torch)")  # fmt: skip
 
     @property
     def busy(self) -> int:
@@ -398,7 +460,8 @@ class LlamaCppBackend:
         if not isinstance(slot, _Slot) or slot.seq is not seq:
             return
         seq.state = None
-        slot.seq = slot.last = None
+        slot.seq = slot.last = slot.drafter = slot.pace = None
+        slot.history = []
         if slot.chain is not None:
             self._lib.llama_sampler_free(slot.chain)
             slot.chain = None
@@ -432,9 +495,11 @@ class LlamaCppBackend:
         its window, shifting its cache before each; those pieces go in further decodes. A decoding
         sequence whose context is full and may not shift gets no Step (the engine says "length").
         """
+        t0 = time.perf_counter()
         decoding: dict[_Slot, deque[list[int]]] = {}
         prefill: dict[_Slot, deque[list[int]]] = {}
         due: set[_Slot] = set()  # slots that sample after their last piece
+        drafts: dict[_Slot, Draft] = {}  # speculating slots: what they verify this step
         out: dict[Seq, list[Step]] = {}
         for seq, n in plan.items():
             slot = seq.state
@@ -450,7 +515,12 @@ class LlamaCppBackend:
             elif not seq.policy.enabled and slot.n_past + 1 > self.n_ctx:
                 out[seq] = []  # the context is full
             else:
-                decoding[slot] = deque([[slot.last]])
+                piece = [slot.last]
+                if slot.pace is not None and slot.pace.on:
+                    k = self._draft_room(slot)
+                    drafts[slot] = slot.drafter.propose(slot, k) if k > 0 else Draft([])
+                    piece += drafts[slot].tokens
+                decoding[slot] = deque([piece])
                 due.add(slot)
         for pieces in (prefill, decoding):
             order = sorted(pieces, key=lambda s: s.sid)  # llama.cpp splits a batch at gaps in ids
@@ -463,7 +533,9 @@ class LlamaCppBackend:
                         continue
                     piece = queue.popleft()
                     self._make_room(slot, len(piece))
-                    batch.append((slot, piece, not queue and slot in due))
+                    # logits: none mid-prompt, the last token's, or every one a draft verifies
+                    want = (len(piece) if slot in drafts else 1) if not queue and slot in due else 0
+                    batch.append((slot, piece, want))
                     room -= len(piece)
                 if not batch:
                     break
@@ -472,8 +544,54 @@ class LlamaCppBackend:
                     if slot.last is None:
                         slot.fed += len(piece)
                 for slot, row in rows.items():
-                    out[slot.seq] = [self._sample(slot, row)]
+                    if slot in drafts:
+                        out[slot.seq] = self._verify(slot, row, drafts[slot], t0)
+                    else:
+                        step = self._sample(slot, row)
+                        out[slot.seq] = [replace(step, passes=1) if slot in decoding else step]
         return out
+
+    def _draft_room(self, slot: _Slot) -> int:
+        """Tokens a speculating slot may draft now: what its pace wants, within its context,
+        its max_tokens and one batch."""
+        seq = slot.seq
+        assert seq is not None and slot.pace is not None
+        k = min(slot.pace.want(), self.n_ctx - slot.n_past - 1, self.max_batch - 1)
+        if seq.sampling.max_tokens:
+            k = min(k, seq.sampling.max_tokens - (len(slot.history) - len(seq.ids)) - 1)
+        return k
+
+    def _verify(self, slot: _Slot, row: int, draft: Draft, t0: float) -> list[Step]:
+        """Keep the drafts the target's own choices agree with, row by row: each row is sampled
+        with the sequence's chain (or its argmax), and a draft survives while it is what was
+        chosen. For a deterministic drafter (lookup, a greedy draft model: q one-hot) that is
+        exactly the rule u ≤ p(x)/q(x) with the residual p without x. The rest of the batch's
+        cells are removed from the cache."""
+        pace = slot.pace
+        assert pace is not None
+        if not draft.tokens:
+            step = self._sample(slot, row)
+            pace.plain(time.perf_counter() - t0)
+            return [replace(step, passes=1)]
+        steps: list[Step] = []
+        for i, x in enumerate(draft.tokens):
+            steps.append(self._sample(slot, row + i))
+            if steps[-1].token != x:
+                break
+        else:
+            steps.append(self._sample(slot, row + len(draft.tokens)))
+        n = len(steps) - 1
+        rejected = len(draft.tokens) - n
+        if rejected:
+            self._lib.llama_memory_seq_rm(self._mem, slot.sid, slot.n_past - rejected, -1)
+            slot.n_past -= rejected
+            if slot.exact:
+                del slot.tokens[-rejected:]
+        pace.verified(len(draft.tokens), n, time.perf_counter() - t0)
+        steps[0] = replace(steps[0], passes=1, drafted=len(draft.tokens), accepted=n)
+        if not pace.on:
+            steps[-1] = replace(steps[-1], spec_off=pace.reason)
+        return steps
 
     def _sample(self, slot: _Slot, row: int) -> Step:
         seq = slot.seq
@@ -487,6 +605,7 @@ class LlamaCppBackend:
         step = Step(token, shifted=tuple(slot.shifted), logprob=logprob, top=top)
         slot.shifted = []
         slot.last = token
+        slot.history.append(token)
         return step
 
     def _piece_size(self, seq: Seq) -> int:
@@ -527,10 +646,11 @@ class LlamaCppBackend:
             slot.exact = False
         slot.shifted.append(discard)
 
-    def _decode(self, batch: Sequence[tuple[_Slot, Sequence[int], bool]]) -> dict[_Slot, int]:
-        """One `llama_decode`: each slot's tokens at its next positions, with the logits of its last
-        token where asked. Returns the batch row of each slot's logits. On failure the cells the
-        batch added are removed again, so every slot's cache stays what it was before this call."""
+    def _decode(self, batch: Sequence[tuple[_Slot, Sequence[int], int]]) -> dict[_Slot, int]:
+        """One `llama_decode`: each slot's tokens at its next positions, with the logits of its
+        last `want` tokens (0, 1, or all a draft verifies). Returns the batch row of each slot's
+        first logits. On failure the cells the batch added are removed again, so every slot's
+        cache stays what it was before this call."""
         b = self._batch
         rows: dict[_Slot, int] = {}
         n = 0
@@ -544,8 +664,8 @@ class LlamaCppBackend:
                 b.seq_id[n : n + k] = slot.sid
                 b.logits[n : n + k] = 0
             if want:
-                b.logits[n + k - 1] = 1
-                rows[slot] = n + k - 1
+                b.logits[n + k - want : n + k] = 1
+                rows[slot] = n + k - want
             n += k
         mark = log_mark()
         rc = b.decode(self._ctx.ctx, n)
@@ -638,6 +758,9 @@ class LlamaCppBackend:
             if slot.chain is not None:
                 self._lib.llama_sampler_free(slot.chain)
                 slot.chain = None
+        if self._draft is not None:
+            self._draft.close()
+            self._draft = None
         if self._ctx is not None:
             self._ctx.close()
             self._model.close()
@@ -696,6 +819,108 @@ class LlamaScorer:
         return np.ctypeslib.as_array(ptr, shape=(n, b._n_vocab)).copy()
 
 
+def _same_vocabulary(path: str | Path, draft: tuple[str, str | Path]) -> None:
+    """A draft model must tokenize as the model does: the same token list (read from the files)."""
+    from localllm.gguf_file import GGUFFile
+
+    with GGUFFile(path) as f, GGUFFile(draft[1]) as g:
+        mine = list(f.metadata.get("tokenizer.ggml.tokens") or ())
+        theirs = list(g.metadata.get("tokenizer.ggml.tokens") or ())
+    if mine != theirs:
+        raise LocalLLMError(f"the draft model {draft[0]} has another vocabulary ({len(theirs)} "
+                            f"tokens) than the model ({len(mine)}): a draft must share it")  # fmt: skip
+
+
+class _DraftContext:
+    """A draft model in a llama.cpp context of its own, one sequence per slot of the target's.
+
+    Each sequence remembers the tokens its cells hold, so a draft catches up with the target by
+    evaluating only what the target accepted since (the prompt at first), and what it drafted
+    past that is removed on the next catch-up. Drafts are greedy (the argmax): a deterministic
+    drafter, which the target verifies by sampling and comparing (`LlamaCppBackend._verify`)."""
+
+    def __init__(self, lib: Any, path: str | Path, *, n_ctx: int, n_slots: int, n_batch: int,
+                 n_threads: int, n_gpu_layers: int) -> None:  # fmt: skip
+        from llama_cpp import _internals
+
+        self._lib = lib
+        mp = lib.llama_model_default_params()
+        mp.n_gpu_layers = n_gpu_layers
+        mp.load_mode = lib.LLAMA_LOAD_MODE_MMAP
+        cp = lib.llama_context_default_params()
+        cp.n_ctx, cp.n_seq_max, cp.kv_unified = n_ctx * n_slots, n_slots, False
+        cp.n_batch = cp.n_ubatch = n_batch
+        cp.n_threads = cp.n_threads_batch = n_threads
+        cp.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        mark = log_mark()
+        self._model = self._ctx = None
+        try:
+            self._model = _internals.LlamaModel(path_model=str(path), params=mp, verbose=False)
+            self._ctx = _internals.LlamaContext(model=self._model, params=cp, verbose=False)
+        except (ValueError, RuntimeError) as e:
+            if self._model is not None:
+                self._model.close()
+            said = recent_errors(mark)
+            reason = _strip_prefix(said[-1]) if said else str(e).split(":")[0]
+            raise LocalLLMError(f"llama.cpp cannot load the draft model: {reason}") from None
+        self._mem = lib.llama_get_memory(self._ctx.ctx)
+        self.n_ctx = int(lib.llama_n_ctx_seq(self._ctx.ctx))
+        self.n_batch = n_batch
+        self._n_vocab = self._model.n_vocab()
+        self._batch = _Batch(lib, n_batch)
+        self.held: dict[int, list[int]] = {i: [] for i in range(n_slots)}
+
+    def _eval(self, sid: int, tokens: Sequence[int], logits: bool) -> None:
+        held = self.held[sid]
+        b, k = self._batch, len(tokens)
+        b.token[:k] = tokens
+        b.pos[:k] = np.arange(len(held), len(held) + k)
+        b.seq_id[:k] = sid
+        b.logits[:k] = 0
+        if logits:
+            b.logits[k - 1] = 1
+        rc = b.decode(self._ctx.ctx, k)
+        if rc != 0:
+            self._lib.llama_memory_seq_rm(self._mem, sid, len(held), -1)
+            raise LocalLLMError(f"llama.cpp could not evaluate the draft (llama_decode returned {rc})")
+        held.extend(tokens)
+
+    def propose(self, sid: int, context: Sequence[int], last: int, k: int) -> list[int]:
+        """Up to k greedy tokens after `context` + [last]."""
+        held = self.held[sid]
+        keep = common_prefix(held, context, len(context))
+        self._lib.llama_memory_seq_rm(self._mem, sid, keep, -1)
+        del held[keep:]
+        for i in range(keep, len(context), self.n_batch):
+            self._eval(sid, context[i : i + self.n_batch], logits=False)
+        out: list[int] = []
+        tok = last
+        for _ in range(max(0, min(k, self.n_ctx - len(held) - 1))):
+            self._eval(sid, [tok], logits=True)
+            ptr = self._lib.llama_get_logits_ith(self._ctx.ctx, 0)
+            tok = int(np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).argmax())
+            out.append(tok)
+        return out
+
+    def close(self) -> None:
+        if self._ctx is not None:
+            self._ctx.close()
+            self._model.close()
+            self._ctx = self._model = None
+
+
+class _DraftProposer:
+    """One slot's view of the draft context (a `Drafter`)."""
+
+    def __init__(self, draft: _DraftContext, slot: _Slot) -> None:
+        self.draft, self.slot = draft, slot
+
+    def propose(self, slot: _Slot, k: int) -> Draft:
+        if not slot.exact:
+            return Draft([])  # the target's cache was shifted: no exact prefix to follow
+        return Draft(self.draft.propose(slot.sid, slot.tokens, slot.last, k))  # type: ignore[arg-type]
+
+
 class _Batch:
     """A `llama_batch` over numpy arrays (one sequence id per token), refilled every step."""
 
@@ -748,7 +973,7 @@ class _SlotZero:
         if slot.seq is not None:
             raise LocalLLMError("slot 0 is generating")
         for i in range(0, len(tokens), b.max_batch):
-            b._decode([(slot, list(tokens[i : i + b.max_batch]), True)])
+            b._decode([(slot, list(tokens[i : i + b.max_batch]), 1)])
 
     def reset(self) -> None:
         self._b.drop_caches()

@@ -298,7 +298,7 @@ class TorchBackend:
         self._check_speculative(spec, seq.policy)
         mode = speculative_mode(spec)
         if mode == "lookup":
-            return sp.Lookup(), sp.Pace(LOOKUP_K, LOOKUP_K // 2)
+            return sp.Lookup(), sp.Pace(LOOKUP_K, LOOKUP_K // 2, give_up=False)
         if mode == "draft":
             drafter = sp.DraftModel(self.draft_model, capacity=self.n_ctx, dtype=self.kv_dtype,
                                     device=self.device, chunk=self.max_batch)  # fmt: skip

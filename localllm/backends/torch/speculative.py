@@ -18,23 +18,16 @@ output is distributed exactly as the target's; greedy output is the target's gre
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
 import torch
 
 from localllm.backends.base import common_prefix
 from localllm.backends.torch.sampling import Sampler
+from localllm.speculation import Draft, Lookup, Pace
 
 __all__ = ["Draft", "DraftModel", "Drafter", "LayerSkip", "Lookup", "Pace", "accept"]
-
-
-@dataclass
-class Draft:
-    tokens: list[int]
-    q: list[torch.Tensor] | None = None  # (V,) probabilities each token was drawn from; None: one-hot
 
 
 class Drafter(Protocol):
@@ -89,91 +82,7 @@ def accept(logits: Callable[[int], torch.Tensor], draft: Draft, sampler: Sampler
     return [*out, t], len(draft.tokens)
 
 
-class Pace:
-    """How many tokens to draft next, and whether speculation still pays.
-
-    The draft length grows by 2 after a round that kept every draft and shrinks by 1 after one that
-    did not (transformers' "heuristic" schedule), within [1, k_max]. Speculation switches itself
-    off for the rest of the request when the last `WINDOW` verified rounds kept no draft at all,
-    or when the measured tokens per second of the recent rounds (an average over about `WINDOW`
-    rounds) fall below `1 - MARGIN` of plain decoding's. Plain decoding's cost is measured on the
-    sequence itself: its first decode pass is plain, and so is every `REFRESH`-th after, as the
-    context (and so the cost of a pass) grows.
-    """
-
-    WINDOW = 8
-    MARGIN = 0.03
-    REFRESH = 24
-
-    def __init__(self, k_max: int, k: int | None = None, *, on: bool = True) -> None:
-        self.k_max = max(1, k_max)
-        self.k = max(1, min(self.k_max, k or self.k_max))
-        self.on = on
-        self.t_plain = 0.0  # seconds per plain decode pass (moving average)
-        self.gain = 1.0  # moving average of (tokens per round × t_plain) / round seconds
-        self.rounds = 0
-        self.since_plain = 0
-        self.recent: deque[int] = deque(maxlen=self.WINDOW)  # accepted drafts per round
-        self.reason = ""  # why it switched off
-
-    def want(self) -> int:
-        """Tokens to draft for the next pass; 0: a plain pass."""
-        if not self.on or not self.t_plain or self.since_plain >= self.REFRESH:
-            return 0
-        return self.k
-
-    def plain(self, seconds: float) -> None:
-        self.t_plain = seconds if not self.t_plain else 0.7 * self.t_plain + 0.3 * seconds
-        self.since_plain = 0
-
-    def verified(self, drafted: int, accepted: int, seconds: float) -> None:
-        """One round: `drafted` proposed, `accepted` kept, drafting + verifying took `seconds`."""
-        self.rounds += 1
-        self.since_plain += 1
-        self.recent.append(accepted)
-        self.k = min(self.k_max, self.k + 2) if accepted == drafted else max(1, self.k - 1)
-        gain = (accepted + 1) * self.t_plain / max(seconds, 1e-9)
-        self.gain = 0.8 * self.gain + 0.2 * gain if self.rounds > 1 else gain
-        if len(self.recent) == self.WINDOW and not any(self.recent):
-            self.switch_off(f"the last {self.WINDOW} drafts were all rejected")
-        elif self.rounds >= self.WINDOW and self.gain < 1 - self.MARGIN:
-            self.switch_off(f"it ran at {self.gain:.2f}x of plain decoding")
-
-    def switch_off(self, reason: str) -> None:
-        self.on, self.reason = False, reason
-
-
 # -- drafters -----------------------------------------------------------------------------------
-
-
-class Lookup:
-    """Prompt lookup (apoorvumang/prompt-lookup-decoding): the last n tokens (n = 3, 2, 1) found
-    earlier in prompt + generated text propose what followed them there (the latest match).
-
-    An index of every n-gram's latest end grows with the text, so a proposal costs a few dict
-    lookups, not a scan of the context."""
-
-    def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
-        self.max_n, self.min_n = max_n, min_n
-        self.ends: dict[tuple[int, ...], int] = {}
-        self.indexed = 0  # n-grams ending before this position are in `ends`
-
-    def propose(self, slot: Any, k: int) -> Draft:
-        return Draft(self.lookup(slot.history, k))
-
-    def lookup(self, text: Sequence[int], k: int) -> list[int]:
-        n_text = len(text)
-        while self.indexed < n_text - 1:  # every n-gram except the ones ending at the last token
-            e = self.indexed
-            for n in range(1, self.max_n + 1):
-                if e + 1 >= n:
-                    self.ends[tuple(text[e + 1 - n : e + 1])] = e
-            self.indexed += 1
-        for n in range(min(self.max_n, n_text), self.min_n - 1, -1):
-            e = self.ends.get(tuple(text[n_text - n :]))
-            if e is not None:
-                return list(text[e + 1 : e + 1 + k])
-        return []
 
 
 def _choose(sampler: Sampler, logits: torch.Tensor, history: list[int],

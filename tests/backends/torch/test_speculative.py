@@ -111,23 +111,44 @@ def test_lookup_proposes_what_followed_the_latest_match() -> None:
     assert Lookup().lookup([1, 2, 3], 4) == []
 
 
-def test_pace_grows_shrinks_and_switches_off() -> None:
+def test_pace_drafts_what_pays_pauses_and_switches_off() -> None:
+    """The draft length maximises the predicted speed-up from the measured acceptance and cost;
+    where nothing pays it pauses, doubling; it gives up after `WINDOW` rounds that kept nothing
+    (a modelling drafter), or when the measured speed falls below plain decoding's."""
     pace = Pace(10, 4)
     assert pace.want() == 0  # plain first: its cost is not known yet
-    pace.plain(0.01)
+    pace.plain(0.010)
     assert pace.want() == 4
-    pace.verified(4, 4, 0.01)
-    assert pace.k == 6
-    pace.verified(6, 2, 0.01)
-    assert pace.k == 5
+    pace.verified(4, 4, 0.011)  # all kept, a drafted token costs 2.5% of a pass
+    assert pace.k == 10 and pace.want() == 10
+    for _ in range(3):
+        pace.verified(10, 1, 0.030)  # α falls, and a drafted token costs 20% of a pass
+    assert pace.k < 4
+    costly = Pace(10, 4)
+    costly.plain(0.010)
+    costly.verified(4, 0, 0.040)  # nothing kept, 75% of a pass per drafted token
+    assert costly.wait == 1 and costly.want() == 0  # a pause of one plain pass
+    costly.plain(0.010)
+    costly.verified(costly.k, 0, 0.030)
+    assert costly.wait == 2  # then two
+    wrong = Pace(4, 4)
+    wrong.plain(0.010)
     for _ in range(Pace.WINDOW):
-        pace.verified(pace.k, 0, 0.005)  # fast, but nothing accepted
-    assert not pace.on and "rejected" in pace.reason and pace.want() == 0
+        wrong.wait = 0
+        wrong.verified(1, 0, 0.0101)
+    assert not wrong.on and "rejected" in wrong.reason and wrong.want() == 0
+    lookup = Pace(4, 4, give_up=False)  # lookup does not give up on rejections alone
+    lookup.plain(0.010)
+    for _ in range(Pace.WINDOW):
+        lookup.wait = 0
+        lookup.verified(1, 0, 0.0101)
+    assert lookup.on
     slow = Pace(4, 4)
     slow.plain(0.01)
     for _ in range(Pace.WINDOW):
+        slow.wait = 0
         slow.verified(2, 1, 0.05)  # 2 tokens in 5 plain passes' time
-    assert not slow.on and "0.40x" in slow.reason
+    assert not slow.on and "x of plain" in slow.reason
 
 
 # -- the real model ----------------------------------------------------------------------------
