@@ -406,6 +406,7 @@ class LlamaCppBackend:
         free = [s for s in self._slots if s.seq is None]
         if not free:
             raise LocalLLMError(f"all {self.n_slots} llama.cpp slots are busy")
+        drafter, pace = self._drafter(seq)  # what it refuses, it refuses before taking a slot
         limit = len(seq.ids) - 1
         shared = {s: common_prefix(s.tokens, seq.ids, limit) for s in free}
         kept = [s for s in free if s.tokens and shared[s] >= _KEEP_SHARE * len(s.tokens)]
@@ -423,13 +424,13 @@ class LlamaCppBackend:
         slot.seq, slot.fed, slot.last, slot.shifted = seq, reuse, None, []
         slot.chain = self._sampler(seq.sampling)
         slot.history = list(seq.ids)
-        slot.drafter, slot.pace = self._drafter(seq, slot)
+        slot.drafter, slot.pace = drafter, pace
         self._stamp += 1
         slot.stamp = self._stamp
         seq.state = slot
         return reuse
 
-    def _drafter(self, seq: Seq, slot: _Slot) -> tuple[Any, Pace | None]:
+    def _drafter(self, seq: Seq) -> tuple[Any, Pace | None]:
         spec = seq.speculative if seq.speculative is not None else self.speculative
         mode = speculative_mode(spec)
         if mode == "off":
@@ -439,7 +440,7 @@ class LlamaCppBackend:
         if mode == "lookup":
             return Lookup(), Pace(LOOKUP_K, LOOKUP_K // 2, give_up=False)
         if mode == "draft" and self._draft is not None and spec == f"draft:{self.draft_name}":
-            return _DraftProposer(self._draft, slot), Pace(DRAFT_K, DRAFT_K // 2)
+            return _DraftProposer(self._draft), Pace(DRAFT_K, DRAFT_K // 2)
         if mode == "draft":
             raise LocalLLMError(
                 f"--speculative {spec}: this model was loaded "
@@ -912,8 +913,8 @@ class _DraftContext:
 class _DraftProposer:
     """One slot's view of the draft context (a `Drafter`)."""
 
-    def __init__(self, draft: _DraftContext, slot: _Slot) -> None:
-        self.draft, self.slot = draft, slot
+    def __init__(self, draft: _DraftContext) -> None:
+        self.draft = draft
 
     def propose(self, slot: _Slot, k: int) -> Draft:
         if not slot.exact:

@@ -393,6 +393,7 @@ class TorchBackend:
         free = [s for s in self._slots if s.seq is None]
         if not free:
             raise LocalLLMError(f"all {self.n_slots} torch slots are busy")
+        drafter, pace = self._drafter(seq)  # what it refuses, it refuses before taking a slot
         limit = len(seq.ids) - 1  # at least one prompt token is evaluated, for its logits
         shared = {s: common_prefix(s.tokens, seq.ids, limit) if s.policy == seq.policy else 0
                   for s in free}  # fmt: skip
@@ -411,7 +412,7 @@ class TorchBackend:
         slot.seq, slot.fed, slot.last = seq, reuse, None
         slot.history = list(seq.ids)
         slot.sampler = make_sampler(seq.sampling, self.device)
-        slot.drafter, slot.pace = self._drafter(seq)
+        slot.drafter, slot.pace = drafter, pace
         seq.state = slot
         return reuse
 

@@ -355,3 +355,16 @@ def test_the_search_measures_and_reports(backend) -> None:
         assert fastest["speedup"] <= 1 and config.skip == ()
     assert any("agreement" in line for line in lines) and any("measured" in line for line in lines)
     assert math.isfinite(config.speedup)
+
+
+def test_a_refused_combination_takes_no_slot(backend) -> None:
+    """StreamingLLM with drafts is refused in one line, and the slot stays free."""
+    from localllm.errors import LocalLLMError
+    from localllm.types import ContextPolicy
+
+    for _ in range(2):
+        with pytest.raises(LocalLLMError, match="cannot run with --streaming"):
+            backend.admit(Seq([1, 2, 3], SamplingParams(), ContextPolicy(4, 64), speculative="lookup"))
+    seq = Seq([1, 2, 3], SamplingParams(), speculative="lookup")
+    backend.admit(seq)
+    backend.release(seq)
