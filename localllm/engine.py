@@ -206,7 +206,7 @@ class Assembler:
         self.finish_reason: FinishReason | None = None
         self.stop_hit = False
         # speculative decoding: what the decode passes did (`SpeculativeStats`' fields)
-        self.spec = dict.fromkeys(("drafted", "accepted", "passes", "rounds", "tokens"), 0)
+        self.spec = dict.fromkeys(("drafted", "accepted", "passes", "rounds", "rejections", "tokens"), 0)
         self.spec_off = ""
 
     @property
@@ -227,6 +227,7 @@ class Assembler:
             sp["drafted"] += step.drafted
             sp["accepted"] += step.accepted
             sp["rounds"] += bool(step.drafted)
+            sp["rejections"] += step.accepted < step.drafted
             self.spec_off = self.spec_off or step.spec_off
         self.shifts += len(step.shifted)
         self.discarded += sum(step.shifted)

@@ -32,9 +32,11 @@ class Pace:
     pauses (plain passes) for 1, 2, 4 ... up to `PAUSE` passes, then tries again: the text may
     turn back to something a draft can follow.
 
-    It switches speculation off for the rest of the request when, after `WINDOW` rounds, the
-    passes of the last `SPAN` (plain ones included) ran below `1 - MARGIN` of plain decoding's
-    speed, or — for a drafter that models the text (`give_up`: a draft model, layer skipping) —
+    It switches speculation off for the rest of the request when, after `WINDOW` rounds and
+    `SPAN` / 2 passes, the rounds among the last `SPAN` passes cost more than `MARGIN` of those passes' time beyond what
+    plain passes for their tokens would have taken (so the request as a whole stays within that
+    margin of plain decoding: where nothing pays, the pauses keep that share small), or — for a
+    drafter that models the text (`give_up`: a draft model, layer skipping) —
     when its last `WINDOW` rounds kept no draft at all. Prompt lookup does not give up on
     rejections alone: its drafts fail where the text stops copying and succeed again where it
     resumes, and a failed lookup costs little. Plain decoding's cost is measured
@@ -43,7 +45,7 @@ class Pace:
     """
 
     WINDOW = 8
-    SPAN = 64
+    SPAN = 128
     MARGIN = 0.03
     REFRESH = 24
     PAUSE = 32
@@ -57,11 +59,11 @@ class Pace:
         self.t_plain = 0.0  # seconds per plain decode pass (moving average)
         self.kept = self.lost = 0.0  # decayed counts: accepted drafts, rejections
         self.cost = 0.0  # c: one more drafted token's seconds over a plain pass's
-        self.rounds = 0
+        self.rounds = self.drafted = self.accepted = self.rejections = 0  # totals
         self.since_plain = 0
         self.wait = self.pause = 0  # plain passes left in a pause, and the last pause's length
         self.recent: deque[int] = deque(maxlen=self.WINDOW)  # accepted drafts per round
-        self.passes: deque[tuple[int, float]] = deque(maxlen=self.SPAN)  # (tokens, seconds)
+        self.passes: deque[tuple[int, float, bool]] = deque(maxlen=self.SPAN)  # tokens, s, round
         self.reason = ""  # why it switched off
 
     def want(self) -> int:
@@ -80,24 +82,28 @@ class Pace:
         return (1 - a ** (k + 1)) / (1 - a) / (1 + self.cost * k)
 
     @property
-    def gain(self) -> float:
-        """Measured speed over plain decoding's, across the last `SPAN` passes."""
-        tokens = sum(t for t, _ in self.passes)
-        seconds = sum(s for _, s in self.passes)
-        return tokens * self.t_plain / seconds if seconds else 1.0
+    def loss(self) -> float:
+        """The share of the last `SPAN` passes' time the rounds among them lost against plain
+        passes for the same tokens (negative: they saved time)."""
+        lost = sum(s - t * self.t_plain for t, s, spec in self.passes if spec)
+        total = sum(s for _, s, _ in self.passes)
+        return lost / total if total else 0.0
 
     def plain(self, seconds: float) -> None:
         self.t_plain = seconds if not self.t_plain else 0.7 * self.t_plain + 0.3 * seconds
         self.since_plain = 0
         self.wait = max(0, self.wait - 1)
-        self.passes.append((1, seconds))
+        self.passes.append((1, seconds, False))
 
     def verified(self, drafted: int, accepted: int, seconds: float) -> None:
         """One round: `drafted` proposed, `accepted` kept, drafting + verifying took `seconds`."""
         self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.rejections += accepted < drafted
         self.since_plain += 1
         self.recent.append(accepted)
-        self.passes.append((accepted + 1, seconds))
+        self.passes.append((accepted + 1, seconds, True))
         self.kept = 0.85 * self.kept + accepted
         self.lost = 0.85 * self.lost + (accepted < drafted)
         extra = max(0.0, seconds / max(self.t_plain, 1e-9) - 1) / max(drafted, 1)
@@ -111,8 +117,9 @@ class Pace:
             self.pause = 0
         if self.give_up and len(self.recent) == self.WINDOW and not any(self.recent):
             self.switch_off(f"the last {self.WINDOW} drafts were all rejected")
-        elif self.rounds >= self.WINDOW and self.gain < 1 - self.MARGIN:
-            self.switch_off(f"it ran at {self.gain:.2f}x of plain decoding")
+        elif (self.rounds >= self.WINDOW and len(self.passes) >= self.SPAN // 2
+              and self.loss > self.MARGIN):  # fmt: skip
+            self.switch_off(f"its rounds cost {self.loss:.0%} more time than plain decoding")
 
     def switch_off(self, reason: str) -> None:
         self.on, self.reason = False, reason

@@ -286,6 +286,7 @@ class SpeculativeStats:
     accepted: int = 0
     passes: int = 0  # target passes while decoding, plain ones included
     rounds: int = 0  # passes that verified drafts
+    rejections: int = 0  # rounds that ended at a rejected draft (α = accepted / (accepted + this))
     tokens: int = 0  # tokens those passes yielded
     switched_off: str = ""  # why speculation switched itself off ("": it did not)
 
@@ -306,6 +307,7 @@ class SpeculativeStats:
         return {
             "mode": self.mode, "drafted": self.drafted, "accepted": self.accepted,
             "acceptance": self.acceptance, "passes": self.passes, "rounds": self.rounds,
+            "rejections": self.rejections,
             "accepted_per_round": self.accepted_per_round, "tokens_per_pass": self.tokens_per_pass,
             "switched_off": self.switched_off or None,
         }  # fmt: skip

