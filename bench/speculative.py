@@ -48,6 +48,9 @@ CHAT = [
 ]
 
 
+THREADS = [2]  # --threads
+
+
 def log(*a: object) -> None:
     print(*a, file=sys.stderr, flush=True)
 
@@ -55,9 +58,12 @@ def log(*a: object) -> None:
 def machine() -> dict:
     import torch
 
+    from localllm.backends.torch.backend import on_compute_thread
+
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())  # fmt: skip
-    return {"cpu": cpu, "torch": torch.__version__, "threads": torch.get_num_threads(),
+    return {"cpu": cpu, "torch": torch.__version__,
+            "threads": on_compute_thread(torch.get_num_threads)(),
             "capability": torch.backends.cpu.get_cpu_capability(), "load": os.getloadavg()}  # fmt: skip
 
 
@@ -117,11 +123,11 @@ def grounded(args, results: dict) -> None:
     from localllm.engine import load
 
     res = results.setdefault("grounded", {})
-    with load(MODEL, backend="torch", ctx=2048, parallel=1) as llm:
+    with load(MODEL, backend="torch", ctx=2048, parallel=1, threads=THREADS[0]) as llm:
         log("grounded, torch")
         res["torch"] = compare(llm, GROUNDED, ["lookup", "self"], args.tokens, args.repeats)
         res["prompt_tokens"] = len(llm.backend.tokenize(llm.backend.chat_template.render(GROUNDED)))
-    with load(MODEL, backend="llama.cpp", ctx=2048, parallel=1) as llm:
+    with load(MODEL, backend="llama.cpp", ctx=2048, parallel=1, threads=THREADS[0]) as llm:
         log("grounded, llama.cpp")
         res["llama.cpp"] = compare(llm, GROUNDED, ["lookup"], args.tokens, args.repeats)
 
@@ -131,7 +137,7 @@ def chat(args, results: dict) -> None:
 
     res = results.setdefault("chat", {})
     for backend, modes in (("torch", ["lookup", "self"]), ("llama.cpp", ["lookup"])):
-        with load(MODEL, backend=backend, ctx=2048, parallel=1) as llm:
+        with load(MODEL, backend=backend, ctx=2048, parallel=1, threads=THREADS[0]) as llm:
             rows = []
             for i, messages in enumerate(CHAT):
                 log(f"chat {i}, {backend}")
@@ -144,14 +150,34 @@ def chat(args, results: dict) -> None:
             }  # fmt: skip
 
 
+def fixed_pace(k: int):
+    """A pace that always drafts k (after the first plain pass): the curve shows what a skip set
+    can do, not what the governor makes of it."""
+    from localllm.speculation import Pace
+
+    class Fixed(Pace):
+        def verified(self, drafted: int, accepted: int, seconds: float) -> None:
+            self.rounds += 1
+            self.drafted += drafted
+            self.accepted += accepted
+            self.rejections += accepted < drafted
+            self.kept, self.lost = self.kept + accepted, self.lost + (accepted < drafted)
+
+        def want(self) -> int:
+            return self.k if self.t_plain else 0
+
+    return Fixed(k, k)
+
+
 def self_curve(model: str, args, results: dict, key: str) -> None:
     """The tuner's table, then skip-set size vs acceptance vs tokens/s on the grounded task."""
     from localllm.backends.torch import tune
-    from localllm.backends.torch.speculative import LayerSkip, Pace
+    from localllm.backends.torch.backend import on_compute_thread
+    from localllm.backends.torch.speculative import LayerSkip
     from localllm.engine import load
 
     res = results.setdefault(key, {})
-    with load(model, backend="torch", ctx=2048, parallel=1) as llm:
+    with load(model, backend="torch", ctx=2048, parallel=1, threads=THREADS[0]) as llm:
         b = llm.backend
         log(f"self: tuning {model}")
         t0 = time.perf_counter()
@@ -162,7 +188,7 @@ def self_curve(model: str, args, results: dict, key: str) -> None:
         b._self_config = config
         # the curve: the tuner's greedy growth of skip sets, measured on the grounded task
         ids = b.tokenize(b.chat_template.render(GROUNDED), add_special=False)
-        sets = _growth(b, tune)
+        sets = on_compute_thread(_growth)(b, tune)  # torch work on the engine's one thread
         curve = []
         off_ids, off_s = tune._generate(b, ids, args.tokens)
         for size in args.curve_sizes:
@@ -170,7 +196,7 @@ def self_curve(model: str, args, results: dict, key: str) -> None:
                 break
             skip = sets[size - 1]
             for k in (2, 4):
-                pace = Pace(k, k)
+                pace = fixed_pace(k)
                 got, secs = tune._generate(b, ids, args.tokens, drafter=LayerSkip(b.model, skip, device=b.device),
                                            pace=pace)  # fmt: skip
                 _o, off_s2 = tune._generate(b, ids, args.tokens)
@@ -181,11 +207,12 @@ def self_curve(model: str, args, results: dict, key: str) -> None:
                        "speedup": round(len(got) / secs / off_rate, 3),
                        **predicted({"rounds": pace.rounds, "drafted": pace.drafted,
                                     "accepted": pace.accepted, "rejections": pace.rejections}),
-                       "same_text": got == off_ids[: len(got)], "switched_off": pace.reason or None}  # fmt: skip
+                       "same_text": got == off_ids[: len(got)]}  # fmt: skip
                 curve.append(row)
                 log(f"  skip {size:2d} k={k}: {row['tokens_per_s']:.1f} tokens/s = {row['speedup']:.2f}x, "
-                    f"α {row.get('alpha', 0):.2f}, {pace.rounds} rounds"
-                    + (f", off: {pace.reason}" if pace.reason else ""))
+                    f"α {row.get('alpha', 0):.2f}, {pace.rounds} rounds, "
+                    f"{row.get('tokens_per_round', 0):.2f} tokens/round "
+                    f"(predicted {row.get('predicted_tokens_per_round', 0):.2f})")
         res["curve"] = curve
         log(f"self on the grounded task with the tuned config ({model})")
         res["grounded"] = compare(llm, GROUNDED, ["self", "lookup"], args.tokens, args.repeats)
@@ -222,10 +249,10 @@ def main() -> None:
     ap.add_argument("--curve-sizes", type=lambda s: [int(x) for x in s.split(",")],
                     default=[2, 4, 6, 8, 10, 12])  # fmt: skip
     args = ap.parse_args()
-    import torch
-
-    torch.set_num_threads(args.threads)
+    # torch runs on the engine's one compute thread only (a second OpenMP team on this thread
+    # would contend with it for the cores): --threads goes to every load instead
     os.environ.setdefault("LOCALLLM_HOME", str(Path.home() / ".local/share/localllm-bench"))
+    THREADS[0] = args.threads
     only = set(args.only.split(","))
     path = RESULTS / "speculative.json"
     results = json.loads(path.read_text()) if path.exists() else {}

@@ -183,8 +183,8 @@ def test_streaming_policy_runs_past_the_context(corpus_dir: Path) -> None:
 
 
 def test_capabilities_refuse_clearly() -> None:
-    with pytest.raises(LocalLLMError, match="speculative"):
-        load("smollm2", speculative="lookup")
+    with pytest.raises(LocalLLMError, match="no speculative mode 'self' .*; the torch backend has it"):
+        load("smollm2", speculative="self", backend="llama.cpp")
     with pytest.raises(LocalLLMError, match="no int4 KV cache .*; the torch backend has it"):
         load("smollm2", kv_cache="int4", backend="llama.cpp")
     with pytest.raises(LocalLLMError, match="no q5_k KV cache|unknown KV cache type 'q5_k'"):
