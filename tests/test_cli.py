@@ -91,7 +91,7 @@ def test_show_default_model_offline(
     # what the registry says of the backend, the model's sampling defaults, the template used
     backend = data["backend"]
     assert backend["name"] == "llama.cpp" and "q8_0" in backend["capabilities"]["kv_cache_types"]
-    assert backend["capabilities"]["grammar"] is False and backend["capabilities"]["speculative"] == ["off"]
+    assert backend["capabilities"]["grammar"] is False and backend["capabilities"]["speculative"] == ["off", "lookup", "draft"]
     assert data["sampling_defaults"] == {"values": {"temperature": 0.2, "top_p": 0.9},
                                          "source": "catalog"}  # fmt: skip
     assert data["template"] == {"origin": "model file", "note": None}
@@ -213,7 +213,8 @@ def test_show_says_which_template_a_model_without_one_gets(
         (["--backend", "llama.cpp", "--evict", "h2o:64"], "the llama.cpp backend has no h2o eviction (--evict) (it has: "
                                 "none); the torch backend has it (--backend torch)"),
         (["--evict", "lru"], "bad --evict 'lru'"),
-        (["--speculative", "lookup"], "the llama.cpp backend has no speculative mode 'lookup'"),
+        (["--backend", "llama.cpp", "--speculative", "self"], "the llama.cpp backend has no speculative mode 'self' (it "
+                                "has: off, lookup, draft); the torch backend has it (--backend torch)"),
         (["--backend", "llama.cpp", "--kv-cache", "int8"], "the llama.cpp backend has no int8 KV cache"),
         (["--backend", "llama.cpp", "--kv-cache", "k=q8_0,v=int4"], "the llama.cpp backend has no int4 KV cache (it has: "
                                           "f16, f32, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1); "

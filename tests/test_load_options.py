@@ -67,7 +67,7 @@ def test_options_a_backend_lacks_are_refused_in_its_words() -> None:
     check_options(LoadOptions(kv_cache="q8_0", streaming="4:60"), caps, "llama.cpp")
     for opts, said in [
         (LoadOptions(evict="h2o:512"), "no h2o eviction"),
-        (LoadOptions(speculative="lookup"), "no speculative mode 'lookup' .it has: off"),
+        (LoadOptions(speculative="self"), "no speculative mode 'self' .it has: off, lookup, draft"),
         (LoadOptions(kv_cache="int8"), "no int8 KV cache"),
         (LoadOptions(dtype="bf16"), "no bf16 working dtype"),
     ]:
