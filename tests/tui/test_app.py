@@ -527,7 +527,7 @@ def scripted_backend():  # noqa: ANN201
     from localllm.backends import Availability, BackendSpec, Capabilities
 
     caps = Capabilities(kv_cache_types=("f16", "int8"), streaming=False,
-                        speculative=("off", "lookup", "draft"), batching=True, embeddings=False,
+                        speculative=("off", "lookup", "self", "draft"), batching=True, embeddings=False,
                         grammar=True, eviction=("h2o",))  # fmt: skip
     spec = BackendSpec(name="scripted", capabilities=caps, factory="nowhere:none",
                        available=lambda: Availability(True, "test"),
@@ -553,7 +553,7 @@ def test_settings_offer_what_the_chosen_backend_can_do(tiny_llama: Path, scripte
             await pilot.press("ctrl+s")
             modal = app.screen
             assert modal.query("#streaming") and not modal.query("#evict")  # llama.cpp
-            assert not modal.query("#speculative")  # only "off": nothing to choose
+            assert select_values(modal.query_one("#speculative")) == ["off", "lookup", "draft"]
             modal.query_one("#temperature").value = "0.5"
             modal.query_one("#backend").value = "scripted"
             await wait_for(pilot, lambda: "scripted:" in str(modal.query_one("#caps").render()))
@@ -561,16 +561,16 @@ def test_settings_offer_what_the_chosen_backend_can_do(tiny_llama: Path, scripte
             assert modal.query_one("#temperature").value == "0.5"  # kept across the redraw
             assert select_values(modal.query_one("#kv_cache")) == ["f16", "int8"]
             assert not modal.query("#streaming")  # no context shift in this backend
-            assert select_values(modal.query_one("#speculative")) == ["off", "lookup", "draft"]
+            assert select_values(modal.query_one("#speculative")) == ["off", "lookup", "self", "draft"]
             modal.query_one("#kv_cache").value = "int8"
             modal.query_one("#speculative").value = "draft"
             await pilot.press("ctrl+s")
             assert any("draft mode needs a draft model" in n.message for n in app._notifications)
-            modal.query_one("#draft").value = "smollm2"
+            modal.query_one("#speculative").value = "self"  # which llama.cpp lacks
             modal.query_one("#evict").value = "h2o:64"
             await pilot.press("ctrl+s")
             assert app.screen is chat
-            want = LoadOptions(backend="scripted", kv_cache="int8", speculative="draft:smollm2",
+            want = LoadOptions(backend="scripted", kv_cache="int8", speculative="self",
                                evict="h2o:64")  # fmt: skip
             assert chat.options == want and chat.sampling == {"temperature": 0.5}
             await pilot.press(*"hi", "enter")
@@ -583,6 +583,7 @@ def test_settings_offer_what_the_chosen_backend_can_do(tiny_llama: Path, scripte
             await wait_for(pilot, lambda: modal.query("#streaming"))
             await pilot.pause()
             assert modal.query_one("#kv_cache").value == "f16"  # int8 is not a llama.cpp type
+            assert modal.query_one("#speculative").value == "off"  # nor is self
             await pilot.press("ctrl+s")
             assert chat.options == LoadOptions(backend="llama.cpp")
 
