@@ -1,6 +1,6 @@
 """Speculative decoding on the default model, side by side in one run (issue 13).
 
-    .venv/bin/python bench/speculative.py [--only grounded,chat,self,gemma] [--tokens 200]
+    .venv/bin/python bench/speculative.py [--only grounded,f32,chat,self,gemma] [--tokens 200]
         [--threads 2]
 
 SmolLM2-135M-Instruct (Q4_1), each engine's CPU default (torch: int4 feed-forward, fp16 elsewhere;
@@ -11,7 +11,9 @@ see the machine in the same state; the median of --repeats runs.
 1. grounded: a ~1,000-token input the answer copies from — "rewrite this Python module with a
    docstring on every function" (the module: localllm/gguf_merge.py's first 2,600 characters).
    torch: off, lookup, self; llama.cpp: off, lookup. Goal: lookup ≥ 1.8x on torch with identical
-   greedy output; llama.cpp reported, with how often its greedy text changed.
+   greedy output; llama.cpp reported, with how often its greedy text changed. Whether plain
+   decoding repeats its own text run after run is reported too (`off.runs_same_text`).
+   f32: the same task with the torch engine in float32, where a batch of rows rounds like one row.
 2. chat: free-form prompts (no input to copy). Goal: lookup and self each ≥ 0.95x of off.
 3. self: the tuner's table on this machine; then the curve on the grounded task — skip-set size
    (the tuner's greedy growth) against measured acceptance and tokens/s, at k = 2 and 4. Goal:
@@ -94,12 +96,19 @@ def compare(llm, messages, modes: list[str], tokens: int, repeats: int) -> dict:
     """Interleaved runs; per mode the median tokens/s, its ratio to off, and whether its greedy
     tokens equal off's (and where they first differ)."""
     runs: dict[str, list[dict]] = {m: [] for m in ["off", *modes]}
+    # one untimed request first, so that every compared run reuses the prompt the same way (a
+    # cold prefill and a reused prefix round the prompt's last token differently in fp16/bf16)
+    run(llm, messages, "off", tokens)
     for _ in range(repeats):
         for m in runs:
             runs[m].append(run(llm, messages, m, tokens))
     off = statistics.median(r["tokens_per_s"] for r in runs["off"])
     base = runs["off"][0]["ids"]
-    out = {"off": {"tokens_per_s": round(off, 2), "tokens": runs["off"][0]["tokens"]}}
+    # plain decoding against itself: a prompt prefix reused from the run before is recomputed
+    # with other row counts, which can round differently (and so pick another greedy token)
+    off_same = all(r["ids"] == base for r in runs["off"])
+    out = {"off": {"tokens_per_s": round(off, 2), "tokens": runs["off"][0]["tokens"],
+                   "runs_same_text": off_same}}  # fmt: skip
     for m in modes:
         rate = statistics.median(r["tokens_per_s"] for r in runs[m])
         ids = runs[m][0]["ids"]
@@ -130,6 +139,17 @@ def grounded(args, results: dict) -> None:
     with load(MODEL, backend="llama.cpp", ctx=2048, parallel=1, threads=THREADS[0]) as llm:
         log("grounded, llama.cpp")
         res["llama.cpp"] = compare(llm, GROUNDED, ["lookup"], args.tokens, args.repeats)
+
+
+def grounded_f32(args, results: dict) -> None:
+    """The grounded task in float32 (`--dtype f32`): every row count rounds alike there, so
+    speculative greedy text must equal plain greedy text."""
+    from localllm.engine import load
+
+    res = results.setdefault("grounded", {})
+    with load(MODEL, backend="torch", ctx=2048, parallel=1, threads=THREADS[0], dtype="f32") as llm:
+        log("grounded, torch f32")
+        res["torch_f32"] = compare(llm, GROUNDED, ["lookup"], args.tokens, args.repeats)
 
 
 def chat(args, results: dict) -> None:
@@ -242,7 +262,7 @@ def _growth(b, tune) -> list[tuple[int, ...]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="grounded,chat,self,gemma")
+    ap.add_argument("--only", default="grounded,f32,chat,self,gemma")
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -261,6 +281,8 @@ def main() -> None:
     started = time.perf_counter()
     if "grounded" in only:
         grounded(args, results)
+    if "f32" in only:
+        grounded_f32(args, results)
     if "chat" in only:
         chat(args, results)
     if "self" in only:
