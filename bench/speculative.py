@@ -233,7 +233,8 @@ def self_curve(model: str, args, results: dict, key: str) -> None:
                     f"α {row.get('alpha', 0):.2f}, {pace.rounds} rounds, "
                     f"{row.get('tokens_per_round', 0):.2f} tokens/round "
                     f"(predicted {row.get('predicted_tokens_per_round', 0):.2f})")
-        res["curve"] = curve
+        if curve:  # --curve-sizes "": the tuner and the tuned config again, the curve kept
+            res["curve"] = curve
         log(f"self on the grounded task with the tuned config ({model})")
         res["grounded"] = compare(llm, GROUNDED, ["self", "lookup"], args.tokens, args.repeats)
 
@@ -266,7 +267,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--curve-sizes", type=lambda s: [int(x) for x in s.split(",")],
+    ap.add_argument("--curve-sizes", type=lambda s: [int(x) for x in s.split(",") if x],
                     default=[2, 4, 6, 8, 10, 12])  # fmt: skip
     args = ap.parse_args()
     # torch runs on the engine's one compute thread only (a second OpenMP team on this thread

@@ -12,9 +12,10 @@ short text; so does this, in three stages, each cheaper than the next:
 3. Speed: the most promising (skip set, draft length) pairs — by the predicted tokens per second,
    (1 − α^(k+1)) / (1 − α) tokens per pass at a cost of k draft passes plus one target pass —
    generate for real, each right after a plain generation (a shared machine drifts by more than
-   the gains sought), and the fastest is measured twice more. When the median of its three does
-   not beat plain decoding by `PAYS` the result says so (`pays` False) and `self` decodes plainly
-   on this model and device.
+   the gains sought), and the fastest is measured twice more. A candidate whose best case (its
+   measured tokens per round at the cost model's lowest price) is below 1 cannot pay, however
+   fast one run looked. When the median of the fastest's three does not beat plain decoding by
+   `PAYS` the result says so (`pays` False) and `self` decodes plainly on this model and device.
 
 The result is kept per model file (its digest) and device in the store (`tuned/`), so it runs once.
 """
@@ -176,32 +177,42 @@ def _tune(b: Any, say: Callable[[str], None], gen_tokens: int, max_skip: float, 
                         reverse=True)[:measure]  # fmt: skip
     table: list[dict[str, Any]] = []
 
-    def pair(skip: tuple[int, ...], k: int) -> tuple[float, float, bool]:
-        """Plain decoding, then the candidate: (candidate tokens/s, plain tokens/s, same text).
-        Side by side, so both see the machine in the same state (a shared machine's speed
-        drifts by more than the gains sought)."""
+    def pair(skip: tuple[int, ...], k: int) -> tuple[float, float, bool, float]:
+        """Plain decoding, then the candidate: (candidate tokens/s, plain tokens/s, same text,
+        best case). Side by side, so both see the machine in the same state (a shared machine's
+        speed drifts by more than the gains sought). The best case is the speed-up the candidate's
+        measured tokens per round would give were verifying k tokens as cheap as one plain pass
+        and a draft pass its share of layers: where that is below 1 nothing can pay, and a faster
+        measurement is noise."""
         _ids, plain_s = _generate(b, prompt, gen_tokens)
+        pace = Pace(k, k)
         ids, secs = _generate(b, prompt, gen_tokens, drafter=LayerSkip(model, skip, device=b.device),
-                              pace=Pace(k, k))  # fmt: skip
-        return len(ids) / secs, gen_tokens / plain_s, ids == plain_ids[: len(ids)]
+                              pace=pace)  # fmt: skip
+        best_case = 0.0
+        if pace.rounds:
+            per_round = (pace.accepted + pace.rounds) / pace.rounds
+            best_case = per_round / (1 + pace.drafted / pace.rounds * (n_layers - len(skip)) / n_layers)
+        return len(ids) / secs, gen_tokens / plain_s, ids == plain_ids[: len(ids)], best_case
 
     for pred, skip, alpha, k in candidates:
-        rate, plain_rate, same = pair(skip, k)
+        rate, plain_rate, same, best_case = pair(skip, k)
         table.append({"skip": list(skip), "layers_skipped": len(skip), "k": k, "agreement": round(alpha, 3),
-                      "predicted_speedup": round(pred, 3), "tokens_per_s": round(rate, 2),
-                      "plain_tokens_per_s": round(plain_rate, 2), "speedup": round(rate / plain_rate, 3),
-                      "same_text": same})  # fmt: skip
-        say(f"skip {len(skip):2d} k={k}: agreement {alpha:.2f}, predicted {pred:.2f}x, "
-            f"measured {rate:.1f} tokens/s = {rate / plain_rate:.2f}x of plain {plain_rate:.1f}")  # fmt: skip
+                      "predicted_speedup": round(pred, 3), "best_case": round(best_case, 3),
+                      "tokens_per_s": round(rate, 2), "plain_tokens_per_s": round(plain_rate, 2),
+                      "speedup": round(rate / plain_rate, 3), "same_text": same})  # fmt: skip
+        say(f"skip {len(skip):2d} k={k}: agreement {alpha:.2f}, predicted {pred:.2f}x, best case "
+            f"{best_case:.2f}x, measured {rate:.1f} tokens/s = {rate / plain_rate:.2f}x of plain "
+            f"{plain_rate:.1f}")  # fmt: skip
     plain = SelfConfig(pays=False, speedup=1.0, table=table)
-    if not table or max(r["speedup"] for r in table) <= PAYS:
+    eligible = [r for r in table if r["speedup"] > PAYS and r["best_case"] > 1]
+    if not eligible:
         return plain
     # the fastest is measured `confirm` times more: one lucky pair does not make it pay
-    row = max(table, key=lambda r: r["speedup"])
+    row = max(eligible, key=lambda r: r["speedup"])
     skip, k = tuple(row["skip"]), row["k"]
     ratios = [row["speedup"]]
     for _ in range(confirm):
-        rate, plain_rate, _same = pair(skip, k)
+        rate, plain_rate, _same, _best = pair(skip, k)
         ratios.append(rate / plain_rate)
     speedup = sorted(ratios)[len(ratios) // 2]
     row["confirmed"] = [round(r, 3) for r in ratios]
