@@ -34,30 +34,18 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from common import log, machine
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 CORPUS = Path(os.environ.get("LOCALLLM_CORPUS", ROOT.parent / "shared" / "data" / "corpus"))
 TEXT = CORPUS / "moby_dick_part.txt"
 MODEL = "smollm2"
-
-
-def log(*a: object) -> None:
-    print(*a, file=sys.stderr, flush=True)
-
-
-def machine() -> dict:
-    import torch
-
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())  # fmt: skip
-    return {"cpu": cpu, "torch": torch.__version__,
-            "capability": torch.backends.cpu.get_cpu_capability(), "load": os.getloadavg()}  # fmt: skip
 
 
 def evaluate(backend: str, kv: str = "f16", *, tokens: int, streaming: str | None = None,

@@ -30,11 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
+
+from common import log, machine
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
@@ -51,22 +51,6 @@ CHAT = [
 
 
 THREADS = [2]  # --threads
-
-
-def log(*a: object) -> None:
-    print(*a, file=sys.stderr, flush=True)
-
-
-def machine() -> dict:
-    import torch
-
-    from localllm.backends.torch.backend import on_compute_thread
-
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())  # fmt: skip
-    return {"cpu": cpu, "torch": torch.__version__,
-            "threads": on_compute_thread(torch.get_num_threads)(),
-            "capability": torch.backends.cpu.get_cpu_capability(), "load": os.getloadavg()}  # fmt: skip
 
 
 def run(llm, messages, mode: str, tokens: int) -> dict:
