@@ -184,7 +184,7 @@ def _tune(b: Any, say: Callable[[str], None], gen_tokens: int, max_skip: float, 
         measured tokens per round would give were verifying k tokens as cheap as one plain pass
         and a draft pass its share of layers: where that is below 1 nothing can pay, and a faster
         measurement is noise."""
-        _ids, plain_s = _generate(b, prompt, gen_tokens)
+        plain_out, plain_s = _generate(b, prompt, gen_tokens)
         pace = Pace(k, k)
         ids, secs = _generate(b, prompt, gen_tokens, drafter=LayerSkip(model, skip, device=b.device),
                               pace=pace)  # fmt: skip
@@ -192,7 +192,7 @@ def _tune(b: Any, say: Callable[[str], None], gen_tokens: int, max_skip: float, 
         if pace.rounds:
             per_round = (pace.accepted + pace.rounds) / pace.rounds
             best_case = per_round / (1 + pace.drafted / pace.rounds * (n_layers - len(skip)) / n_layers)
-        return len(ids) / secs, gen_tokens / plain_s, ids == plain_ids[: len(ids)], best_case
+        return len(ids) / secs, len(plain_out) / plain_s, ids == plain_ids[: len(ids)], best_case
 
     for pred, skip, alpha, k in candidates:
         rate, plain_rate, same, best_case = pair(skip, k)
