@@ -67,7 +67,10 @@ def device_key(backend: Any) -> str:
         name = f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
     else:
         name = dev.type
-    return f"{name}/{backend.dtype}/{torch.get_num_threads()}t"
+    from localllm.backends.torch.backend import on_compute_thread
+
+    # the engine's threads are set on its compute thread; another thread has its own count
+    return f"{name}/{backend.dtype}/{on_compute_thread(torch.get_num_threads)()}t"
 
 
 def cached_or_tuned(backend: Any, *, report: Callable[[str], None] | None = None) -> SelfConfig:
