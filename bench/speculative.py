@@ -176,7 +176,6 @@ def fixed_pace(k: int):
 def self_curve(model: str, args, results: dict, key: str) -> None:
     """The tuner's table, then skip-set size vs acceptance vs tokens/s on the grounded task."""
     from localllm.backends.torch import tune
-    from localllm.backends.torch.backend import on_compute_thread
     from localllm.backends.torch.speculative import LayerSkip
     from localllm.engine import load
 
@@ -192,7 +191,7 @@ def self_curve(model: str, args, results: dict, key: str) -> None:
         b._self_config = config
         # the curve: the tuner's greedy growth of skip sets, measured on the grounded task
         ids = b.tokenize(b.chat_template.render(GROUNDED), add_special=False)
-        sets = on_compute_thread(_growth)(b, tune)  # torch work on the engine's one thread
+        sets = [tuple(g["skip"]) for g in config.grown]
         curve = []
         off_ids, off_s = tune._generate(b, ids, args.tokens)
         for size in args.curve_sizes:
@@ -221,28 +220,6 @@ def self_curve(model: str, args, results: dict, key: str) -> None:
             res["curve"] = curve
         log(f"self on the grounded task with the tuned config ({model})")
         res["grounded"] = compare(llm, GROUNDED, ["self", "lookup"], args.tokens, args.repeats)
-
-
-def _growth(b, tune) -> list[tuple[int, ...]]:
-    """Skip sets of growing size, as the tuner grows them (on its calibration text)."""
-    model, n = b.model, len(b.model.layers)
-    prompt = b.tokenize(tune.CALIBRATION_PROMPT)
-    gen, _ = tune._generate(b, prompt, 48)
-    text = prompt + gen
-    full = tune._argmax(model, text, (), b.device)
-    span = slice(len(prompt) - 1, len(text) - 1)
-
-    def agreement(skip):
-        return float((tune._argmax(model, text, skip, b.device)[span] == full[span]).float().mean())
-
-    single = {i: agreement((i,)) for i in range(n)}
-    order = sorted(single, key=lambda i: (-single[i], i))
-    sets, current = [], ()
-    for _ in range(n // 2):
-        options = [i for i in order if i not in current][:3]
-        current = max((tuple(sorted((*current, i))) for i in options), key=agreement)
-        sets.append(current)
-    return sets
 
 
 def main() -> None:

@@ -57,6 +57,7 @@ class SelfConfig:
     speedup: float = 0.0  # its tokens/s over plain decoding's, as measured
     acceptance: float = 0.0  # greedy agreement with the full model on the calibration text
     table: list[dict[str, Any]] = field(default_factory=list)  # every candidate the search measured
+    grown: list[dict[str, Any]] = field(default_factory=list)  # the skip sets grown, with agreement
 
 
 def device_key(backend: Any) -> str:
@@ -206,7 +207,8 @@ def _tune(b: Any, say: Callable[[str], None], gen_tokens: int, max_skip: float, 
         say(f"skip {len(skip):2d} k={k}: agreement {alpha:.2f}, predicted {pred:.2f}x, best case "
             f"{best_case:.2f}x, measured {rate:.1f} tokens/s = {rate / plain_rate:.2f}x of plain "
             f"{plain_rate:.1f}")  # fmt: skip
-    plain = SelfConfig(pays=False, speedup=1.0, table=table)
+    grown = [{"skip": list(skip), "agreement": round(alpha, 3)} for skip, alpha in sets]
+    plain = SelfConfig(pays=False, speedup=1.0, table=table, grown=grown)
     eligible = [r for r in table if r["speedup"] > PAYS and r["best_case"] > 1]
     if not eligible:
         return plain
@@ -223,7 +225,8 @@ def _tune(b: Any, say: Callable[[str], None], gen_tokens: int, max_skip: float, 
         + f"; median {speedup:.2f}x " + ("pays" if speedup > PAYS else f"does not beat plain by {PAYS}x"))
     if speedup <= PAYS:
         return plain
-    return SelfConfig(skip=skip, k=k, pays=True, speedup=speedup, acceptance=row["agreement"], table=table)
+    return SelfConfig(skip=skip, k=k, pays=True, speedup=speedup, acceptance=row["agreement"], table=table,
+                      grown=grown)  # fmt: skip
 
 
 def _generate(b: Any, prompt: Sequence[int], n: int, *, drafter: Any = None,

@@ -352,6 +352,8 @@ def test_the_search_measures_and_reports(backend) -> None:
                        confirm=2)  # fmt: skip
     assert len(config.table) == 2 and all(r["same_text"] for r in config.table)
     assert all(r["tokens_per_s"] > 0 and r["plain_tokens_per_s"] > 0 for r in config.table)
+    assert [len(g["skip"]) for g in config.grown] == list(range(1, len(config.grown) + 1))  # one more each
+    assert config.grown and all(set(a["skip"]) < set(b["skip"]) for a, b in zip(config.grown, config.grown[1:]))
     eligible = [r for r in config.table if r["speedup"] > tune.PAYS and r["best_case"] > 1]
     fastest = max(eligible or config.table, key=lambda r: r["speedup"])
     if eligible:
