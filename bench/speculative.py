@@ -161,11 +161,8 @@ def fixed_pace(k: int):
 
     class Fixed(Pace):
         def verified(self, drafted: int, accepted: int, seconds: float) -> None:
-            self.rounds += 1
-            self.drafted += drafted
-            self.accepted += accepted
-            self.rejections += accepted < drafted
-            self.kept, self.lost = self.kept + accepted, self.lost + (accepted < drafted)
+            super().verified(drafted, accepted, seconds)  # the counts; then undo its decisions
+            self.k, self.wait, self.on, self.reason = self.k_max, 0, True, ""
 
         def want(self) -> int:
             return self.k if self.t_plain else 0
