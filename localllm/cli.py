@@ -780,6 +780,103 @@ def _repl(llm: Any, history: list[dict[str, str]], ask: Any, raw: bool) -> None:
             ]
 
 
+def _server_missing() -> LocalLLMError | None:
+    from importlib.util import find_spec
+
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if find_spec(m) is None]
+    if missing:
+        return LocalLLMError(f"the server needs {', '.join(missing)}: pip install 'localllm[server]'")
+    return None
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option("--host", help="Address to listen on (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port (0: any free one).")] = 11435,
+    model: Annotated[
+        list[str] | None, typer.Option("--model", help="Model to load and serve (repeatable; the first is the default).")
+    ] = None,
+    api_key: Annotated[str | None, typer.Option("--api-key", help="Require this key (Bearer or x-api-key).")] = None,
+    api_key_file: Annotated[
+        Path | None, typer.Option("--api-key-file", help="Read the key from this file's first line.")
+    ] = None,
+    backend: Annotated[str, typer.Option("--backend", help=BACKEND_HELP)] = "auto",
+    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or mps.")] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", help="torch engine's working precision.")] = "auto",
+    ctx: Annotated[int | None, typer.Option("--ctx", help="Context length per sequence.")] = None,
+    kv_cache: Annotated[str, typer.Option("--kv-cache", help="KV cache type (as for run).")] = "f16",
+    speculative: Annotated[
+        str | None, typer.Option("--speculative", help="off, lookup, self or draft:MODEL (the default per request).")
+    ] = None,
+    parallel: Annotated[int, typer.Option("--parallel", help="Sequences decoded together per model.")] = 4,
+    queue: Annotated[int, typer.Option("--queue", help="Requests that may wait for a slot before 503.")] = 16,
+    cors: Annotated[
+        list[str] | None, typer.Option("--cors", help="Origin allowed to call from a browser (repeatable).")
+    ] = None,
+    max_body: Annotated[int, typer.Option("--max-body", help="Largest request body in bytes.")] = 8 * 1024 * 1024,
+) -> None:
+    """Serve the OpenAI and Ollama APIs on this machine (127.0.0.1:11435 by default)."""
+    from localllm.server.config import ServerConfig, read_api_key
+    from localllm.types import LoadOptions
+
+    missing = _server_missing()
+    if missing:
+        raise missing
+    options = LoadOptions(backend=backend, device=device, dtype=dtype, ctx=ctx, kv_cache=kv_cache,
+                          speculative=speculative, parallel=parallel)  # fmt: skip
+    config = ServerConfig(host=host, port=port, models=tuple(model or ()), cors=tuple(cors or ()),
+                          api_key=read_api_key(api_key, api_key_file), options=options,
+                          queue=queue, max_body=max_body)  # fmt: skip
+    from localllm.server.runner import serve_forever
+
+    serve_forever(config, announce=lambda line: print(line, file=sys.stderr, flush=True))
+
+
+@app.command()
+def ps(
+    url: Annotated[str | None, typer.Option("--url", help="The server (default: the running one, "
+                                            "else http://127.0.0.1:11435).")] = None,
+    api_key: Annotated[str | None, typer.Option("--api-key", help="Its API key (else $LOCALLLM_API_KEY).")] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """What a running server has loaded."""
+    import urllib.error
+    import urllib.request
+
+    from localllm.model_info import human_bytes
+
+    if url is None:
+        from localllm.server.runner import running_url
+
+        url = running_url() or "http://127.0.0.1:11435"
+    key = api_key or os.environ.get("LOCALLLM_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url.rstrip("/") + "/api/ps", headers=headers),
+                                    timeout=10) as r:  # fmt: skip
+            models = json.loads(r.read()).get("models", [])
+    except urllib.error.HTTPError as e:
+        try:
+            message = json.loads(e.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = f"HTTP {e.code}"
+        raise LocalLLMError(f"{url}: {message}") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise LocalLLMError(f"no localllm server answers at {url} ({type(e).__name__})") from None
+    if json_out:
+        _emit_json({"url": url, "models": models})
+        return
+    if not models:
+        print(f"{url}: no model loaded")
+        return
+    print(f"{'NAME':34} {'BACKEND':9} {'CTX':>6} {'KV':>6} {'RUN':>4} {'WAIT':>4} {'SIZE':>9}  UNTIL")
+    for m in models:
+        x = m.get("localllm", {})
+        print(f"{m['name']:34} {x.get('backend', '?'):9} {x.get('ctx', 0):>6} {x.get('kv_cache', ''):>6} "
+              f"{x.get('running', 0):>4} {x.get('waiting', 0):>4} {human_bytes(m.get('size', 0)):>9}  "
+              f"{m.get('expires_at', '')[:19]}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the command; errors become one line and an exit code."""
     command = typer.main.get_command(app)

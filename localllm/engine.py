@@ -12,6 +12,7 @@ do, UTF-8-safe incremental text, stop strings, finish reasons, timings — lives
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import contextlib
 import queue
@@ -295,13 +296,28 @@ class Assembler:
 _END = object()
 
 
+class _AsyncOut:
+    """A job's output for a consumer on an event loop: the scheduler thread puts, the loop awaits."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: asyncio.Queue[Any] = asyncio.Queue()
+
+    def put(self, item: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is listening
+            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
+
+    async def get_async(self) -> Any:
+        return await self.items.get()
+
+
 @dataclass(eq=False)
 class _Job:
     request: Request
     submitted: float
     ids: list[int]  # the prompt's tokens
     cancel: threading.Event = field(default_factory=threading.Event)
-    out: queue.Queue = field(default_factory=queue.Queue)
+    out: queue.Queue | _AsyncOut = field(default_factory=queue.Queue)
 
 
 @dataclass(eq=False)
@@ -366,22 +382,56 @@ class Scheduler:
 
 
 class Stream:
-    """The chunks of one submitted request. Iterate it; `cancel()` stops generation within a token."""
+    """The chunks of one submitted request. Iterate it; `cancel()` stops generation within a token.
+
+    Submitted with `loop=` (`Model.submit`), it is iterated with `async for` on that loop instead:
+    the scheduler thread hands chunks over with `call_soon_threadsafe`, so no thread of the loop's
+    executor waits on a token.
+    """
 
     def __init__(self, job: _Job) -> None:
         self._job = job
         self.result: Result | None = None
+        self._done = False
+
+    @property
+    def submitted(self) -> float:
+        return self._job.submitted
+
+    @property
+    def n_prompt(self) -> int:
+        return len(self._job.ids)
 
     def __iter__(self) -> Stream:
         return self
 
     def __next__(self) -> Chunk:
-        item = self._job.out.get()
+        if isinstance(self._job.out, _AsyncOut):
+            raise TypeError("this stream was submitted for an event loop: use `async for`")
+        if self._done:
+            raise StopIteration
+        return self._take(self._job.out.get())
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        out = self._job.out
+        if not isinstance(out, _AsyncOut):
+            raise TypeError("submit with loop= to iterate a stream with `async for`")
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            return self._take(await out.get_async())
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    def _take(self, item: Any) -> Chunk:
         if item is _END:
-            self._job.out.put(_END)  # stay exhausted
+            self._done = True
             raise StopIteration
         if isinstance(item, BaseException):
-            self._job.out.put(_END)
+            self._done = True
             raise item
         if item.result is not None:
             self.result = item.result
@@ -400,6 +450,8 @@ class Stream:
     def close(self) -> None:
         """Stop generating (if still running) and drain."""
         self.cancel()
+        if isinstance(self._job.out, _AsyncOut):
+            return  # the scheduler ends it within a step; nobody needs to wait for that
         for _ in self:
             pass
 
@@ -434,6 +486,8 @@ class Model:
         self._thread = threading.Thread(target=self._work, name=f"localllm:{name}", daemon=True)
         self._closed = False
         self._first = True
+        self.running = 0  # sequences holding a slot, as of the last step (for metrics and `ps`)
+        self.waiting = 0  # submitted requests waiting for a slot
         self._thread.start()
 
     @property
@@ -456,6 +510,7 @@ class Model:
         running: list[_Live] = []
         closing = False
         while True:
+            self.running, self.waiting = len(running), len(waiting)
             block = not running and not waiting and not closing
             try:
                 while True:  # everything submitted since the last step
@@ -484,6 +539,7 @@ class Model:
             for live in [r for r in running if r.job.cancel.is_set()]:
                 running.remove(live)
                 self._end(live, live.asm.finish("cancelled"))
+            self.running, self.waiting = len(running), len(waiting)
             if running:
                 self._step(running)
 
@@ -554,10 +610,12 @@ class Model:
 
     # -- submitting ----------------------------------------------------------------------------
 
-    def submit(self, request: Request) -> Stream:
+    def submit(self, request: Request, *, loop: asyncio.AbstractEventLoop | None = None) -> Stream:
         """Queue a request. What cannot run is refused here, in the caller's thread, before it
         waits for a slot: unsupported fields, a template that fails, a prompt that does not fit.
-        (Rendering and tokenizing here also keeps them off the thread that steps the model.)"""
+        (Rendering and tokenizing here also keeps them off the thread that steps the model.)
+
+        With `loop`, the stream is consumed with `async for` on that event loop."""
         if self._closed:
             raise LocalLLMError("the model is closed")
         submitted = time.perf_counter()
@@ -569,6 +627,8 @@ class Model:
         ids = prompt_ids(self.backend, request)
         check_context(len(ids), self.backend.n_ctx, request.sampling, request.context)
         job = _Job(request, submitted, ids)
+        if loop is not None:
+            job.out = _AsyncOut(loop)
         self._queue.put(job)
         return Stream(job)
 

@@ -221,6 +221,11 @@ class ModelPool:
                            None if e.idle_since is None else now - e.idle_since)
                     for e in self._entries.values() if e.model is not None]  # fmt: skip
 
+    def models(self) -> list[Any]:
+        """The loaded models themselves (for a server's metrics)."""
+        with self._cond:
+            return [e.model for e in self._entries.values() if e.model is not None]
+
     def sweep(self) -> list[str]:
         """Unload every model idle past the timeout now; returns their names."""
         with self._cond:

@@ -1,0 +1,96 @@
+"""Prometheus metrics of one server (its own registry: two servers in one process do not mix).
+
+Per finished request: TTFT and TPOT histograms, prompt/completion/cached tokens, speculative drafts
+and acceptances. Per HTTP request: a count by route and status. Read when scraped: queue depth,
+running sequences and KV-cache bytes of the loaded models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from localllm.types import Result
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class _Live:
+    """A collector that asks the loaded models what they hold now, at scrape time."""
+
+    def __init__(self, models: Callable[[], Iterable[tuple[str, Any]]],
+                 queued: Callable[[str, Any], int]) -> None:  # fmt: skip
+        self.models = models
+        self.queued = queued
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        running = GaugeMetricFamily("localllm_running_sequences",
+                                    "Sequences holding a slot (being decoded or prefilled)", labels=["model"])  # fmt: skip
+        queue = GaugeMetricFamily("localllm_queue_depth",
+                                  "Requests accepted and waiting for a slot", labels=["model"])  # fmt: skip
+        kv = GaugeMetricFamily("localllm_kv_cache_bytes",
+                               "Bytes the model's KV caches hold now", labels=["model"])  # fmt: skip
+        for name, model in self.models():
+            running.add_metric([name], getattr(model, "running", 0))
+            queue.add_metric([name], self.queued(name, model))
+            held = model.kv_bytes() if hasattr(model, "kv_bytes") else None
+            if held is not None:
+                kv.add_metric([name], held)
+        yield running
+        yield queue
+        yield kv
+
+
+class Metrics:
+    def __init__(self, models: Callable[[], Iterable[tuple[str, Any]]],
+                 queued: Callable[[str, Any], int]) -> None:  # fmt: skip
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("localllm_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=r)  # fmt: skip
+        self.ttft = Histogram("localllm_ttft_seconds", "Time to first token",
+                              ["model"], buckets=_TTFT_BUCKETS, registry=r)  # fmt: skip
+        self.tpot = Histogram("localllm_tpot_seconds", "Time per output token after the first",
+                              ["model"], buckets=_TPOT_BUCKETS, registry=r)  # fmt: skip
+        self.prompt_tokens = Counter("localllm_prompt_tokens", "Prompt tokens in", ["model"], registry=r)
+        self.completion_tokens = Counter("localllm_completion_tokens", "Tokens generated", ["model"],
+                                         registry=r)  # fmt: skip
+        self.cached_tokens = Counter("localllm_prefix_cache_hit_tokens",
+                                     "Prompt tokens whose KV was reused from the prefix cache",
+                                     ["model"], registry=r)  # fmt: skip
+        self.drafted = Counter("localllm_speculative_drafted_tokens", "Tokens drafted", ["model"],
+                               registry=r)  # fmt: skip
+        self.accepted = Counter("localllm_speculative_accepted_tokens", "Drafted tokens accepted",
+                                ["model"], registry=r)  # fmt: skip
+        self.acceptance = Gauge("localllm_speculative_acceptance",
+                                "Accepted / drafted over the server's life", ["model"], registry=r)  # fmt: skip
+        self.rejected = Counter("localllm_rejected_requests", "Requests refused by admission (503)",
+                                ["model"], registry=r)  # fmt: skip
+        r.register(_Live(models, queued))
+        self._spec: dict[str, list[int]] = {}
+
+    def observe(self, model: str, result: Result) -> None:
+        u, t = result.usage, result.timings
+        self.prompt_tokens.labels(model).inc(u.prompt_tokens)
+        self.completion_tokens.labels(model).inc(u.completion_tokens)
+        self.cached_tokens.labels(model).inc(u.cached_tokens)
+        if u.completion_tokens:
+            self.ttft.labels(model).observe(t.ttft_s)
+        if u.completion_tokens > 1:
+            self.tpot.labels(model).observe(t.tpot_s(u.completion_tokens))
+        s = result.speculative
+        if s is not None and s.drafted:
+            self.drafted.labels(model).inc(s.drafted)
+            self.accepted.labels(model).inc(s.accepted)
+            total = self._spec.setdefault(model, [0, 0])
+            total[0] += s.drafted
+            total[1] += s.accepted
+            self.acceptance.labels(model).set(total[1] / total[0])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

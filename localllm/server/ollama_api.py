@@ -1,0 +1,276 @@
+"""Ollama's routes, so Ollama clients work against localllm: tags, show, ps, version, chat,
+generate (NDJSON streaming, on by default as in Ollama) and embed. Same engine, same admission,
+same metrics as the OpenAI routes; only the shapes differ. Durations are nanoseconds, as Ollama's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from localllm import __version__
+from localllm.server.openai_api import BadRequest, Body, Parsed, _messages
+from localllm.types import Chunk, Result
+
+if TYPE_CHECKING:
+    from localllm.server.app import Server
+
+_OPTIONS = {  # Ollama option → (SamplingParams field, lo, hi, integer)
+    "temperature": ("temperature", 0, 100, False),
+    "top_p": ("top_p", 1e-9, 1, False),
+    "top_k": ("top_k", 0, 1 << 20, True),
+    "min_p": ("min_p", 0, 1, False),
+    "repeat_penalty": ("repeat_penalty", 0.01, 10, False),
+    "repeat_last_n": ("repeat_last_n", 0, 1 << 20, True),
+    "presence_penalty": ("presence_penalty", -2, 2, False),
+    "frequency_penalty": ("frequency_penalty", -2, 2, False),
+    "seed": ("seed", -(2**63), 2**64 - 1, True),
+}
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+def _parse(data: Any, *, chat: bool) -> tuple[Parsed, Body]:
+    b = Body(data)
+    model = b.text("model")
+    if not model:
+        raise BadRequest("model is required", "model")
+    stream = b.flag("stream", True)
+    sampling: dict[str, Any] = {}
+    opts = b.obj("options")
+    ctx = None
+    if opts is not None:
+        for key, (name, lo, hi, integer) in _OPTIONS.items():
+            v = opts.number(key, lo, hi, integer=integer)
+            if v is not None:
+                sampling[name] = v
+        n = opts.number("num_predict", -2, 2**31, integer=True)
+        if n is not None and n >= 0:
+            sampling["max_tokens"] = n
+        stop = opts.stop()
+        if stop:
+            sampling["stop"] = stop
+        ctx = opts.number("num_ctx", 16, 1 << 24, integer=True)
+    fmt = b.get("format")
+    response_format = None
+    if fmt == "json":
+        response_format = {"type": "json_object"}
+    elif isinstance(fmt, dict):
+        response_format = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    elif fmt not in (None, ""):
+        raise BadRequest('format must be "json" or a JSON schema object', "format")
+    p = Parsed(model=model, stream=stream, include_usage=False, sampling=sampling,
+               response_format=response_format, ctx=ctx)  # fmt: skip
+    return p, b
+
+
+def _details(info: Any) -> dict[str, Any]:
+    from localllm.model_info import human_params
+
+    return {"parent_model": "", "format": "gguf", "family": info.architecture,
+            "families": [info.architecture], "parameter_size": human_params(info.parameters),
+            "quantization_level": info.quant}  # fmt: skip
+
+
+def _tag(record: Any) -> dict[str, Any]:
+    return {"name": record.name, "model": record.name,
+            "modified_at": datetime.fromtimestamp(record.added, UTC).isoformat().replace("+00:00", "Z"),
+            "size": record.size, "digest": record.digest, "details": _details(record.info)}  # fmt: skip
+
+
+def _final(model: str, result: Result, extra: dict[str, Any]) -> dict[str, Any]:
+    t, u = result.timings, result.usage
+    reason = {"cancelled": "stop", "tool_calls": "stop", "error": "stop"}.get(result.finish_reason, result.finish_reason)
+    return {"model": model, "created_at": _now(), **extra, "done": True, "done_reason": reason,
+            "total_duration": _ns(t.total_s), "load_duration": _ns(t.load_s),
+            "prompt_eval_count": u.prompt_tokens, "prompt_eval_duration": _ns(t.prompt_s),
+            "eval_count": u.completion_tokens, "eval_duration": _ns(t.decode_s)}  # fmt: skip
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+
+
+def add_routes(app: FastAPI, server: Server) -> None:
+    from localllm.server.app import LiveResponse, scrub
+
+    served = server.served
+
+    @app.get("/api/version")
+    async def version() -> dict[str, Any]:
+        return {"version": __version__}
+
+    @app.get("/api/tags")
+    async def tags() -> dict[str, Any]:
+        from localllm.models_registry.store import Store
+
+        return {"models": [_tag(r) for r in Store().list()]}
+
+    @app.post("/api/show")
+    async def show(request: Request) -> dict[str, Any]:
+        b = Body(await _json(request))
+        name = b.text("model") or b.text("name")
+        if not name:
+            raise BadRequest("model is required", "model")
+        record = served.record(name)
+        info = record.info
+        template = ""
+        from localllm.gguf_file import GGUFFile
+        from localllm.models_registry.store import Store
+
+        try:
+            with GGUFFile(Store().path_of(record)) as gf:
+                template = gf.get("tokenizer.chat_template") or ""
+        except Exception:  # noqa: BLE001 - shown as no template
+            template = ""
+        arch = info.architecture
+        return {"license": info.license, "modelfile": "", "parameters": "", "template": template,
+                "details": _details(info),
+                "model_info": {"general.architecture": arch, "general.parameter_count": info.parameters,
+                               f"{arch}.context_length": info.context_length,
+                               f"{arch}.block_count": info.n_layers, f"{arch}.embedding_length": info.n_embd},
+                "capabilities": ["completion", "embedding"] + (["tools"] if template and "tools" in template else []),
+                "modified_at": _tag(record)["modified_at"]}  # fmt: skip
+
+    @app.get("/api/ps")
+    async def ps() -> dict[str, Any]:
+        from localllm.models_registry.catalog import find_local
+        from localllm.models_registry.store import Store
+
+        out = []
+        store = Store()
+        held = {e.name: e for e in served.pool.loaded()}
+        for name, model in served.loaded():
+            record = find_local(name, store)
+            entry = held.get(name)
+            idle = entry.idle_s if entry is not None else None
+            expires = time.time() + (served.pool.idle_s - idle if idle is not None else served.pool.idle_s)
+            opts = model.options
+            out.append({"name": name, "model": name, "size": entry.held_bytes if entry else 0,
+                        "digest": record.digest if record else "",
+                        "details": _details(record.info) if record else {},
+                        "expires_at": datetime.fromtimestamp(expires, UTC).isoformat().replace("+00:00", "Z"),
+                        "size_vram": 0,
+                        "localllm": {"backend": model.backend.name, "ctx": model.n_ctx,
+                                     "kv_cache": opts.kv_cache, "parallel": model.parallel,
+                                     "running": model.running, "waiting": model.waiting,
+                                     "kv_bytes": model.kv_bytes(), "speculative": opts.speculative or "off"}})  # fmt: skip
+        return {"models": out}
+
+    async def run(request: Request, parsed: Parsed, route: str, shape: Any, tools: bool) -> Response:
+        started = await server.start(parsed)
+        name = started.lease.name
+        if not parsed.stream:
+            result = None
+            try:
+                result = await server.collect(started, request)
+            finally:
+                started.stream.cancel()
+                server.finished(started, route, result)
+            if result is None:
+                return Response(status_code=499)
+            if result.finish_reason == "error":
+                from localllm.server.app import error
+
+                return error(500, result.error or "generation failed", "server_error")
+            return JSONResponse(_final(name, result, shape(result.text, result)))
+        held = [] if tools else None  # with tools: the answer comes at the end (a call or text)
+
+        def piece(chunk: Chunk) -> bytes:
+            if not chunk.text or held is not None:
+                if held is not None:
+                    held.append(chunk.text)
+                return b""
+            return _line({"model": name, "created_at": _now(), **shape(chunk.text, None), "done": False})
+
+        def last(result: Result) -> bytes:
+            return _line(_final(name, result, shape(result.text if held is not None else "", result)))
+
+        def failed(message: str) -> bytes:
+            return _line({"error": scrub(message)})
+
+        body = server.events(started, route, b"", piece, last, failed, b"")
+        return LiveResponse(body, "application/x-ndjson")
+
+    @app.post("/api/chat")
+    async def chat(request: Request) -> Response:
+        parsed, b = _parse(await _json(request), chat=True)
+        parsed.messages = _messages(b.get("messages"))
+        tools = b.get("tools") or []
+        if not isinstance(tools, list):
+            raise BadRequest("tools must be a list", "tools")
+        parsed.tools = tools
+
+        def shape(text: str, result: Result | None) -> dict[str, Any]:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if result is not None and result.tool_calls:
+                message["tool_calls"] = [{"function": {"name": t.name, "arguments": _args(t.arguments)}}
+                                         for t in result.tool_calls]  # fmt: skip
+            return {"message": message}
+
+        return await run(request, parsed, "/api/chat", shape, bool(tools))
+
+    @app.post("/api/generate")
+    async def generate(request: Request) -> Response:
+        parsed, b = _parse(await _json(request), chat=False)
+        prompt = b.text("prompt") or ""
+        system = b.text("system")
+        raw = b.flag("raw")
+        if b.get("images"):
+            raise BadRequest("images are not supported (text only)", "images")
+        if not prompt:  # Ollama: an empty prompt loads the model and answers done
+            lease = await served.lease(parsed.model, served.options(ctx=parsed.ctx))
+            lease.close()
+            return JSONResponse({"model": lease.name, "created_at": _now(), "response": "", "done": True,
+                                 "done_reason": "load"})  # fmt: skip
+        if raw:
+            parsed.prompt = prompt
+        else:
+            parsed.messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": prompt}]
+
+        def shape(text: str, _result: Result | None) -> dict[str, Any]:
+            return {"response": text}
+
+        return await run(request, parsed, "/api/generate", shape, False)
+
+    @app.post("/api/embed")
+    async def embed(request: Request) -> dict[str, Any]:
+        import asyncio
+
+        b = Body(await _json(request))
+        inputs = b.get("input")
+        if isinstance(inputs, str):
+            inputs = [inputs]
+        if not isinstance(inputs, list) or not inputs or not all(isinstance(t, str) and t for t in inputs):
+            raise BadRequest("input must be a string or a list of non-empty strings", "input")
+        lease = await served.lease(b.text("model"), served.options())
+        try:
+            vectors = await asyncio.to_thread(lease.model.embed, inputs)
+        finally:
+            lease.close()
+        return {"model": lease.name, "embeddings": vectors}
+
+
+def _args(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+async def _json(request: Request) -> Any:
+    from localllm.server.app import read_json
+
+    return await read_json(request)

@@ -1,0 +1,132 @@
+"""The server's door: body size, Host header and API key, checked before any route runs.
+
+A plain ASGI middleware (no framework needed), so every route — OpenAI, Ollama, metrics — is
+behind the same checks and none can forget them:
+
+- a body over `max_body` bytes is 413 (by Content-Length at once; chunked bodies as they arrive);
+- while bound to loopback, a Host header that is not this machine is 403 (DNS rebinding: a web page
+  on evil.example that resolves to 127.0.0.1 must not reach the server with the browser's help);
+- with an API key, every route but `/health` needs `Authorization: Bearer KEY` or `x-api-key: KEY`,
+  compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+PUBLIC = ("/health",)
+
+
+def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> bytes:
+    """OpenAI's error shape."""
+    return json.dumps({"error": {"message": message, "type": kind, "param": param,
+                                 "code": code}}).encode()  # fmt: skip
+
+
+async def send_error(send: Send, status: int, message: str, kind: str, code: str | None = None,
+                     headers: list[tuple[bytes, bytes]] | None = None) -> None:  # fmt: skip
+    body = error_body(message, kind, code)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), *(headers or [])]})  # fmt: skip
+    await send({"type": "http.response.body", "body": body})
+
+
+def local_host(host_header: str) -> bool:
+    """Whether a Host header names this machine: localhost, 127.x.y.z or ::1, any port."""
+    host = host_header.strip().lower()
+    if host.startswith("["):  # [::1]:8080
+        host = host[1 : host.find("]")] if "]" in host else host
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    if host in ("localhost", "localhost.") or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class Door:
+    """ASGI middleware: body cap, Host check on loopback, API key."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, loopback: bool, max_body: int,
+                 on_refused: Callable[[str, int], None] | None = None) -> None:  # fmt: skip
+        self.app = app
+        self.key = api_key.encode() if api_key else None
+        self.loopback = loopback
+        self.max_body = max_body
+        self.on_refused = on_refused or (lambda _path, _status: None)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        path = scope.get("path", "")
+        refusal = self._check(headers, path)
+        if refusal is not None:
+            status, message, kind, code = refusal
+            self.on_refused(path, status)
+            extra = [(b"www-authenticate", b"Bearer")] if status == 401 else []
+            await send_error(send, status, message, kind, code, extra)
+            return
+        seen = 0
+        started = False
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:
+                    raise _TooLarge
+            return message
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, watched)
+        except _TooLarge:
+            if not started:
+                self.on_refused(path, 413)
+                await send_error(send, 413, f"the request body is over {self.max_body} bytes",
+                                 "invalid_request_error", "request_too_large")  # fmt: skip
+
+    def _check(self, headers: dict[str, str], path: str) -> tuple[int, str, str, str] | None:
+        if self.loopback and not local_host(headers.get("host", "")):
+            return (403, "this server only answers requests addressed to localhost",
+                    "permission_error", "host_not_allowed")  # fmt: skip
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body:
+            return (413, f"the request body is over {self.max_body} bytes",
+                    "invalid_request_error", "request_too_large")  # fmt: skip
+        if self.key is None or path in PUBLIC:
+            return None
+        given = headers.get("x-api-key", "")
+        auth = headers.get("authorization", "")
+        if auth[:7].lower() == "bearer ":
+            given = auth[7:].strip()
+        if not given:
+            return (401, "an API key is required (Authorization: Bearer KEY or x-api-key)",
+                    "authentication_error", "missing_api_key")  # fmt: skip
+        if not hmac.compare_digest(given.encode(), self.key):
+            return 401, "the API key is not valid", "authentication_error", "invalid_api_key"
+        return None
