@@ -37,7 +37,7 @@ from localllm.server.openai_api import (
     sse,
     text_completion,
 )
-from localllm.server.security import Door
+from localllm.server.security import BodyTooLarge, Door
 from localllm.server.served import Busy, Lease, Served
 from localllm.types import Chunk, Result
 
@@ -61,6 +61,8 @@ def error_of(e: BaseException) -> JSONResponse:
     """The response for an exception a route raised."""
     if isinstance(e, BadRequest):
         return error(400, str(e), code=e.code, param=e.param)
+    if isinstance(e, BodyTooLarge):
+        return error(413, "the request body is too large", code="request_too_large")
     if isinstance(e, Busy):
         return error(503, str(e), "server_busy", "server_busy", headers={"Retry-After": str(e.retry_after)})
     if isinstance(e, ModelNotFound):

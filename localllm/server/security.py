@@ -57,8 +57,8 @@ def local_host(host_header: str) -> bool:
         return False
 
 
-class _TooLarge(Exception):
-    pass
+class BodyTooLarge(Exception):
+    """A chunked body grew past the cap (the app's error handler answers 413 for it)."""
 
 
 class Door:
@@ -94,7 +94,7 @@ class Door:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_body:
-                    raise _TooLarge
+                    raise BodyTooLarge
             return message
 
         async def watched(message: Message) -> None:
@@ -104,7 +104,7 @@ class Door:
 
         try:
             await self.app(scope, counted, watched)
-        except _TooLarge:
+        except BodyTooLarge:
             if not started:
                 self.on_refused(path, 413)
                 await send_error(send, 413, f"the request body is over {self.max_body} bytes",

@@ -1,0 +1,65 @@
+"""Servers for the tests: on a thread, port 0, with a scripted model (fast) or the real default one."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from fakebackend import FakeBatch
+
+from conftest import need
+
+need("fastapi", "pip install 'localllm[server]'")
+need("httpx", "pip install httpx")
+
+from localllm.engine import Model  # noqa: E402
+from localllm.errors import ModelNotFound  # noqa: E402
+from localllm.pool import ModelPool  # noqa: E402
+from localllm.server.config import ServerConfig  # noqa: E402
+from localllm.server.runner import BackgroundServer  # noqa: E402
+from localllm.server.served import Served  # noqa: E402
+from localllm.types import LoadOptions  # noqa: E402
+
+
+class HeldBatch(FakeBatch):
+    """A scripted backend whose steps wait while `hold` is clear (to line clients up)."""
+
+    def __init__(self, hold: threading.Event | None, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.hold = hold
+
+    def step(self, plan: Any) -> Any:
+        if self.hold is not None:
+            self.hold.wait()
+        return super().step(plan)
+
+
+def fake_loader(step_s: float = 0.0, n_ctx: int = 256, max_batch: int = 64,
+                hold: threading.Event | None = None) -> Any:  # fmt: skip
+    """Models that say what the prompt asks (`say:TEXT`), `step_s` seconds per step."""
+
+    def load(name: str, options: LoadOptions) -> Model:
+        if not name.startswith("fake"):
+            raise ModelNotFound(f"unknown model {name!r}: not in the store nor in the catalog")
+        backend = HeldBatch(hold, n_ctx=n_ctx, n_slots=options.parallel, step_s=step_s, max_batch=max_batch)
+        return Model(backend, name, options=options)
+
+    return load
+
+
+@contextlib.contextmanager
+def fake_server(*, step_s: float = 0.0, n_ctx: int = 256, max_batch: int = 64,
+                hold: threading.Event | None = None, **config: Any) -> Iterator[BackgroundServer]:  # fmt: skip
+    config.setdefault("models", ("fake",))
+    config.setdefault("port", 0)
+    cfg = ServerConfig(**config)
+    pool = ModelPool(fake_loader(step_s, n_ctx, max_batch, hold), fit=None, idle_s=0)
+    server = BackgroundServer(cfg, Served(cfg, pool))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        pool.close()
