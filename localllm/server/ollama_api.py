@@ -113,9 +113,7 @@ def add_routes(app: FastAPI, server: Server) -> None:
 
     @app.get("/api/tags")
     async def tags() -> dict[str, Any]:
-        from localllm.models_registry.store import Store
-
-        return {"models": [_tag(r) for r in Store().list()]}
+        return {"models": [_tag(r) for r in served.store.list()]}
 
     @app.post("/api/show")
     async def show(request: Request) -> dict[str, Any]:
@@ -127,10 +125,9 @@ def add_routes(app: FastAPI, server: Server) -> None:
         info = record.info
         template = ""
         from localllm.gguf_file import GGUFFile
-        from localllm.models_registry.store import Store
 
         try:
-            with GGUFFile(Store().path_of(record)) as gf:
+            with GGUFFile(served.store.path_of(record)) as gf:
                 template = gf.get("tokenizer.chat_template") or ""
         except Exception:  # noqa: BLE001 - shown as no template
             template = ""
@@ -146,10 +143,9 @@ def add_routes(app: FastAPI, server: Server) -> None:
     @app.get("/api/ps")
     async def ps() -> dict[str, Any]:
         from localllm.models_registry.catalog import find_local
-        from localllm.models_registry.store import Store
 
         out = []
-        store = Store()
+        store = served.store
         held = {e.name: e for e in served.pool.loaded()}
         for name, model in served.loaded():
             record = find_local(name, store)

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from localllm.errors import LocalLLMError
-from localllm.pool import ModelPool
 from localllm.server.config import ServerConfig
 from localllm.server.served import Served
 
@@ -55,7 +54,7 @@ class BackgroundServer:
                  record: bool = False) -> None:  # fmt: skip
         self.config = config
         self._own_pool = served is None
-        self.served = served or Served(config, ModelPool())
+        self.served = served or Served(config)
         self.record = record
         self._thread: threading.Thread | None = None
         self._uvicorn: Any = None
@@ -136,8 +135,8 @@ def serve_forever(config: ServerConfig, *, announce: Any = print) -> None:
     from localllm.server.app import create_app
 
     sock = bind(config.host, config.port)
-    pool = ModelPool()
-    served = Served(config, pool)
+    served = Served(config)
+    pool = served.pool
     try:
         served.start()
         app = create_app(config, served)

@@ -83,9 +83,12 @@ class Lease:
 class Served:
     """Name → loaded model (through a `ModelPool`), with a gate per loaded model."""
 
-    def __init__(self, config: ServerConfig, pool: ModelPool | None = None) -> None:
+    def __init__(self, config: ServerConfig, pool: ModelPool | None = None, store: Any = None) -> None:
+        from localllm.models_registry.store import Store
+
         self.config = config
-        self.pool = pool or ModelPool()
+        self.store = store or Store()  # fixed when the server starts
+        self.pool = pool or ModelPool(store=self.store)
         self.default = config.models[0] if config.models else DEFAULT_MODEL
         self._held: list[Any] = []  # the configured models, held for the server's life
         self._gates: dict[int, Gate] = {}
@@ -140,19 +143,16 @@ class Served:
 
     def local_names(self) -> list[str]:
         """Configured models first, then every model in the local store."""
-        from localllm.models_registry.store import Store
-
         names = list(self.config.models)
         with contextlib.suppress(LocalLLMError):
-            names += [r.name for r in Store().list() if r.name not in names]
+            names += [r.name for r in self.store.list() if r.name not in names]
         return names
 
     def record(self, name: str | None) -> Any:
         """The store record of a model name (404-worthy `ModelNotFound` when there is none)."""
         from localllm.models_registry.catalog import find_local
-        from localllm.models_registry.store import Store
 
-        record = find_local(name or self.default, Store())
+        record = find_local(name or self.default, self.store)
         if record is None:
             raise ModelNotFound(f"model {name or self.default!r} is not in the local store")
         return record
