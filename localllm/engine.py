@@ -316,6 +316,7 @@ class _Job:
     request: Request
     submitted: float
     ids: list[int]  # the prompt's tokens
+    constraint: Any = None  # structured.Constraint: the grammar its output follows
     cancel: threading.Event = field(default_factory=threading.Event)
     out: queue.Queue | _AsyncOut = field(default_factory=queue.Queue)
 
@@ -554,7 +555,7 @@ class Model:
                 job.out.put(asm.finish("cancelled" if job.cancel.is_set() else "length"))
                 job.out.put(_END)
                 return None
-            seq = Seq(ids, request.sampling, request.context, request.speculative)
+            seq = Seq(ids, request.sampling, request.context, request.speculative, job.constraint)
             asm.cached = cached = self.backend.admit(seq)
             return _Live(job, seq, asm, left=len(ids) - cached)
         except Exception as e:  # noqa: BLE001 - reported to the consumer as one line
@@ -621,12 +622,23 @@ class Model:
         submitted = time.perf_counter()
         if request.context == ContextPolicy() and self.context.enabled:
             request = replace(request, context=self.context)
-        if request.speculative is None and self.options.speculative:
-            request = replace(request, speculative=self.options.speculative)
         check_supported(request, self.capabilities, self.backend.name)
+        constraint = None
+        if self.capabilities.grammar:
+            from localllm.structured import constraint_for
+
+            constraint = constraint_for(self.backend, request)
+        if constraint is not None:
+            # a drafted token would need the grammar's state rolled back on rejection: not yet
+            if speculative_mode(request.speculative) != "off":
+                raise Unsupported("speculative decoding cannot be combined with constrained output "
+                                  "(response_format or a forced tool call) yet")  # fmt: skip
+            request = replace(request, speculative="off")  # the model's default mode too
+        elif request.speculative is None and self.options.speculative:
+            request = replace(request, speculative=self.options.speculative)
         ids = prompt_ids(self.backend, request)
         check_context(len(ids), self.backend.n_ctx, request.sampling, request.context)
-        job = _Job(request, submitted, ids)
+        job = _Job(request, submitted, ids, constraint=constraint)
         if loop is not None:
             job.out = _AsyncOut(loop)
         self._queue.put(job)
@@ -644,13 +656,14 @@ class Model:
         tool_choice = kw.pop("tool_choice", None)
         response_format = kw.pop("response_format", None)
         speculative = kw.pop("speculative", None)
+        parallel_calls = kw.pop("parallel_tool_calls", True)
         sampling = self.sampling(**kw)
         if isinstance(prompt, str):
             return Request(prompt=prompt, sampling=sampling, response_format=response_format,
                            speculative=speculative)  # fmt: skip
         return Request(messages=tuple(prompt), tools=tuple(tools), tool_choice=tool_choice,
-                       response_format=response_format, speculative=speculative,
-                       sampling=sampling)  # fmt: skip
+                       parallel_tool_calls=parallel_calls, response_format=response_format,
+                       speculative=speculative, sampling=sampling)  # fmt: skip
 
     def stream(self, prompt: str | Sequence[Message], **kw: Any) -> Iterator[Chunk]:
         """A string is a raw completion; a list of messages goes through the chat template."""

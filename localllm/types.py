@@ -214,6 +214,7 @@ class Request:
     messages: tuple[Message, ...] | None = None
     tools: tuple[dict[str, Any], ...] = ()
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True  # with tool_choice required/named: one call or several
     response_format: dict[str, Any] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     context: ContextPolicy = field(default_factory=ContextPolicy)

@@ -91,11 +91,11 @@ def test_show_default_model_offline(
     # what the registry says of the backend, the model's sampling defaults, the template used
     backend = data["backend"]
     assert backend["name"] == "llama.cpp" and "q8_0" in backend["capabilities"]["kv_cache_types"]
-    assert backend["capabilities"]["grammar"] is False and backend["capabilities"]["speculative"] == ["off", "lookup", "draft"]
+    assert backend["capabilities"]["grammar"] is True and backend["capabilities"]["speculative"] == ["off", "lookup", "draft"]
     assert data["sampling_defaults"] == {"values": {"temperature": 0.2, "top_p": 0.9},
                                          "source": "catalog"}  # fmt: skip
     assert data["template"] == {"origin": "model file", "note": None}
-    assert "can do          KV f16" in out and "no constrained decoding" in out
+    assert "can do          KV f16" in out and "; constrained decoding" in out
     assert "temperature 0.2, top_p 0.9 (from the catalog)" in out
     assert "Chat template (model file):" in out
     huge = json.loads(run(["show", "smollm2", "--json", "--ctx", str(1 << 40)], capsys)[1])
@@ -223,8 +223,6 @@ def test_show_says_which_template_a_model_without_one_gets(
         (["--backend", "torch", "--kv-cache", "q8_0"], "the torch backend has no q8_0 KV cache"),
         (["--dtype", "int8"], "unknown dtype 'int8'"),
         (["--top-p", "7"], "top_p must be in (0, 1]"),
-        (["--json-schema", "SCHEMA"], "the llama.cpp backend has no constrained decoding, so no "
-                                      "response_format json_schema"),
         (["--json-schema", "/nonexistent/schema.json"], "--json-schema /nonexistent/schema.json"),
     ],
 )

@@ -40,14 +40,18 @@ def common_prefix(cached: Sequence[int], ids: Sequence[int], limit: int) -> int:
 class Seq:
     """One sequence, as the engine hands it to a backend. `state` is the backend's to use."""
 
-    __slots__ = ("ids", "policy", "sampling", "speculative", "state")
+    __slots__ = ("constraint", "ids", "policy", "sampling", "speculative", "state")
 
     def __init__(self, ids: Sequence[int], sampling: SamplingParams,
-                 policy: ContextPolicy | None = None, speculative: str | None = None) -> None:  # fmt: skip
+                 policy: ContextPolicy | None = None, speculative: str | None = None,
+                 constraint: Any = None) -> None:  # fmt: skip
         self.ids = list(ids)
         self.sampling = sampling
         self.policy = policy or ContextPolicy()
         self.speculative = speculative
+        # `structured.Constraint` or None: mask the logits with `mask_numpy`/`mask_torch` before
+        # sampling, `consume(token)` after (a constrained sequence is never speculative)
+        self.constraint = constraint
         self.state: Any = None
 
 

@@ -372,6 +372,10 @@ class LlamaCppBackend:
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
         return self._model.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
 
+    @property
+    def n_vocab(self) -> int:
+        return int(self._lib.llama_vocab_n_tokens(self._vocab))
+
     def token_bytes(self, token: int) -> bytes:
         """The bytes of one generated token (no leading-space stripping: it follows the prompt)."""
         n = self._lib.llama_token_to_piece(
@@ -596,10 +600,14 @@ class LlamaCppBackend:
 
     def _sample(self, slot: _Slot, row: int) -> Step:
         seq = slot.seq
+        if seq.constraint is not None:  # in place: the sampler chain reads the same buffer
+            seq.constraint.mask_numpy(self._logits(row))
         if slot.chain is None:  # plain greedy: the first largest logit, as llama.cpp's
             token = int(self._logits(row).argmax())
         else:
             token = self._lib.llama_sampler_sample(slot.chain, self._ctx.ctx, row)
+        if seq.constraint is not None:
+            seq.constraint.consume(token)
         logprob, top = None, ()
         if seq.sampling.logprobs is not None:
             logprob, top = self._logprobs(row, token, seq.sampling.logprobs)

@@ -114,9 +114,10 @@ class Parsed:
 
     def request(self, model: Any) -> Request:
         sampling = model.sampling(**self.sampling)
-        tools = () if self.tool_choice == "none" and not self.tools else tuple(self.tools)
+        tools = tuple(self.tools)
         if self.messages is not None:
             return Request(messages=tuple(self.messages), tools=tools, tool_choice=self.tool_choice,
+                           parallel_tool_calls=self.parallel_tool_calls,
                            response_format=self.response_format, sampling=sampling,
                            speculative=self.speculative)  # fmt: skip
         return Request(prompt=self.prompt, response_format=self.response_format, sampling=sampling,

@@ -259,6 +259,10 @@ class TorchBackend:
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special=add_special)
 
+    @property
+    def n_vocab(self) -> int:
+        return self.tokenizer.n_vocab
+
     def token_bytes(self, token: int) -> bytes:
         return self.tokenizer.token_bytes(token)
 
@@ -511,7 +515,11 @@ class TorchBackend:
         seq = slot.seq
         assert seq is not None and slot.sampler is not None
         logits = logits.float()
+        if seq.constraint is not None:
+            logits = seq.constraint.mask_torch(logits)
         token = slot.sampler(logits, slot.history)
+        if seq.constraint is not None:
+            seq.constraint.consume(token)
         lp, top = None, ()
         if seq.sampling.logprobs is not None:
             lp, top = logprobs(logits, token, seq.sampling.logprobs)
