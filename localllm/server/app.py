@@ -159,6 +159,7 @@ class Server:
         self.config = config
         self.served = served
         self.metrics = Metrics(lambda: list(served.loaded()), served.queued)
+        served.on_busy = lambda name: self.metrics.rejected.labels(name).inc()
         self.log: list[dict[str, Any]] = []  # recent requests, newest last (the app shows them)
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         self.started = time.time()

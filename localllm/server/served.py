@@ -93,6 +93,7 @@ class Served:
         self._held: list[Any] = []  # the configured models, held for the server's life
         self._gates: dict[int, Gate] = {}
         self._lock = threading.Lock()
+        self.on_busy: Any = lambda _name: None  # told of each request refused with 503
 
     def start(self) -> None:
         """Load the configured models (blocking): a server that cannot load them does not start."""
@@ -125,6 +126,7 @@ class Served:
             since = gate.enter(getattr(model, "name", name))
         except Busy:
             self.pool.release(model)
+            self.on_busy(getattr(model, "name", name))
             raise
         return Lease(self, getattr(model, "name", name), model, gate, since)
 

@@ -75,6 +75,7 @@ def test_sixteen_clients_four_slots_queue_of_eight() -> None:
         metrics = httpx.get(s.url + "/metrics").text
         assert 'localllm_requests_total{route="/v1/chat/completions",status="503"} 4.0' in metrics
         assert 'localllm_requests_total{route="/v1/chat/completions",status="200"} 12.0' in metrics
+        assert 'localllm_rejected_requests_total{model="fake"} 4.0' in metrics
 
 
 def test_clients_that_leave_mid_stream_free_their_slots() -> None:

@@ -203,3 +203,19 @@ def test_errors_name_no_local_paths() -> None:
     said = scrub("cannot read /home/alice/.local/share/localllm/blobs/sha256-ab: broken\nsecond line")
     assert said == "cannot read sha256-ab: broken"
     assert scrub(r"bad file C:\Users\bob\models\x.gguf") == "bad file x.gguf"
+
+
+def test_the_grafana_dashboard_reads_metrics_the_server_has() -> None:
+    import re
+    from pathlib import Path
+
+    dash = json.loads((Path(__file__).parents[2] / "packaging" / "grafana" / "localllm-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    names = {re.sub(r"_(bucket|sum|count)$", "", n) for e in exprs for n in re.findall(r"localllm_[a-z_]+", e)}
+    assert len(names) >= 10
+    with fake_server() as s:
+        alive(s.url)
+        text = httpx.get(s.url + "/metrics").text
+    have = set(re.findall(r"^# TYPE (localllm_[a-z_]+)", text, re.M))
+    have |= {n.removesuffix("_created") for n in have} | {n + "_total" for n in have}
+    assert names <= have, names - have
