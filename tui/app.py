@@ -74,6 +74,7 @@ class LocalLLMApp(App):
         Binding("ctrl+q", "quit", "Quit", priority=True),
         Binding("f1", "help", "Help"),
         Binding("ctrl+t", "toggle_theme", "Theme"),
+        Binding("f3", "show_server", "Server"),
     ]
     CSS = """
     Screen { layout: vertical; }
@@ -105,6 +106,7 @@ class LocalLLMApp(App):
         self.pool = pool or ModelPool(loader, idle_s=max(0.0, keep), store=self.store)
         self.chat_model = chat_model
         self._conversations: Any = None
+        self.server: Any = None  # the in-app server (localllm.server.runner.BackgroundServer)
         self._said: set[str] = set()  # notes already shown this session (template, ignored keys)
         self.theme = self.settings.get("theme", "textual-dark")
 
@@ -140,6 +142,9 @@ class LocalLLMApp(App):
         self.push_screen(ChatScreen(model, conversation_id))
 
     def on_unmount(self) -> None:
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                self.server.stop()
         self.pool.close()
         if self._conversations is not None:
             self._conversations.close()
@@ -168,6 +173,8 @@ class LocalLLMApp(App):
         yield SystemCommand("Pull a model", "Download from Hugging Face", self.action_pull)
         yield SystemCommand("Scan for models", "Hugging Face cache, Ollama, LM Studio",
                             self.action_scan)  # fmt: skip
+        yield SystemCommand("Server", "The local OpenAI/Ollama server: start, stop, requests",
+                            self.action_show_server)  # fmt: skip
         yield SystemCommand("Help", "Every key", self.action_help)
 
     def _models_screen(self) -> Any:
@@ -184,6 +191,17 @@ class LocalLLMApp(App):
         from localllm.tui.conversations_screen import ConversationsScreen
 
         self.push_screen(ConversationsScreen())
+
+    def action_show_server(self) -> None:
+        from importlib.util import find_spec
+
+        from localllm.tui.server_screen import ServerScreen
+
+        if find_spec("fastapi") is None or find_spec("uvicorn") is None:
+            self.fail("the server needs fastapi and uvicorn: pip install 'localllm[server]'")
+            return
+        if not isinstance(self.screen, ServerScreen):
+            self.push_screen(ServerScreen())
 
     def action_pull(self) -> None:
         self._models_screen().action_pull()

@@ -16,6 +16,7 @@ HELP = """\
 | any    | F1       | this help |
 | any    | Ctrl+T   | light / dark theme |
 | any    | Ctrl+P   | command palette |
+| any    | F3       | the server: Ctrl+S start/stop, Ctrl+Y copy URL and key, Ctrl+G new key |
 | Models | Enter    | chat with the selected model (Available: pull it) |
 | Models | Tab      | Local models ⇄ Available (the catalog) |
 | Models | x, k     | context and KV cache type for the Fits marks |

@@ -92,5 +92,33 @@ class Metrics:
             total[1] += s.accepted
             self.acceptance.labels(model).set(total[1] / total[0])
 
+    def summary(self) -> dict[str, float]:
+        """Totals over every model (for the app's Server screen): counts, mean TTFT and TPOT,
+        acceptance, and what the loaded models hold now."""
+        out: dict[str, float] = {}
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                if sample.name == "localllm_requests_total" and sample.labels.get("route") == "/metrics":
+                    continue
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+        get = out.get
+        ttft_n, tpot_n = get("localllm_ttft_seconds_count", 0), get("localllm_tpot_seconds_count", 0)
+        drafted = get("localllm_speculative_drafted_tokens_total", 0)
+        return {
+            "requests": get("localllm_requests_total", 0),
+            "refused": get("localllm_rejected_requests_total", 0),
+            "prompt_tokens": get("localllm_prompt_tokens_total", 0),
+            "completion_tokens": get("localllm_completion_tokens_total", 0),
+            "cached_tokens": get("localllm_prefix_cache_hit_tokens_total", 0),
+            "ttft_s": get("localllm_ttft_seconds_sum", 0) / ttft_n if ttft_n else 0.0,
+            "tpot_s": get("localllm_tpot_seconds_sum", 0) / tpot_n if tpot_n else 0.0,
+            "acceptance": get("localllm_speculative_accepted_tokens_total", 0) / drafted if drafted else 0.0,
+            "running": get("localllm_running_sequences", 0),
+            "queued": get("localllm_queue_depth", 0),
+            "kv_bytes": get("localllm_kv_cache_bytes", 0),
+        }
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -59,14 +59,14 @@ class BackgroundServer:
         self._thread: threading.Thread | None = None
         self._uvicorn: Any = None
         self._sock: socket.socket | None = None
+        self._port = 0  # the port bound (port 0 picks one)
         self.error: BaseException | None = None
         self.app: Any = None
 
     @property
     def url(self) -> str:
         host = self.config.host
-        port = self._sock.getsockname()[1] if self._sock else self.config.port
-        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        return f"http://{f'[{host}]' if ':' in host else host}:{self._port or self.config.port}"
 
     @property
     def running(self) -> bool:
@@ -78,6 +78,7 @@ class BackgroundServer:
         from localllm.server.app import create_app
 
         self._sock = bind(self.config.host, self.config.port)
+        self._port = self._sock.getsockname()[1]
         try:
             self.served.start()
         except BaseException:

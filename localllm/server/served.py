@@ -83,13 +83,15 @@ class Lease:
 class Served:
     """Name → loaded model (through a `ModelPool`), with a gate per loaded model."""
 
-    def __init__(self, config: ServerConfig, pool: ModelPool | None = None, store: Any = None) -> None:
+    def __init__(self, config: ServerConfig, pool: ModelPool | None = None, store: Any = None,
+                 default: str | None = None) -> None:  # fmt: skip
         from localllm.models_registry.store import Store
 
         self.config = config
         self.store = store or Store()  # fixed when the server starts
         self.pool = pool or ModelPool(store=self.store)
-        self.default = config.models[0] if config.models else DEFAULT_MODEL
+        # what a request that names no model gets: the first served, else the given default
+        self.default = config.models[0] if config.models else (default or DEFAULT_MODEL)
         self._held: list[Any] = []  # the configured models, held for the server's life
         self._gates: dict[int, Gate] = {}
         self._lock = threading.Lock()
