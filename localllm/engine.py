@@ -27,6 +27,7 @@ from localllm.backends import Capabilities
 from localllm.backends.base import Backend, OneSlot, Seq, Step
 from localllm.chat import parse_tool_calls
 from localllm.errors import ContextOverflow, LocalLLMError, Unsupported
+from localllm.prefix_cache import RadixCache
 from localllm.types import (
     Chunk,
     ContextPolicy,
@@ -294,6 +295,7 @@ class Assembler:
 
 
 _END = object()
+PREFIX_MIN = 16  # finished sequences shorter than this are not worth a place in the prefix cache
 
 
 class _AsyncOut:
@@ -329,6 +331,7 @@ class _Live:
     seq: Seq
     asm: Assembler
     left: int  # prompt tokens not yet evaluated
+    hit: Any = None  # prefix_cache.Hit its KV was restored from (held until it ends)
 
 
 class Scheduler:
@@ -487,6 +490,9 @@ class Model:
         self._thread = threading.Thread(target=self._work, name=f"localllm:{name}", daemon=True)
         self._closed = False
         self._first = True
+        self.prefix_cache: RadixCache | None = None
+        if getattr(backend, "prefix_kind", None) and getattr(backend, "prefix_budget", 0):
+            self.prefix_cache = RadixCache(backend, backend.prefix_budget)
         self.running = 0  # sequences holding a slot, as of the last step (for metrics and `ps`)
         self.waiting = 0  # submitted requests waiting for a slot
         self._thread.start()
@@ -556,8 +562,16 @@ class Model:
                 job.out.put(_END)
                 return None
             seq = Seq(ids, request.sampling, request.context, request.speculative, job.constraint)
+            cache = self.prefix_cache
+            if cache is not None and not request.context.enabled:
+                hit = cache.match(ids[:-1])  # at least one prompt token is evaluated, for logits
+                seq.prefix = hit if hit.n else None
             asm.cached = cached = self.backend.admit(seq)
-            return _Live(job, seq, asm, left=len(ids) - cached)
+            live = _Live(job, seq, asm, left=len(ids) - cached)
+            if seq.prefix is not None:  # the backend restored it (else it set it to None)
+                cache.hold(seq.prefix)  # type: ignore[union-attr]
+                live.hit = seq.prefix
+            return live
         except Exception as e:  # noqa: BLE001 - reported to the consumer as one line
             job.out.put(_one_line(e))
             job.out.put(_END)
@@ -601,13 +615,22 @@ class Model:
                 self._end(live, live.asm.finish())
 
     def _release(self, live: _Live, keep: bool) -> None:
+        cache = self.prefix_cache
+        if cache is not None:
+            if live.hit is not None:
+                cache.let_go(live.hit)
+            if keep:
+                with contextlib.suppress(Exception):  # a cache that cannot keep it just does not
+                    tokens = self.backend.prefix_tokens(live.seq)
+                    if len(tokens) >= PREFIX_MIN:
+                        cache.insert(tokens, lambda a, b: self.backend.prefix_save(live.seq, a, b))
         with contextlib.suppress(Exception):  # a slot that cannot be kept is the backend's to drop
             self.backend.release(live.seq, keep)
 
     def _end(self, live: _Live, last: Chunk, keep: bool = True) -> None:
-        self._release(live, keep)
-        live.job.out.put(last)
+        live.job.out.put(last)  # the answer first; keeping its KV is the engine's own business
         live.job.out.put(_END)
+        self._release(live, keep)
 
     # -- submitting ----------------------------------------------------------------------------
 

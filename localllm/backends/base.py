@@ -40,7 +40,7 @@ def common_prefix(cached: Sequence[int], ids: Sequence[int], limit: int) -> int:
 class Seq:
     """One sequence, as the engine hands it to a backend. `state` is the backend's to use."""
 
-    __slots__ = ("constraint", "ids", "policy", "sampling", "speculative", "state")
+    __slots__ = ("constraint", "ids", "policy", "prefix", "sampling", "speculative", "state")
 
     def __init__(self, ids: Sequence[int], sampling: SamplingParams,
                  policy: ContextPolicy | None = None, speculative: str | None = None,
@@ -52,6 +52,9 @@ class Seq:
         # `structured.Constraint` or None: mask the logits with `mask_numpy`/`mask_torch` before
         # sampling, `consume(token)` after (a constrained sequence is never speculative)
         self.constraint = constraint
+        # a `prefix_cache.Hit` for the backend to restore in `admit` when it beats what the slot
+        # holds; the backend sets it to None when it does not use it
+        self.prefix: Any = None
         self.state: Any = None
 
 

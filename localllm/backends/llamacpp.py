@@ -228,6 +228,14 @@ def _init_backend(lib: Any) -> None:
 _KEEP_SHARE = 0.75  # a prompt that keeps this much of a slot's cache continues it
 
 
+class _State:
+    """A prefix-cache handle: a sequence's saved cells (positions 0 .. end-1)."""
+
+    def __init__(self, data: bytes, end: int) -> None:
+        self.data, self.end = data, end
+        self.nbytes = len(data)
+
+
 @dataclass(eq=False)
 class _Slot:
     """One llama.cpp sequence id, what its cache holds and the sequence using it."""
@@ -422,6 +430,16 @@ class LlamaCppBackend:
         else:
             slot = max(free, key=lambda s: (2 * shared[s] - len(s.tokens), -s.stamp))
         reuse = shared[slot]
+        hit = seq.prefix
+        seq.prefix = None
+        if hit is not None and hit.n > reuse:  # the prefix cache has more: restore it instead
+            if not kept and empty:
+                slot = empty[0]
+            state, n = hit.pieces[-1]
+            if self._restore(slot, state, hit.n):
+                slot.tokens, reuse, seq.prefix = list(seq.ids[: hit.n]), hit.n, hit
+            else:
+                slot.tokens, reuse = [], 0
         self._lib.llama_memory_seq_rm(self._mem, slot.sid, reuse, -1)
         del slot.tokens[reuse:]
         slot.n_past, slot.exact = reuse, True
@@ -453,6 +471,40 @@ class LlamaCppBackend:
             )
         raise LocalLLMError(f"the llama.cpp backend has no speculative mode {mode!r} "
                             "(the torch backend has it: --backend torch)")  # fmt: skip
+
+    # -- the prefix cache (`localllm.prefix_cache`): sequence states in host memory ------------
+
+    prefix_kind = "full"
+    prefix_budget = 512 * 2**20  # bytes of saved states the engine may keep
+
+    def prefix_tokens(self, seq: Seq) -> list[int]:
+        """The tokens a finishing sequence's cells hold exactly (none after a context shift)."""
+        slot = seq.state
+        if not isinstance(slot, _Slot) or not slot.exact:
+            return []
+        return list(slot.tokens[: slot.n_past])
+
+    def prefix_save(self, seq: Seq, start: int, end: int) -> _State | None:
+        """The sequence's cells [0, end) as llama.cpp saves a sequence (its whole state)."""
+        slot = seq.state
+        if end != slot.n_past:
+            return None
+        lib, ctx = self._lib, self._ctx.ctx
+        size = lib.llama_state_seq_get_size_ext(ctx, slot.sid, 0)
+        buf = (ctypes.c_uint8 * size)()
+        n = lib.llama_state_seq_get_data_ext(ctx, buf, size, slot.sid, 0)
+        return _State(bytes(buf)[:n], end) if n else None
+
+    def _restore(self, slot: _Slot, state: _State, n: int) -> bool:
+        """Load a saved state into the slot's cells and keep its first `n` positions."""
+        lib = self._lib
+        lib.llama_memory_seq_rm(self._mem, slot.sid, 0, -1)
+        buf = (ctypes.c_uint8 * len(state.data)).from_buffer_copy(state.data)
+        if not lib.llama_state_seq_set_data_ext(self._ctx.ctx, buf, len(state.data), slot.sid, 0):
+            lib.llama_memory_seq_rm(self._mem, slot.sid, 0, -1)
+            return False
+        lib.llama_memory_seq_rm(self._mem, slot.sid, n, -1)
+        return True
 
     @property
     def busy(self) -> int:

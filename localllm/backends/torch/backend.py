@@ -126,6 +126,14 @@ def on_compute_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+class _Block:
+    """A prefix-cache handle: every layer's (K, V) for a run of positions, (1, n_kv, T, hd) each."""
+
+    def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.kv = kv
+        self.nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+
+
 @dataclass(eq=False)
 class _Slot:
     sid: int
@@ -403,11 +411,21 @@ class TorchBackend:
                   for s in free}  # fmt: skip
         slot = max(free, key=lambda s: (shared[s], not s.tokens, -s.sid))
         reuse = shared[slot]
+        hit = seq.prefix
+        if hit is not None and hit.n > reuse:  # the prefix cache has more: the emptiest slot takes it
+            slot = min(free, key=lambda s: (len(s.tokens), s.sid))
+            reuse = 0
+        else:
+            seq.prefix = hit = None
         if slot.policy != seq.policy or (slot.caches and slot.caches[0].dropped):
             slot.caches, slot.tokens = [], []  # made for another policy, or it forgot tokens
             reuse = 0
         if not slot.caches:
             slot.caches, slot.policy = self.new_caches(seq.policy), seq.policy
+        if hit is not None:
+            self._restore(slot, hit.pieces)
+            slot.tokens = list(seq.ids[: hit.n])
+            reuse = hit.n
         if not all(c.exact(c.offset - reuse) for c in slot.caches):
             reuse = 0  # the cache cannot give back exactly that prefix (a KIVI group's originals)
         for c in slot.caches:
@@ -419,6 +437,50 @@ class TorchBackend:
         slot.drafter, slot.pace = drafter, pace
         seq.state = slot
         return reuse
+
+    # -- the prefix cache (`localllm.prefix_cache`): blocks of plain caches ----------------------
+
+    prefix_kind = "edge"
+
+    @property
+    def prefix_budget(self) -> int:
+        """Bytes the engine's prefix cache may hold: as much as the slots' caches hold when full,
+        at most 512 MiB; 0 (none) for caches that are not plain float buffers (quantized codes,
+        H2O eviction), whose positions cannot be cut out and put back exactly."""
+        if self.budget or self.kv_types[0] != self.kv_types[1] or self.kv_types[0] not in _KV_DTYPES:
+            return 0
+        caches = self.new_caches()
+        per_token = sum(c.bytes_per_token() for c in caches)
+        return int(min(512 * 2**20, per_token * self.n_ctx * self.n_slots))
+
+    def prefix_tokens(self, seq: Seq) -> list[int]:
+        """The tokens a finishing sequence's caches hold exactly (none after a context shift)."""
+        slot = seq.state
+        if not isinstance(slot, _Slot) or not slot.caches or slot.policy.enabled:
+            return []
+        if slot.caches[0].dropped or not all(isinstance(c, KVCache) for c in slot.caches):
+            return []
+        return list(slot.tokens[: slot.n_past])
+
+    @on_compute_thread
+    @torch.inference_mode()
+    def prefix_save(self, seq: Seq, start: int, end: int) -> _Block:
+        slot = seq.state
+        return _Block([(c.k[:, :, start:end].clone(), c.v[:, :, start:end].clone()) for c in slot.caches])
+
+    @staticmethod
+    def prefix_split(block: _Block, k: int) -> tuple[_Block, _Block]:
+        return (_Block([(a[:, :, :k], b[:, :, :k]) for a, b in block.kv]),
+                _Block([(a[:, :, k:], b[:, :, k:]) for a, b in block.kv]))  # fmt: skip
+
+    @on_compute_thread
+    @torch.inference_mode()
+    def _restore(self, slot: _Slot, pieces: Sequence[tuple[_Block, int]]) -> None:
+        for c in slot.caches:
+            c.trim(c.offset)
+        for block, n in pieces:
+            for c, (k, v) in zip(slot.caches, block.kv):
+                c.update_and_fetch(k[:, :, :n], v[:, :, :n])
 
     def release(self, seq: Seq, keep: bool = True) -> None:
         slot = seq.state
