@@ -125,3 +125,28 @@ def test_a_client_that_leaves_during_prompt_processing_frees_its_slot() -> None:
         assert len(backend.plans) - at_close <= 3  # let go within a step or so of noticing
         assert sum(backend.plans[-1].values()) > 0  # it was still reading the prompt
         assert stream_chat(s.url, "next")[1] == "next"
+
+
+def test_a_model_that_does_not_fit_is_refused_with_numbers_and_the_loaded_one_stays() -> None:
+    from servers import fake_loader
+
+    from localllm.pool import ModelPool
+    from localllm.server.config import ServerConfig
+    from localllm.server.runner import BackgroundServer
+    from localllm.server.served import Served
+
+    def fit(name: str, options: LoadOptions) -> tuple[int, int]:
+        return (50 * 2**30 if name == "fake-huge" else 2**20), 8 * 2**30  # needs 50 GiB of 8 free
+
+    cfg = ServerConfig(port=0, models=("fake",))
+    pool = ModelPool(fake_loader(), fit=fit, idle_s=0)
+    with BackgroundServer(cfg, Served(cfg, pool)) as s:
+        ask = {"messages": [{"role": "user", "content": "say:still here"}]}
+        r = httpx.post(s.url + "/v1/chat/completions", json=ask | {"model": "fake-huge"})
+        assert r.status_code == 503
+        err = r.json()["error"]
+        assert err["code"] == "insufficient_memory" and "50.0 GiB" in err["message"] and "8.0 GiB" in err["message"]
+        r = httpx.post(s.url + "/v1/chat/completions", json=ask)
+        assert r.json()["choices"][0]["message"]["content"] == "still here"
+        assert [m.name for m in pool.models()] == ["fake"]
+    pool.close()
