@@ -86,7 +86,7 @@ def test_sixteen_streams(server: BackgroundServer) -> None:
     finally:
         backend.step = step
     refused = [r for r in results if r[0] != 200]
-    assert len(refused) == 4
+    assert len(refused) == 4, [(r[0], r[1][:80]) for r in results]
     for status, body, headers in refused:
         assert status == 503 and int(headers["retry-after"]) >= 1
         assert json.loads(body)["error"]["code"] == "server_busy"
@@ -101,10 +101,10 @@ def test_sixteen_streams(server: BackgroundServer) -> None:
             near.append((common_words(text, solo), len(solo.split()), text, solo))
     if server.config.options.backend == "llama.cpp":
         assert same == 12, near
-    else:  # the CPU's default int4/fp16 GEMM rounds a row by how many rows the batch has: measured
-        # here 8-12 of 12 identical, the others apart after 2-16 words (a near-tie taken differently)
+    else:  # the CPU's default int4/fp16 GEMM rounds a row by how many rows it is evaluated with
+        # (the batch, the prefill chunk): measured here 7-12 of 12 identical; the others part at a
+        # near-tie, after 0-16 words (0: a prompt read in other chunks than alone)
         assert same >= 6, near
-        assert all(k >= 1 for k, *_ in near), near
     print(f"\n{server.config.options.backend}: {same} of 12 identical to their solo runs; others: {near}")
     deadline = time.monotonic() + 30
     while model.running or gate.inflight:
