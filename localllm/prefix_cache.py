@@ -74,14 +74,8 @@ class RadixCache:
         """The longest cached prefix of `ids` (whole tokens; a node's tokens may match in part)."""
         node, n, nodes = self.root, 0, []
         while n < len(ids):
-            child = node.children.get(ids[n])
-            if child is None:
-                break
-            k = 0
-            top = min(len(child.tokens), len(ids) - n)
-            while k < top and child.tokens[k] == ids[n + k]:
-                k += 1
-            if not k or child.handle is None:
+            child, k = self._step(node, ids, n)
+            if child is None or not k or child.handle is None:
                 break
             nodes.append((child, k))
             n += k
@@ -99,6 +93,17 @@ class RadixCache:
         else:
             pieces = tuple((nd.handle, k) for nd, k in nodes)
         return Hit(n, tuple(nd for nd, _ in nodes), pieces)
+
+    @staticmethod
+    def _step(node: Node, ids: Sequence[int], n: int) -> tuple[Node | None, int]:
+        """The child of `node` that `ids[n:]` enters, and how many of its tokens match."""
+        child = node.children.get(ids[n])
+        if child is None:
+            return None, 0
+        k, top = 0, min(len(child.tokens), len(ids) - n)
+        while k < top and child.tokens[k] == ids[n + k]:
+            k += 1
+        return child, k
 
     def hold(self, hit: Hit) -> None:
         for nd in hit.nodes:
@@ -118,13 +123,9 @@ class RadixCache:
             return 0
         node, n = self.root, 0
         while n < len(ids):
-            child = node.children.get(ids[n])
+            child, k = self._step(node, ids, n)
             if child is None:
                 break
-            k = 0
-            top = min(len(child.tokens), len(ids) - n)
-            while k < top and child.tokens[k] == ids[n + k]:
-                k += 1
             if k < len(child.tokens):
                 child = self._split(child, k)
             child.used = next(_clock)

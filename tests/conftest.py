@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shlex
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,17 @@ def need(module: str, install: str) -> None:
     """Fail (never skip) when a test dependency is missing, saying what to install."""
     if importlib.util.find_spec(module) is None:
         pytest.fail(f"{module} is not installed: {install}", pytrace=False)
+
+
+@contextlib.contextmanager
+def in_home(home: Path) -> Iterator[None]:
+    """LOCALLLM_HOME set to `home` for a module-scoped fixture's setup (loading registers there)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LOCALLLM_HOME", str(home))
+    try:
+        yield
+    finally:
+        mp.undo()
 
 
 @pytest.fixture(autouse=True)

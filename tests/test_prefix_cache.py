@@ -11,6 +11,8 @@ import pytest
 from localllm import load
 from localllm.prefix_cache import RadixCache
 
+from conftest import in_home
+
 
 class Handle:
     def __init__(self, start: int, end: int) -> None:
@@ -77,10 +79,8 @@ T = "You are a pirate who only talks about ships and the sea and treasure. " * 2
 @pytest.fixture(scope="module", params=["llama.cpp", "torch"])
 def model(request: pytest.FixtureRequest, default_model_path: Path,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator:  # fmt: skip
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LOCALLLM_HOME", str(tmp_path_factory.mktemp("home")))
-    m = load("smollm2", backend=request.param, ctx=1024, parallel=1)
-    mp.undo()
+    with in_home(tmp_path_factory.mktemp("home")):
+        m = load("smollm2", backend=request.param, ctx=1024, parallel=1)
     yield m
     m.close()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import need
+from conftest import in_home, need
 
 need("jsonschema", "pip install jsonschema")
 need("llguidance", "pip install llguidance")
@@ -27,10 +27,8 @@ from localllm.types import Request  # noqa: E402
 @pytest.fixture(scope="module", params=["llama.cpp", "torch"])
 def model(request: pytest.FixtureRequest, default_model_path: Path,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator:  # fmt: skip
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LOCALLLM_HOME", str(tmp_path_factory.mktemp("home")))
-    m = load("smollm2", backend=request.param, ctx=1024, parallel=2)
-    mp.undo()
+    with in_home(tmp_path_factory.mktemp("home")):
+        m = load("smollm2", backend=request.param, ctx=1024, parallel=2)
     yield m
     m.close()
 

@@ -216,6 +216,20 @@ class Server:
                 work.cancel()
         return work.result() if work.done() and not work.cancelled() else None
 
+    async def to_end(self, started: Started, request: Request, route: str) -> Result | Response:
+        """A non-streamed request's Result, or the response for a client gone (499) or a failure."""
+        result = None
+        try:
+            result = await self.collect(started, request)
+        finally:
+            started.stream.cancel()
+            self.finished(started, route, result)
+        if result is None:
+            return Response(status_code=499)
+        if result.finish_reason == "error":
+            return error(500, result.error or "generation failed", "server_error")
+        return result
+
     async def events(self, started: Started, route: str, first: bytes,
                      piece: Callable[[Chunk], bytes], last: Callable[[Result], bytes],
                      failed: Callable[[str], bytes], end: bytes) -> AsyncIterator[bytes]:  # fmt: skip
@@ -294,16 +308,9 @@ def create_app(config: ServerConfig, served: Served | None = None) -> FastAPI:
         name, fp = started.lease.name, started.fingerprint
         rid = new_id("chatcmpl" if chat else "cmpl")
         if not parsed.stream:
-            result = None
-            try:
-                result = await server.collect(started, request)
-            finally:
-                started.stream.cancel()
-                server.finished(started, route, result)
-            if result is None:
-                return Response(status_code=499)
-            if result.finish_reason == "error":
-                return error(500, result.error or "generation failed", "server_error")
+            result = await server.to_end(started, request, route)
+            if isinstance(result, Response):
+                return result
             shape = chat_completion if chat else text_completion
             return JSONResponse(shape(rid, name, fp, result))
         if chat:

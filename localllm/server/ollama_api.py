@@ -168,18 +168,9 @@ def add_routes(app: FastAPI, server: Server) -> None:
         started = await server.start(parsed)
         name = started.lease.name
         if not parsed.stream:
-            result = None
-            try:
-                result = await server.collect(started, request)
-            finally:
-                started.stream.cancel()
-                server.finished(started, route, result)
-            if result is None:
-                return Response(status_code=499)
-            if result.finish_reason == "error":
-                from localllm.server.app import error
-
-                return error(500, result.error or "generation failed", "server_error")
+            result = await server.to_end(started, request, route)
+            if isinstance(result, Response):
+                return result
             return JSONResponse(_final(name, result, shape(result.text, result)))
         held = [] if tools else None  # with tools: the answer comes at the end (a call or text)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from fakebackend import FakeBatch
@@ -63,3 +64,19 @@ def fake_server(*, step_s: float = 0.0, n_ctx: int = 256, max_batch: int = 64,
     finally:
         server.stop()
         pool.close()
+
+
+@contextlib.contextmanager
+def real_server(home: Path, *, backend: str = "llama.cpp", ctx: int = 2048, parallel: int = 4,
+                queue: int = 16) -> Iterator[BackgroundServer]:  # fmt: skip
+    """The real default model served from a store in `home` (registered there on start)."""
+    from conftest import in_home
+
+    cfg = ServerConfig(port=0, models=("smollm2",), queue=queue,
+                       options=LoadOptions(backend=backend, ctx=ctx, parallel=parallel))  # fmt: skip
+    with in_home(home):
+        server = BackgroundServer(cfg).start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from servers import real_server
 
-from localllm.server.config import ServerConfig
 from localllm.server.runner import BackgroundServer
-from localllm.types import LoadOptions
 
 TOPICS = ["the sea", "a forest", "winter", "a city at night", "bread", "a clock", "rain", "a library",
           "mountains", "a cat", "the moon", "a train", "coffee", "a garden", "music", "a bridge"]  # fmt: skip
@@ -29,14 +28,8 @@ def ask(i: int) -> list[dict[str, str]]:
 @pytest.fixture(scope="module", params=["llama.cpp", "torch"])
 def server(request: pytest.FixtureRequest, default_model_path: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:  # fmt: skip
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LOCALLLM_HOME", str(tmp_path_factory.mktemp("home")))
-    cfg = ServerConfig(port=0, models=("smollm2",), queue=8,
-                       options=LoadOptions(backend=request.param, ctx=1024, parallel=4))  # fmt: skip
-    s = BackgroundServer(cfg).start()
-    mp.undo()
-    yield s
-    s.stop()
+    with real_server(tmp_path_factory.mktemp("home"), backend=request.param, ctx=1024, queue=8) as s:
+        yield s
 
 
 def stream(url: str, i: int, max_tokens: int = 24) -> tuple[int, str, dict[str, str]]:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from servers import real_server
 
 from conftest import need
 
@@ -19,22 +20,15 @@ need("openai", "pip install openai")
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
-from localllm.server.config import ServerConfig  # noqa: E402
 from localllm.server.runner import BackgroundServer  # noqa: E402
-from localllm.types import LoadOptions  # noqa: E402
 
 HI = [{"role": "user", "content": "Write a long story about a dragon who learns to bake bread."}]
 
 
 @pytest.fixture(scope="module")
 def server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LOCALLLM_HOME", str(tmp_path_factory.mktemp("home")))
-    cfg = ServerConfig(port=0, models=("smollm2",), options=LoadOptions(backend="llama.cpp", ctx=2048, parallel=4))
-    s = BackgroundServer(cfg).start()
-    mp.undo()
-    yield s
-    s.stop()
+    with real_server(tmp_path_factory.mktemp("home")) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from servers import real_server
 
 from conftest import need
 
@@ -20,23 +21,15 @@ import jsonschema  # noqa: E402
 import openai  # noqa: E402
 from structured_cases import SCHEMAS, TIME, WEATHER  # noqa: E402
 
-from localllm.server.config import ServerConfig  # noqa: E402
 from localllm.server.runner import BackgroundServer  # noqa: E402
-from localllm.types import LoadOptions  # noqa: E402
 
 PROMPTS = ["Fill in this record about a small bakery.", "Describe a city you like as data."]
 
 
 @pytest.fixture(scope="module")
 def server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LOCALLLM_HOME", str(tmp_path_factory.mktemp("home")))
-    cfg = ServerConfig(port=0, models=("smollm2",), queue=64,
-                       options=LoadOptions(backend="llama.cpp", ctx=2048, parallel=4))  # fmt: skip
-    s = BackgroundServer(cfg).start()
-    mp.undo()
-    yield s
-    s.stop()
+    with real_server(tmp_path_factory.mktemp("home"), queue=64) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
