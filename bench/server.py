@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/server.py [--only llamacpp,torch,prefill,prefix,schema] [--tokens 128]
 
-- llamacpp: 8 concurrent streaming clients against our server (llama.cpp engine, --parallel 8),
+- llamacpp: 8 concurrent streaming clients (decode rate: tokens while all 8 decode / that time) against our server (llama.cpp engine, --parallel 8),
   against llama-cpp-python's own server (`python -m llama_cpp.server --interrupt_requests False`,
   its best setting; needs `pip install 'llama-cpp-python[server]'`), and llama.cpp's own
   multi-sequence decode rate for 8 sequences, driven here through its low-level batch API.
@@ -90,7 +90,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     tokens = sum(r["tokens"] for r in ok)
     ttft = [r["ttft_s"] for r in ok]
     gaps = [b - a for r in ok for a, b in zip(r["times"], r["times"][1:])]
-    return {"complete": len(ok), "of": len(runs), "tokens": tokens,
+    # while every stream decodes: tokens in [last first token, first last token] / that window
+    lo, hi = max(r["times"][0] for r in ok), min(r["times"][-1] for r in ok)
+    inside = sum(1 for r in ok for t in r["times"] if lo < t <= hi)
+    overlap = inside / (hi - lo) if hi > lo else 0.0
+    return {"complete": len(ok), "of": len(runs), "tokens": tokens, "all_decoding_tps": overlap,
             "aggregate_tps": tokens / (end - start), "sum_decode_tps": sum(r["decode_tps"] for r in ok),
             "ttft_p50_s": pct(ttft, 50), "ttft_p95_s": pct(ttft, 95), "tpot_p50_s": pct(gaps, 50),
             "tpot_p95_s": pct(gaps, 95)}  # fmt: skip
@@ -181,9 +185,10 @@ def free_port() -> int:
 def their_server(ctx: int, threads: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model_path(), "--n_ctx", str(ctx),
-           "--port", str(port), "--interrupt_requests", "False", "--n_threads", str(threads),
+           "--host", "127.0.0.1", "--port", str(port), "--interrupt_requests", "False", "--n_threads", str(threads),
            "--n_threads_batch", str(threads), "--flash_attn", "True", "--model_alias", "smollm2"]  # fmt: skip
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    log_file = open(Path(os.environ.get("TMPDIR", "/tmp")) / "llama_cpp_server.log", "wb")  # noqa: SIM115
+    p = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -192,7 +197,7 @@ def their_server(ctx: int, threads: int) -> tuple[subprocess.Popen, str]:
         except httpx.HTTPError:
             pass
         if p.poll() is not None:
-            raise RuntimeError("llama-cpp-python's server did not start: " + p.stderr.read().decode()[-500:])
+            raise RuntimeError(f"llama-cpp-python's server did not start; see {log_file.name}")
         time.sleep(0.2)
     raise RuntimeError("llama-cpp-python's server did not answer")
 
@@ -224,7 +229,7 @@ def bench_llamacpp(tokens: int, threads: int) -> dict[str, Any]:
         os.killpg(p.pid, signal.SIGTERM)
         p.wait(30)
     ours, direct, theirs = out["ours_8"], out["direct_8"], out["llama_cpp_python_8"]
-    out["ours_vs_direct"] = ours["sum_decode_tps"] / direct["tokens_per_s"]
+    out["ours_vs_direct"] = ours["all_decoding_tps"] / direct["tokens_per_s"]
     out["ours_vs_llama_cpp_python"] = ours["aggregate_tps"] / theirs["aggregate_tps"]
     return out
 
@@ -311,7 +316,7 @@ def bench_prefill(backend: str, window_s: float = 20.0) -> dict[str, Any]:
     return out
 
 
-def bench_prefix(backend: str) -> dict[str, Any]:
+def bench_prefix(backend: str, again: bool = False) -> dict[str, Any]:
     system = long_prompt(2000)
     srv = our_server(backend, parallel=2, ctx=4096)
 
@@ -330,7 +335,7 @@ def bench_prefix(backend: str) -> dict[str, Any]:
         ttft_cold = model_ttft(srv)
         model.prefix_cache.clear()
         model.backend.drop_caches()
-        ask("Who is speaking?")  # another question after the same system prompt
+        ask("What is the first sentence about?" if again else "Who is speaking?")  # fills the cache
         log(f"{backend}: warm ...")
         warm = ask("What is the first sentence about?")
         ttft_warm = model_ttft(srv)
@@ -339,7 +344,10 @@ def bench_prefix(backend: str) -> dict[str, Any]:
     out = {"prompt_tokens": cold["usage"]["prompt_tokens"],
            "cached_tokens": warm["usage"]["prompt_tokens_details"]["cached_tokens"],
            "ttft_cold_s": ttft_cold, "ttft_warm_s": ttft_warm, "ratio": ttft_warm / ttft_cold,
-           "identical": cold["text"] == warm["text"]}  # fmt: skip
+           "identical": cold["text"] == warm["text"],
+           "same_leading_chars": next((i for i, (a, b) in enumerate(zip(cold["text"], warm["text"])) if a != b),
+                                      min(len(cold["text"]), len(warm["text"]))),
+           "cold_text": cold["text"], "warm_text": warm["text"]}  # fmt: skip
     log(f"  {out}")
     return out
 
@@ -394,6 +402,8 @@ def main() -> None:
         results["chunked_prefill"] = {b: bench_prefill(b) for b in ("llama.cpp", "torch")}
     if "prefix" in only:
         results["prefix_cache"] = {b: bench_prefix(b) for b in ("llama.cpp", "torch")}
+        # the same request twice: the second restores exactly the KV the first computed
+        results["prefix_cache_same_request"] = {b: bench_prefix(b, again=True) for b in ("llama.cpp", "torch")}
     if "schema" in only:
         results["structured"] = {b: bench_schema(b, args.tokens * 2) for b in ("llama.cpp", "torch")}
     OUT.parent.mkdir(exist_ok=True)

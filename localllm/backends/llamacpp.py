@@ -568,7 +568,13 @@ class LlamaCppBackend:
                 if slot.fed + len(tokens) == len(seq.ids):
                     due.add(slot)
                 size = self._piece_size(seq)
-                prefill[slot] = deque(tokens[i : i + size] for i in range(0, len(tokens), size))
+                # the prompt's last token goes alone, as it does when a cached prefix is reused:
+                # llama.cpp's CPU kernels give a row of a many-row batch other rounding than a
+                # row alone, and a greedy answer then depended on whether the prefix was cached
+                body = tokens[:-1] if slot in due else tokens
+                prefill[slot] = deque(body[i : i + size] for i in range(0, len(body), size))
+                if slot in due:
+                    prefill[slot].append(tokens[-1:])
             elif not seq.policy.enabled and slot.n_past + 1 > self.n_ctx:
                 out[seq] = []  # the context is full
             else:
