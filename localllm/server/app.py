@@ -278,7 +278,7 @@ def create_app(config: ServerConfig, served: Served | None = None) -> FastAPI:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return error(e.status_code, str(e.detail), kind)
 
-    for exc in (LocalLLMError, BadRequest):
+    for exc in (LocalLLMError, BadRequest, BodyTooLarge):
         app.add_exception_handler(exc, _any)  # type: ignore[arg-type]
 
     # -- OpenAI --------------------------------------------------------------------------------

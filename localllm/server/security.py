@@ -64,13 +64,11 @@ class BodyTooLarge(Exception):
 class Door:
     """ASGI middleware: body cap, Host check on loopback, API key."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None, loopback: bool, max_body: int,
-                 on_refused: Callable[[str, int], None] | None = None) -> None:  # fmt: skip
+    def __init__(self, app: ASGIApp, *, api_key: str | None, loopback: bool, max_body: int) -> None:
         self.app = app
         self.key = api_key.encode() if api_key else None
         self.loopback = loopback
         self.max_body = max_body
-        self.on_refused = on_refused or (lambda _path, _status: None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -81,7 +79,6 @@ class Door:
         refusal = self._check(headers, path)
         if refusal is not None:
             status, message, kind, code = refusal
-            self.on_refused(path, status)
             extra = [(b"www-authenticate", b"Bearer")] if status == 401 else []
             await send_error(send, status, message, kind, code, extra)
             return
@@ -106,7 +103,6 @@ class Door:
             await self.app(scope, counted, watched)
         except BodyTooLarge:
             if not started:
-                self.on_refused(path, 413)
                 await send_error(send, 413, f"the request body is over {self.max_body} bytes",
                                  "invalid_request_error", "request_too_large")  # fmt: skip
 
