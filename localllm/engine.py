@@ -493,9 +493,8 @@ class Model:
         self._thread = threading.Thread(target=self._work, name=f"localllm:{name}", daemon=True)
         self._closed = False
         self._first = True
-        self.prefix_cache: RadixCache | None = None
-        if getattr(backend, "prefix_kind", None) and getattr(backend, "prefix_budget", 0):
-            self.prefix_cache = RadixCache(backend, backend.prefix_budget)
+        budget = getattr(backend, "prefix_budget", 0) if getattr(backend, "prefix_kind", None) else 0
+        self.prefix_cache = RadixCache(backend, budget) if budget else None
         self.running = 0  # sequences holding a slot, as of the last step (for metrics and `ps`)
         self.waiting = 0  # submitted requests waiting for a slot
         self._thread.start()

@@ -435,7 +435,7 @@ class LlamaCppBackend:
         if hit is not None and hit.n > reuse:  # the prefix cache has more: restore it instead
             if not kept and empty:
                 slot = empty[0]
-            state, n = hit.pieces[-1]
+            state, _ = hit.pieces[-1]
             if self._restore(slot, state, hit.n):
                 slot.tokens, reuse, seq.prefix = list(seq.ids[: hit.n]), hit.n, hit
             else:

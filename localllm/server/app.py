@@ -27,6 +27,7 @@ from localllm.server.config import ServerConfig
 from localllm.server.metrics import CONTENT_TYPE, Metrics
 from localllm.server.openai_api import (
     BadRequest,
+    Body,
     ChatStream,
     CompletionStream,
     Parsed,
@@ -161,15 +162,11 @@ class Server:
         self.metrics = Metrics(lambda: list(served.loaded()), served.queued)
         served.on_busy = lambda name: self.metrics.rejected.labels(name).inc()
         self.log: list[dict[str, Any]] = []  # recent requests, newest last (the app shows them)
-        self.listeners: list[Callable[[dict[str, Any]], None]] = []
         self.started = time.time()
 
     def record(self, entry: dict[str, Any]) -> None:
         self.log.append(entry)
         del self.log[:-200]
-        for listener in list(self.listeners):
-            with contextlib.suppress(Exception):
-                listener(entry)
 
     async def start(self, parsed: Parsed) -> Started:
         """Lease the model, build the request and submit it (errors raise, the lease goes back)."""
@@ -340,8 +337,6 @@ def create_app(config: ServerConfig, served: Served | None = None) -> FastAPI:
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> dict[str, Any]:
-        from localllm.server.openai_api import Body
-
         b = Body(await read_json(request))
         inputs = b.get("input")
         fmt = b.text("encoding_format") or "float"

@@ -1,7 +1,7 @@
 """Prometheus metrics of one server (its own registry: two servers in one process do not mix).
 
 Per finished request: TTFT and TPOT histograms, prompt/completion/cached tokens, speculative drafts
-and acceptances. Per HTTP request: a count by route and status. Read when scraped: queue depth,
+and acceptances (acceptance = accepted / drafted, a ratio of the two counters). Per HTTP request: a count by route and status. Read when scraped: queue depth,
 running sequences and KV-cache bytes of the loaded models.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from localllm.types import Result
@@ -67,12 +67,9 @@ class Metrics:
                                registry=r)  # fmt: skip
         self.accepted = Counter("localllm_speculative_accepted_tokens", "Drafted tokens accepted",
                                 ["model"], registry=r)  # fmt: skip
-        self.acceptance = Gauge("localllm_speculative_acceptance",
-                                "Accepted / drafted over the server's life", ["model"], registry=r)  # fmt: skip
         self.rejected = Counter("localllm_rejected_requests", "Requests refused by admission (503)",
                                 ["model"], registry=r)  # fmt: skip
         r.register(_Live(models, queued))
-        self._spec: dict[str, list[int]] = {}
 
     def observe(self, model: str, result: Result) -> None:
         u, t = result.usage, result.timings
@@ -87,10 +84,6 @@ class Metrics:
         if s is not None and s.drafted:
             self.drafted.labels(model).inc(s.drafted)
             self.accepted.labels(model).inc(s.accepted)
-            total = self._spec.setdefault(model, [0, 0])
-            total[0] += s.drafted
-            total[1] += s.accepted
-            self.acceptance.labels(model).set(total[1] / total[0])
 
     def summary(self) -> dict[str, float]:
         """Totals over every model (for the app's Server screen): counts, mean TTFT and TPOT,

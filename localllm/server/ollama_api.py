@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from localllm import __version__
+from localllm.server.app import LiveResponse, read_json, scrub
 from localllm.server.openai_api import BadRequest, Body, Parsed, _messages
 from localllm.types import Chunk, Result
 
@@ -41,7 +42,7 @@ def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
 
 
-def _parse(data: Any, *, chat: bool) -> tuple[Parsed, Body]:
+def _parse(data: Any) -> tuple[Parsed, Body]:
     b = Body(data)
     model = b.text("model")
     if not model:
@@ -103,8 +104,6 @@ def _line(obj: dict[str, Any]) -> bytes:
 
 
 def add_routes(app: FastAPI, server: Server) -> None:
-    from localllm.server.app import LiveResponse, scrub
-
     served = server.served
 
     @app.get("/api/version")
@@ -117,7 +116,7 @@ def add_routes(app: FastAPI, server: Server) -> None:
 
     @app.post("/api/show")
     async def show(request: Request) -> dict[str, Any]:
-        b = Body(await _json(request))
+        b = Body(await read_json(request))
         name = b.text("model") or b.text("name")
         if not name:
             raise BadRequest("model is required", "model")
@@ -192,7 +191,7 @@ def add_routes(app: FastAPI, server: Server) -> None:
 
     @app.post("/api/chat")
     async def chat(request: Request) -> Response:
-        parsed, b = _parse(await _json(request), chat=True)
+        parsed, b = _parse(await read_json(request))
         parsed.messages = _messages(b.get("messages"))
         tools = b.get("tools") or []
         if not isinstance(tools, list):
@@ -210,7 +209,7 @@ def add_routes(app: FastAPI, server: Server) -> None:
 
     @app.post("/api/generate")
     async def generate(request: Request) -> Response:
-        parsed, b = _parse(await _json(request), chat=False)
+        parsed, b = _parse(await read_json(request))
         prompt = b.text("prompt") or ""
         system = b.text("system")
         raw = b.flag("raw")
@@ -236,7 +235,7 @@ def add_routes(app: FastAPI, server: Server) -> None:
     async def embed(request: Request) -> dict[str, Any]:
         import asyncio
 
-        b = Body(await _json(request))
+        b = Body(await read_json(request))
         inputs = b.get("input")
         if isinstance(inputs, str):
             inputs = [inputs]
@@ -255,9 +254,3 @@ def _args(arguments: str) -> Any:
         return json.loads(arguments)
     except ValueError:
         return arguments
-
-
-async def _json(request: Request) -> Any:
-    from localllm.server.app import read_json
-
-    return await read_json(request)

@@ -48,8 +48,7 @@ class Body:
         return f"{self.where}.{key}" if self.where else key
 
     def get(self, key: str) -> Any:
-        v = self.data.get(key)
-        return None if v is None else v
+        return self.data.get(key)
 
     def number(self, key: str, lo: float, hi: float, *, integer: bool = False) -> Any:
         v = self.get(key)
@@ -124,7 +123,7 @@ class Parsed:
                        speculative=self.speculative)  # fmt: skip
 
 
-def _common(b: Body, *, chat: bool) -> Parsed:
+def _common(b: Body) -> Parsed:
     n = b.number("n", 1, 128, integer=True)
     if n not in (None, 1):
         raise BadRequest("n must be 1: one choice per request (send more requests for more)", "n")
@@ -255,7 +254,7 @@ def _tools(b: Body) -> tuple[list[dict[str, Any]], Any]:
 
 def parse_chat(data: Any) -> Parsed:
     b = Body(data)
-    p = _common(b, chat=True)
+    p = _common(b)
     p.messages = _messages(b.get("messages"))
     p.tools, p.tool_choice = _tools(b)
     p.parallel_tool_calls = b.flag("parallel_tool_calls", True)
@@ -270,7 +269,7 @@ def parse_chat(data: Any) -> Parsed:
 
 def parse_completion(data: Any) -> Parsed:
     b = Body(data)
-    p = _common(b, chat=False)
+    p = _common(b)
     prompt = b.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -380,24 +379,41 @@ class ToolHold:
         return out
 
 
-class ChatStream:
-    """The SSE chunks of one streamed chat completion."""
+class _Stream:
+    """The SSE events of one streamed response: `object` names its chunks; with `include_usage`,
+    every chunk says `usage: null` and one last event carries the usage (OpenAI's shape)."""
 
-    def __init__(self, rid: str, model: str, fingerprint: str, *, include_usage: bool,
-                 tools: bool) -> None:  # fmt: skip
+    object = ""
+
+    def __init__(self, rid: str, model: str, fingerprint: str, *, include_usage: bool) -> None:
         self.rid, self.model, self.fingerprint = rid, model, fingerprint
         self.created = int(time.time())
         self.include_usage = include_usage
+
+    def _event(self, choices: list[dict[str, Any]], result: Result | None = None) -> bytes:
+        body = {"id": self.rid, "object": self.object, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint, "choices": choices}  # fmt: skip
+        if self.include_usage:
+            body["usage"] = usage(result) if result is not None else None
+        return sse(body)
+
+    def _usage(self, result: Result) -> bytes:
+        return self._event([], result) if self.include_usage else b""
+
+
+class ChatStream(_Stream):
+    """The SSE chunks of one streamed chat completion."""
+
+    object = "chat.completion.chunk"
+
+    def __init__(self, rid: str, model: str, fingerprint: str, *, include_usage: bool,
+                 tools: bool) -> None:  # fmt: skip
+        super().__init__(rid, model, fingerprint, include_usage=include_usage)
         self.hold = ToolHold(tools)
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None,
                logprobs: dict[str, Any] | None = None) -> bytes:  # fmt: skip
-        body = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model, "system_fingerprint": self.fingerprint,
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}  # fmt: skip
-        if self.include_usage:
-            body["usage"] = None
-        return sse(body)
+        return self._event([{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
 
     def first(self) -> bytes:
         return self._chunk({"role": "assistant", "content": ""})
@@ -420,31 +436,21 @@ class ChatStream:
             rest = result.text[len(self.hold.sent):] if result.text.startswith(self.hold.sent) else self.hold.held
             if rest:
                 out += self._chunk({"content": rest})
-        out += self._chunk({}, finish_reason(result))
-        if self.include_usage:
-            out += sse({"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
-                        "model": self.model, "system_fingerprint": self.fingerprint, "choices": [],
-                        "usage": usage(result)})  # fmt: skip
-        return out
+        return out + self._chunk({}, finish_reason(result)) + self._usage(result)
 
 
-class CompletionStream:
+class CompletionStream(_Stream):
     """The SSE chunks of one streamed text completion."""
 
+    object = "text_completion"
+
     def __init__(self, rid: str, model: str, fingerprint: str, *, include_usage: bool) -> None:
-        self.rid, self.model, self.fingerprint = rid, model, fingerprint
-        self.created = int(time.time())
-        self.include_usage = include_usage
+        super().__init__(rid, model, fingerprint, include_usage=include_usage)
         self.offset = 0
 
     def _chunk(self, text: str, finish: str | None = None,
                logprobs: dict[str, Any] | None = None) -> bytes:  # fmt: skip
-        body = {"id": self.rid, "object": "text_completion", "created": self.created,
-                "model": self.model, "system_fingerprint": self.fingerprint,
-                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}  # fmt: skip
-        if self.include_usage:
-            body["usage"] = None
-        return sse(body)
+        return self._event([{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}])
 
     def piece(self, chunk: Chunk, logprobs: bool) -> bytes:
         lp = completion_logprobs(chunk.logprobs, self.offset) if logprobs and chunk.logprobs else None
@@ -454,9 +460,4 @@ class CompletionStream:
         return self._chunk(chunk.text, logprobs=lp)
 
     def last(self, result: Result) -> bytes:
-        out = self._chunk("", finish_reason(result))
-        if self.include_usage:
-            out += sse({"id": self.rid, "object": "text_completion", "created": self.created,
-                        "model": self.model, "system_fingerprint": self.fingerprint, "choices": [],
-                        "usage": usage(result)})  # fmt: skip
-        return out
+        return self._chunk("", finish_reason(result)) + self._usage(result)
