@@ -51,9 +51,12 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else 0.0
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
+async def one_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                     times: list[float] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Stream one chat request; each content token's arrival time goes into `times` as it comes
+    (so a caller that cancels the stream keeps what arrived)."""
     t0 = time.perf_counter()
-    times: list[float] = []
+    times = [] if times is None else times
     text = ""
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
@@ -273,24 +276,17 @@ def bench_prefill(backend: str, window_s: float = 20.0) -> dict[str, Any]:
         gaps_during: list[float] = []
         runs: list[list[float]] = []
 
-        async def one_stream_times(client: httpx.AsyncClient, body: dict[str, Any], sink: list[float]) -> None:
-            async with client.stream("POST", srv.url + "/v1/chat/completions", json=body) as r:
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {") and any((c.get("delta") or {}).get("content")
-                                                          for c in json.loads(line[6:]).get("choices", [])):  # fmt: skip
-                        sink.append(time.perf_counter())
-
         async def measure() -> tuple[float, float, float]:
             async with httpx.AsyncClient(timeout=600) as client:
                 for _ in range(4):
                     runs.append([])
-                tasks = [asyncio.ensure_future(one_stream_times(client, b, runs[i]))
+                tasks = [asyncio.ensure_future(one_stream(client, srv.url, b, runs[i]))
                          for i, b in enumerate(bodies(4, 4000))]  # fmt: skip
                 await asyncio.sleep(window_s / 2)
                 t_base = time.perf_counter()
                 await asyncio.sleep(window_s)
                 t_in = time.perf_counter()
-                late = asyncio.ensure_future(one_stream_times(client, big, []))
+                late = asyncio.ensure_future(one_stream(client, srv.url, big))
                 await asyncio.sleep(window_s)
                 t_end = time.perf_counter()
                 for t in [*tasks, late]:

@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,16 +86,13 @@ class BackgroundServer:
             self._sock.close()
             raise
         self.app = create_app(self.config, self.served)
-        cfg = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="on",
-                             timeout_graceful_shutdown=3, timeout_keep_alive=5)  # fmt: skip
-        self._uvicorn = uvicorn.Server(cfg)
+        self._uvicorn = uvicorn.Server(_uvicorn_config(self.app))
         self._uvicorn.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self._thread = threading.Thread(target=self._serve, name="localllm:server", daemon=True)
         self._thread.start()
-        waited = 0.0
-        while not self._uvicorn.started and self._thread.is_alive() and waited < timeout:
-            threading.Event().wait(0.02)
-            waited += 0.02
+        deadline = time.monotonic() + timeout
+        while not self._uvicorn.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
         if not self._uvicorn.started:
             self.stop()
             raise LocalLLMError(f"the server did not start: {self.error or 'timed out'}")
@@ -147,8 +145,7 @@ def serve_forever(config: ServerConfig, *, announce: Any = print) -> None:
                  + ("; API key required" if config.api_key else ""))  # fmt: skip
         _write_state(url)
         try:
-            uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                          timeout_graceful_shutdown=3)).run(sockets=[sock])  # fmt: skip
+            uvicorn.Server(_uvicorn_config(app)).run(sockets=[sock])
         finally:
             _clear_state(url)
     finally:
@@ -156,6 +153,14 @@ def serve_forever(config: ServerConfig, *, announce: Any = print) -> None:
             sock.close()
         served.close()
         pool.close()
+
+
+def _uvicorn_config(app: Any) -> Any:
+    """uvicorn quiet (the server reports itself), our lifespan, a short graceful shutdown."""
+    import uvicorn
+
+    return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                          timeout_graceful_shutdown=3, timeout_keep_alive=5)  # fmt: skip
 
 
 def _write_state(url: str) -> None:
