@@ -13,6 +13,7 @@ import contextlib
 import math
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -93,7 +94,8 @@ class Served:
         # what a request that names no model gets: the first served, else the given default
         self.default = config.models[0] if config.models else (default or DEFAULT_MODEL)
         self._held: list[Any] = []  # the configured models, held for the server's life
-        self._gates: dict[int, Gate] = {}
+        # per loaded model, gone with it (an id could be reused by the next model loaded)
+        self._gates: weakref.WeakKeyDictionary[Any, Gate] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
         self.on_busy: Any = lambda _name: None  # told of each request refused with 503
 
@@ -113,10 +115,10 @@ class Served:
 
     def gate(self, model: Any) -> Gate:
         with self._lock:
-            gate = self._gates.get(id(model))
+            gate = self._gates.get(model)
             if gate is None:
                 slots = int(getattr(model, "parallel", 1) or 1)
-                gate = self._gates[id(model)] = Gate(slots, self.config.queue)
+                gate = self._gates[model] = Gate(slots, self.config.queue)
             return gate
 
     async def lease(self, name: str | None, options: LoadOptions | None = None) -> Lease:
@@ -142,7 +144,7 @@ class Served:
 
     def queued(self, _name: str, model: Any) -> int:
         """Requests admitted for `model` that have no slot yet."""
-        gate = self._gates.get(id(model))
+        gate = self._gates.get(model)
         return max(0, gate.inflight - int(getattr(model, "running", 0))) if gate else 0
 
     def local_names(self) -> list[str]:
