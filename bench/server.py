@@ -237,20 +237,31 @@ def bench_llamacpp(tokens: int, threads: int) -> dict[str, Any]:
     return out
 
 
-def bench_torch(tokens: int, dtype: str = "auto") -> dict[str, Any]:
-    out: dict[str, Any] = {"dtype": dtype}
+def bench_torch(tokens: int, dtype: str = "auto", rounds: int = 3) -> dict[str, Any]:
+    """1 stream, then 8, `rounds` times in turn (this shared machine's speed drifts by 10-30%
+    within minutes): the ratio of the medians, and each round's."""
+    out: dict[str, Any] = {"dtype": dtype, "rounds": []}
     srv = our_server("torch", parallel=8, dtype=dtype)
     try:
         asyncio.run(load_run(srv.url, bodies(2, 8)))
-        log(f"torch ({dtype}), 1 stream ...")
-        out["single"] = summarize(asyncio.run(load_run(srv.url, bodies(1, tokens))))
-        log(f"  {out['single']}")
-        log(f"torch ({dtype}), 8 streams ...")
-        out["eight"] = summarize(asyncio.run(load_run(srv.url, bodies(8, tokens))))
-        log(f"  {out['eight']}")
+        for r in range(rounds):
+            log(f"torch ({dtype}), round {r + 1}: 1 stream, then 8 ...")
+            one = summarize(asyncio.run(load_run(srv.url, bodies(1, tokens))))
+            eight = summarize(asyncio.run(load_run(srv.url, bodies(8, tokens))))
+            out["rounds"].append({"single": one, "eight": eight,
+                                  "aggregate_vs_single": eight["aggregate_tps"] / one["aggregate_tps"]})  # fmt: skip
+            log(f"  {one['aggregate_tps']:.1f} vs {eight['aggregate_tps']:.1f} tok/s: "
+                f"{out['rounds'][-1]['aggregate_vs_single']:.2f}x")  # fmt: skip
     finally:
         srv.stop()
-    out["aggregate_vs_single"] = out["eight"]["aggregate_tps"] / out["single"]["aggregate_tps"]
+
+    def median(key: str, field: str) -> float:
+        return statistics.median(r[key][field] for r in out["rounds"])
+
+    out["single_aggregate_tps"] = median("single", "aggregate_tps")
+    out["eight_aggregate_tps"] = median("eight", "aggregate_tps")
+    out["eight_all_decoding_tps"] = median("eight", "all_decoding_tps")
+    out["aggregate_vs_single"] = out["eight_aggregate_tps"] / out["single_aggregate_tps"]
     return out
 
 
@@ -388,21 +399,25 @@ def main() -> None:
 
     threads = default_threads()
     results: dict[str, Any] = json.loads(OUT.read_text()) if OUT.exists() else {}
-    results["machine"] = machine()
-    results["when"] = time.strftime("%Y-%m-%d %H:%M")
+    # each section says where and when it ran (`--only` reruns some, maybe on another machine)
+    here = {"machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M")}
+
+    def put(key: str, value: dict[str, Any]) -> None:
+        results[key] = {**value, **here}
+
     if "llamacpp" in only:
-        results["llamacpp_8_streams"] = bench_llamacpp(args.tokens, threads)
+        put("llamacpp_8_streams", bench_llamacpp(args.tokens, threads))
     if "torch" in only:
-        results["torch_8_streams"] = bench_torch(args.tokens)
-        results["torch_8_streams_f16"] = bench_torch(args.tokens, "f16")  # auto is int4 on a CPU
+        put("torch_8_streams", bench_torch(args.tokens))
+        put("torch_8_streams_f16", bench_torch(args.tokens, "f16"))  # auto is int4 on a CPU
     if "prefill" in only:
-        results["chunked_prefill"] = {b: bench_prefill(b) for b in ("llama.cpp", "torch")}
+        put("chunked_prefill", {b: bench_prefill(b) for b in ("llama.cpp", "torch")})
     if "prefix" in only:
-        results["prefix_cache"] = {b: bench_prefix(b) for b in ("llama.cpp", "torch")}
+        put("prefix_cache", {b: bench_prefix(b) for b in ("llama.cpp", "torch")})
         # the same request twice: the second restores exactly the KV the first computed
-        results["prefix_cache_same_request"] = {b: bench_prefix(b, again=True) for b in ("llama.cpp", "torch")}
+        put("prefix_cache_same_request", {b: bench_prefix(b, again=True) for b in ("llama.cpp", "torch")})
     if "schema" in only:
-        results["structured"] = {b: bench_schema(b, args.tokens * 2) for b in ("llama.cpp", "torch")}
+        put("structured", {b: bench_schema(b, args.tokens * 2) for b in ("llama.cpp", "torch")})
     OUT.parent.mkdir(exist_ok=True)
     OUT.write_text(json.dumps(results, indent=1) + "\n")
     log(f"wrote {OUT}")

@@ -1,11 +1,12 @@
 """The torch engine as a slot backend (`localllm.backends.base.Backend`) the engine's scheduler drives.
 
-Each slot owns one plain cache per layer (`cache.KVCache`, position-indexed, growing in steps), so
-sequences never share or pad buffers: a step evaluates every prefilling sequence's chunk on its own
-(in pieces of at most `max_batch` tokens, so peak memory does not grow with the prompt), then every
-decoding sequence together as one (B, 1) batch whose rows attend to their own caches. A slot keeps
-its cache after release, and the next prompt that continues it reuses the shared prefix (trimmed,
-not copied) — the seam for prefix caching across slots later.
+Each slot owns one plain cache per layer (`cache.KVCache`, position-indexed), its row of that
+layer's `cache.Rows` (every slot's buffers in one tensor, growing in steps for the longest): a step
+evaluates every prefilling sequence's chunk on its own (in pieces of at most `max_batch` tokens, so
+peak memory does not grow with the prompt), then every decoding sequence together as one (B, 1)
+batch that attends over the rows in one call per layer, each row masked to its own length. A slot
+keeps its cache after release, and the next prompt that continues it reuses the shared prefix
+(trimmed, not copied); the prefix cache (`localllm.prefix_cache`) keeps blocks across slots.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from localllm.backends import TORCH
 from localllm.backends.base import Seq, Step, common_prefix
-from localllm.backends.torch.cache import KVCache
+from localllm.backends.torch.cache import KVCache, Rows
 from localllm.backends.torch.sampling import Sampler, logprobs, make_sampler
 from localllm.chat import template_for
 from localllm.errors import ContextOverflow, LocalLLMError
@@ -226,6 +227,7 @@ class TorchBackend:
         self.n_slots = max(1, int(n_slots))
         self.max_batch = max(1, int(max_batch))
         self._slots = [_Slot(i) for i in range(self.n_slots)]
+        self._rows: list[Rows] | None = None  # every slot's plain caches, per layer (`new_caches`)
         self._lock = threading.Lock()  # embed() may come from another thread than the scheduler's
         self.speculative = speculative if speculative_mode(speculative) != "off" else None
         self.tuned_path = tuned
@@ -285,13 +287,24 @@ class TorchBackend:
 
     # -- slots ---------------------------------------------------------------------------------
 
-    def new_caches(self, policy: ContextPolicy | None = None) -> list[Any]:
+    def new_caches(self, policy: ContextPolicy | None = None, slot: int | None = None) -> list[Any]:
         """One sequence's caches for `policy` (StreamingLLM) and this backend's types and H2O
-        budget (`policies.make_caches`)."""
+        budget (`policies.make_caches`); plain ones for a `slot` are its row of the shared
+        `cache.Rows`, others (a scorer's, the prefix budget's) have buffers of their own."""
         from localllm.backends.torch.policies import make_caches
 
+        rows = None
+        if slot is not None:
+            if self._rows is None:
+                a = self.model.args
+                k = self.kv_types[0]
+                self._rows = [Rows(self.n_slots, a.n_kv_heads, a.head_dim, self.n_ctx,
+                                   dtype=_KV_DTYPES.get(k, self.compute_dtype), device=self.device)
+                              for _ in range(a.n_layers)]  # fmt: skip
+            rows = self._rows
         return make_caches(self.model, self.n_ctx, kv_types=self.kv_types, policy=policy,
-                           budget=self.budget, dtype=self.compute_dtype, device=self.device)  # fmt: skip
+                           budget=self.budget, dtype=self.compute_dtype, device=self.device,
+                           rows=rows, slot=slot or 0)  # fmt: skip
 
     def scorer(self, policy: ContextPolicy | None = None) -> TorchScorer:
         """Logits for every position of a text through one sequence's caches (`localllm eval`)."""
@@ -421,7 +434,7 @@ class TorchBackend:
             slot.caches, slot.tokens = [], []  # made for another policy, or it forgot tokens
             reuse = 0
         if not slot.caches:
-            slot.caches, slot.policy = self.new_caches(seq.policy), seq.policy
+            slot.caches, slot.policy = self.new_caches(seq.policy, slot.sid), seq.policy
         if hit is not None:
             self._restore(slot, hit.pieces)
             slot.tokens = list(seq.ids[: hit.n])
@@ -493,14 +506,20 @@ class TorchBackend:
             slot.caches, slot.tokens, slot.draft = [], [], None
 
     def kv_bytes(self) -> int:
-        """Bytes every slot's caches hold now (codes, scales, residuals, free room)."""
-        return sum(c.nbytes for slot in list(self._slots) for c in list(slot.caches))
+        """Bytes every slot's caches hold now (codes, scales, residuals, free room; the shared
+        rows once, with the room of slots not in use)."""
+        shared = sum(r.nbytes for r in self._rows or ())
+        return shared + sum(c.nbytes for slot in list(self._slots) for c in list(slot.caches)
+                            if getattr(c, "rows", None) is None)  # fmt: skip
 
     def drop_caches(self) -> None:
-        """Forget what every free slot's cache holds (and free its memory)."""
+        """Forget what every free slot's cache holds (and free its memory: the shared rows
+        once no slot is in use)."""
         for slot in self._slots:
             if slot.seq is None:
                 slot.caches, slot.tokens, slot.draft = [], [], None
+        if all(slot.seq is None for slot in self._slots):
+            self._rows = None
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -651,10 +670,10 @@ class TorchScorer:
         h = b.model(x, [self.caches])
         logits = b.model.logits(h[0]).float().cpu().numpy()
         self.peak_bytes = max(self.peak_bytes, sum(c.nbytes for c in self.caches))
-        # a cache stored in another type than attention computes in is read back as a copy of
-        # one layer's keys and values at a time (quantized ones, and f16 under f32 compute)
+        # a quantized cache is read back as a full-precision copy of one layer's keys and values
+        # at a time (a plain one in place, in its own type: `models.base.attend`)
         first = self.caches[0]
-        if getattr(first, "dtype", None) != b.compute_dtype or not isinstance(first, KVCache):
+        if not isinstance(first, KVCache):
             a = b.model.args
             elem = torch.empty(0, dtype=b.compute_dtype).element_size()
             copy = first.held * 2 * a.n_kv_heads * a.head_dim * elem

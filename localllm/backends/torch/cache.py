@@ -17,9 +17,20 @@ sequence (`make_caches`). Quantized, StreamingLLM and H2O caches implement the s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-__all__ = ["KVCache", "PositionIndexed", "make_caches"]
+__all__ = ["KVCache", "PositionIndexed", "Rows", "make_caches"]
+
+
+def grown(have: int, n: int, capacity: int, step: int) -> int:
+    """The new buffer length for `n` tokens when `have` are allocated: doubling, in whole steps,
+    at most `capacity` (ValueError past it)."""
+    if n > capacity:
+        raise ValueError(f"KV cache full: {n} tokens, capacity {capacity}")
+    size = min(capacity, max(n, 2 * have, step))
+    return min(capacity, -(-size // step) * step)
 
 
 class PositionIndexed:
@@ -46,12 +57,7 @@ class PositionIndexed:
         return True
 
     def _grown(self, have: int, n: int) -> int:
-        """The new buffer length for `n` tokens when `have` are allocated (ValueError past
-        `capacity`)."""
-        if n > self.capacity:
-            raise ValueError(f"KV cache full: {n} tokens, capacity {self.capacity}")
-        size = min(self.capacity, max(n, 2 * have, self.step))
-        return min(self.capacity, -(-size // self.step) * self.step)
+        return grown(have, n, self.capacity, self.step)
 
     def is_trimmable(self) -> bool:
         return True
@@ -62,46 +68,107 @@ class PositionIndexed:
         return n
 
 
-class KVCache(PositionIndexed):
-    """Position-indexed buffers, preallocated in steps: appending never copies what is held
-    except when the buffer grows."""
+class Rows:
+    """One layer's keys and values for every slot of a backend: (n_slots, n_kv, allocated, hd)
+    buffers, grown in steps for the longest slot (zeros in what nothing wrote yet). A slot's
+    `KVCache` reads and writes its row; a decode step of several slots writes their new keys
+    with one indexed copy and attends over the rows in one call (`models.base.attend`), where
+    buffers of their own would need one attention call per sequence."""
 
-    def __init__(self, n_kv: int, head_dim: int, capacity: int, *, dtype: torch.dtype,
+    def __init__(self, n_slots: int, n_kv: int, head_dim: int, capacity: int, *, dtype: torch.dtype,
                  device: torch.device | str = "cpu", v_head_dim: int | None = None) -> None:  # fmt: skip
-        self.n_kv, self.head_dim, self.v_head_dim = n_kv, head_dim, v_head_dim or head_dim
+        self.n_slots, self.n_kv, self.head_dim = n_slots, n_kv, head_dim
+        self.v_head_dim = v_head_dim or head_dim
         self.capacity = capacity
         self.dtype, self.device = dtype, torch.device(device)
-        self.offset = 0
-        self.k: torch.Tensor | None = None  # (1, n_kv, allocated, hd)
+        self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
-    def _reserve(self, n: int) -> None:
-        have = 0 if self.k is None else self.k.shape[2]
+    @property
+    def allocated(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def reserve(self, n: int) -> None:
+        """Room for `n` tokens in every row (grown as `grown` says)."""
+        have = self.allocated
         if n <= have:
             return
-        size = self._grown(have, n)
-        k = torch.empty(1, self.n_kv, size, self.head_dim, dtype=self.dtype, device=self.device)
-        v = torch.empty(1, self.n_kv, size, self.v_head_dim, dtype=self.dtype, device=self.device)
-        if self.offset:
-            k[:, :, : self.offset] = self.k[:, :, : self.offset]  # type: ignore[index]
-            v[:, :, : self.offset] = self.v[:, :, : self.offset]  # type: ignore[index]
+        shape = (self.n_slots, self.n_kv, grown(have, n, self.capacity, PositionIndexed.step))
+        k = torch.zeros(*shape, self.head_dim, dtype=self.dtype, device=self.device)
+        v = torch.zeros(*shape, self.v_head_dim, dtype=self.dtype, device=self.device)
+        if have:
+            k[:, :, :have] = self.k  # type: ignore[index]
+            v[:, :, :have] = self.v  # type: ignore[index]
         self.k, self.v = k, v
-
-    def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: (1, n_kv, T, hd) for the next T positions. Returns (1, n_kv, offset + T, hd) views."""
-        t = k.shape[2]
-        end = self.offset + t
-        self._reserve(end)
-        self.k[:, :, self.offset : end] = k  # type: ignore[index]
-        self.v[:, :, self.offset : end] = v  # type: ignore[index]
-        self.offset = end
-        return self.k[:, :, :end], self.v[:, :, :end]  # type: ignore[index]
 
     @property
     def nbytes(self) -> int:
         if self.k is None or self.v is None:
             return 0
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
+class KVCache(PositionIndexed):
+    """Position-indexed buffers, preallocated in steps: appending never copies what is held
+    except when the buffer grows. With `rows`, the buffers are row `slot` of that shared store."""
+
+    def __init__(self, n_kv: int, head_dim: int, capacity: int, *, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", v_head_dim: int | None = None,
+                 rows: Rows | None = None, slot: int = 0) -> None:  # fmt: skip
+        self.n_kv, self.head_dim, self.v_head_dim = n_kv, head_dim, v_head_dim or head_dim
+        self.capacity = capacity
+        self.dtype, self.device = dtype, torch.device(device)
+        self.offset = 0
+        self.rows, self.slot = rows, slot
+        self._k: torch.Tensor | None = None  # (1, n_kv, allocated, hd)
+        self._v: torch.Tensor | None = None
+
+    @property
+    def k(self) -> torch.Tensor | None:
+        if self.rows is not None:
+            return None if self.rows.k is None else self.rows.k[self.slot : self.slot + 1]
+        return self._k
+
+    @property
+    def v(self) -> torch.Tensor | None:
+        if self.rows is not None:
+            return None if self.rows.v is None else self.rows.v[self.slot : self.slot + 1]
+        return self._v
+
+    def _reserve(self, n: int) -> None:
+        if self.rows is not None:
+            self.rows.reserve(n)
+            return
+        have = 0 if self._k is None else self._k.shape[2]
+        if n <= have:
+            return
+        size = self._grown(have, n)
+        k = torch.empty(1, self.n_kv, size, self.head_dim, dtype=self.dtype, device=self.device)
+        v = torch.empty(1, self.n_kv, size, self.v_head_dim, dtype=self.dtype, device=self.device)
+        if self.offset:
+            k[:, :, : self.offset] = self._k[:, :, : self.offset]  # type: ignore[index]
+            v[:, :, : self.offset] = self._v[:, :, : self.offset]  # type: ignore[index]
+        self._k, self._v = k, v
+
+    def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: (1, n_kv, T, hd) for the next T positions. Returns (1, n_kv, offset + T, hd) views."""
+        t = k.shape[2]
+        end = self.offset + t
+        self._reserve(end)
+        mk, mv = self.k, self.v
+        mk[:, :, self.offset : end] = k  # type: ignore[index]
+        mv[:, :, self.offset : end] = v  # type: ignore[index]
+        self.offset = end
+        return mk[:, :, :end], mv[:, :, :end]  # type: ignore[index]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its buffers hold (with `rows`: its share of them)."""
+        if self.rows is not None:
+            return self.rows.nbytes // self.rows.n_slots
+        if self._k is None or self._v is None:
+            return 0
+        return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
 
     residual_bytes = 0  # nothing is kept beside the cache itself
 
@@ -112,9 +179,10 @@ class KVCache(PositionIndexed):
 
     @property
     def state(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.k is None or self.v is None:
+        k, v = self.k, self.v
+        if k is None or v is None:
             return None
-        return self.k[:, :, : self.offset], self.v[:, :, : self.offset]
+        return k[:, :, : self.offset], v[:, :, : self.offset]
 
     @state.setter
     def state(self, kv: tuple[torch.Tensor, torch.Tensor] | None) -> None:
@@ -124,6 +192,8 @@ class KVCache(PositionIndexed):
 
 
 def make_caches(n_layers: int, n_kv: int, head_dim: int, capacity: int, *, dtype: torch.dtype,
-                device: torch.device | str = "cpu") -> list[KVCache]:  # fmt: skip
-    """One plain cache per layer for one sequence."""
-    return [KVCache(n_kv, head_dim, capacity, dtype=dtype, device=device) for _ in range(n_layers)]
+                device: torch.device | str = "cpu", rows: Sequence[Rows] | None = None,
+                slot: int = 0) -> list[KVCache]:  # fmt: skip
+    """One plain cache per layer for one sequence (row `slot` of each layer's `rows` if given)."""
+    return [KVCache(n_kv, head_dim, capacity, dtype=dtype, device=device,
+                    rows=rows[i] if rows else None, slot=slot) for i in range(n_layers)]  # fmt: skip

@@ -13,10 +13,12 @@ window, int8 with H2O, ...), and both keep the cache interface (`cache.KVCache`)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from localllm.backends.torch.cache import Rows
 from localllm.backends.torch.kvquant import QuantizedKVCache, Store, make_store
 from localllm.backends.torch.models.base import RoPE, apply_rope
 from localllm.types import ContextPolicy
@@ -247,15 +249,16 @@ class H2OCache(_Forgetting):
 def make_caches(model: Any, capacity: int, *, kv_types: tuple[str, str] = ("f16", "f16"),
                 policy: ContextPolicy | None = None, budget: int = 0,
                 dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu") -> list[Any]:  # fmt: skip
+                device: torch.device | str = "cpu", rows: Sequence[Rows] | None = None,
+                slot: int = 0) -> list[Any]:  # fmt: skip
     """One sequence's caches, one per layer of `model`: the plain cache for one float type and no
-    policy (the fast path); else K and V stores of their types (`kvquant.make_store`), under
-    StreamingLLM (`policy` enabled: sinks and window) or H2O (`budget` tokens) or neither.
-    Attention reads them in `dtype`."""
+    policy (the fast path; row `slot` of each layer's `rows` when given); else K and V stores of
+    their types (`kvquant.make_store`), under StreamingLLM (`policy` enabled: sinks and window)
+    or H2O (`budget` tokens) or neither. Attention reads them in `dtype`."""
     policy = policy or ContextPolicy()
     k_type, v_type = kv_types
     if not policy.enabled and not budget and k_type == v_type and k_type in _FLOATS:
-        return model.make_caches(capacity, dtype=_FLOATS[k_type], device=device)
+        return model.make_caches(capacity, dtype=_FLOATS[k_type], device=device, rows=rows, slot=slot)
     a = model.args
 
     def pair(size: int, **kw: Any) -> tuple[Store, Store]:

@@ -261,15 +261,20 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[A
 
     Returns (B, T, H * hd), ready for the output projection. Inputs may be strided views of the
     fused qkv projection: the cache copies k and v into its buffers, SDPA reads q in place. GQA
-    goes through SDPA's `enable_gqa` (no repeated keys in memory). Rows attend one by one over
-    their own caches: padding them to one length would copy every row's keys each layer, which
-    costs more than the extra calls once contexts grow.
+    goes through SDPA's `enable_gqa` (no repeated keys in memory). A decode step of slots that
+    share `cache.Rows` attends in one call (`_attend_rows`); other rows attend one by one over
+    their own caches (padding them to one length would copy every row's keys each layer). A cache
+    stored in another type than q (f16 under f32 compute) is read in place, q cast to its type.
 
     A cache with `pre_rope` gets `k_raw` (the keys before RoPE) and rotates what it returns
     itself; one that `observes` (H2O) gets this step's attention probabilities, which only it
     makes attention compute outside the fused kernel.
     """
     gqa = q.shape[2] != k.shape[2]
+    if q.shape[1] == 1 and len(caches) > 1:
+        out = _attend_rows(q, k, v, caches, window=window, scale=scale, gqa=gqa)
+        if out is not None:
+            return out
     outs = []
     for b, cache in enumerate(caches):
         kin = k_raw if k_raw is not None and cache.pre_rope else k
@@ -278,19 +283,65 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[A
         else:
             qb, kb, vb = q, kin, v
         kk, vv = cache.update_and_fetch(kb.transpose(1, 2), vb.transpose(1, 2))  # (1, KV, L, hd)
-        if kk.dtype != q.dtype:  # a cache may store f16 while we compute in f32
-            kk, vv = kk.to(q.dtype), vv.to(q.dtype)
         mask, causal = masks.get(b, kk.shape[2], window)
         if cache.observes:
+            if kk.dtype != q.dtype:
+                kk, vv = kk.to(q.dtype), vv.to(q.dtype)
             out = _attend_observed(qb.transpose(1, 2), kk, vv, mask, causal, scale, cache)
-        else:
+        else:  # casting the keys and values up instead copied the whole cache in every layer
             out = F.scaled_dot_product_attention(
-                qb.transpose(1, 2), kk, vv, attn_mask=mask, is_causal=causal, scale=scale,
-                enable_gqa=gqa,
-            )  # fmt: skip
+                qb.transpose(1, 2).to(kk.dtype), kk, vv, attn_mask=mask, is_causal=causal,
+                scale=scale, enable_gqa=gqa,
+            ).to(q.dtype)  # fmt: skip
         outs.append(out.transpose(1, 2))  # (1, T, H, hd)
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[Any], *,
+                 window: int, scale: float | None, gqa: bool) -> torch.Tensor | None:
+    """One decode step (T = 1) of rows whose caches are slots of one shared `cache.Rows`: their
+    keys and values go in with one indexed copy each, and one attention call covers the slots
+    from the lowest to the highest, each masked to its own length (slots in between that are not
+    stepping get a zero query and one key; their outputs are dropped). None when the caches are
+    not such slots, or a window would hide keys: the caller attends row by row.
+
+    Row by row cost 8 calls per layer for 8 sequences: 1.0 ms against 0.6 ms for the one call
+    at 170 keys (f16 keys, 2 threads)."""
+    rows = getattr(caches[0], "rows", None)
+    if rows is None or any(getattr(c, "rows", None) is not rows for c in caches):
+        return None
+    offsets = [c.offset for c in caches]
+    n = max(offsets) + 1
+    if window and n > window:
+        return None
+    slots = [c.slot for c in caches]
+    rows.reserve(n)
+    dev = q.device
+    at = torch.tensor(slots, device=dev)
+    pos = torch.tensor(offsets, device=dev)
+    rows.k[at, :, pos] = k[:, 0].to(rows.dtype)  # type: ignore[index]
+    rows.v[at, :, pos] = v[:, 0].to(rows.dtype)  # type: ignore[index]
+    for c in caches:
+        c.offset += 1
+    lo, hi = min(slots), max(slots) + 1
+    lengths = torch.ones(hi - lo, dtype=torch.long, device=dev)
+    lengths[at - lo] = pos + 1
+    mask = (torch.arange(n, device=dev) < lengths[:, None])[:, None, None, :]  # (S, 1, 1, n)
+    qs = q.transpose(1, 2).to(rows.dtype)  # (B, H, 1, hd)
+    ordered = slots == list(range(lo, hi))
+    if not ordered:
+        full = qs.new_zeros(hi - lo, *qs.shape[1:])
+        full[at - lo] = qs
+        qs = full
+    out = F.scaled_dot_product_attention(
+        qs, rows.k[lo:hi, :, :n], rows.v[lo:hi, :, :n], attn_mask=mask, scale=scale,  # type: ignore[index]
+        enable_gqa=gqa,
+    )  # fmt: skip
+    if not ordered:
+        out = out[at - lo]
+    out = out.to(q.dtype).transpose(1, 2)  # (B, 1, H, hd)
+    return out.reshape(out.shape[0], 1, -1)
 
 
 def _attend_observed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localllm.backends.torch.cache import KVCache, make_caches
+from localllm.backends.torch.cache import KVCache, Rows, make_caches
 from localllm.backends.torch.models.base import (
     BaseModelArgs,
     Masks,
@@ -165,11 +165,13 @@ class Model(nn.Module):
         return out
 
     def make_caches(self, capacity: int, *, dtype: torch.dtype | None = None,
-                    device: torch.device | str | None = None) -> list[KVCache]:  # fmt: skip
+                    device: torch.device | str | None = None, rows: Sequence[Rows] | None = None,
+                    slot: int = 0) -> list[KVCache]:  # fmt: skip
         """One sequence's caches, one per layer (default: the model's dtype and device).
 
         Plain caches everywhere: the local layers' window is applied by the attention mask."""
         w = working(self.tok_embeddings)
         a = self.args
         return make_caches(a.n_layers, a.n_kv_heads, a.head_dim, capacity,
-                           dtype=dtype or w.dtype, device=device or w.device)  # fmt: skip
+                           dtype=dtype or w.dtype, device=device or w.device, rows=rows,
+                           slot=slot)  # fmt: skip
