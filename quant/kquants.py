@@ -1,0 +1,244 @@
+"""K-quants (Q4_K, Q5_K, Q6_K), byte-identical to llama.cpp's reference quantization.
+
+Ports of `quantize_row_q{4,5,6}_K_ref` and their helpers (`make_qkx2_quants`, `make_qx_quants`) in
+ggml's `ggml-quants.c` — what `llama_model_quantize` runs for these types without an importance
+matrix. Vectorized over every (sub-)block of a tensor at once: the only Python loops run over the
+positions inside one sub-block (32 or 16) and over the candidate scales, never over blocks.
+
+Byte-exactness rests on three things. Every value is float32 and every operation is one IEEE
+float32 operation in C's order (ggml-base is built without FMA contraction or fast-math, so `a*b + c`
+rounds twice there too; numpy's own `sum` would add pairwise, so sums are accumulated position by
+position as the C loops do). `nearest_int` (add 1.5·2^23, read the bits) is round-half-to-even, as
+`np.rint`. f32 → f16 is round-to-nearest-even in both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["QK_K", "BLOCK_BYTES", "quantize_q4_k", "quantize_q5_k", "quantize_q6_k"]
+
+QK_K = 256
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+GROUP_MAX_EPS = np.float32(1e-15)
+F32 = np.float32
+
+
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    """(N,) float32 → (N, 2) uint8: the f16 values' little-endian bytes."""
+    return x.astype("<f2").view(np.uint8).reshape(-1, 2)
+
+
+def _f16_round(x: np.ndarray) -> np.ndarray:
+    """What GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(x)) gives."""
+    return x.astype(np.float16).astype(F32)
+
+
+def _nearest_int(x: np.ndarray) -> np.ndarray:
+    return np.rint(x).astype(np.int32)
+
+
+def _rows(x: np.ndarray, n: int) -> np.ndarray:
+    """(..., k·n) → (n, N) float32, position-major: row i holds element i of every group."""
+    return np.ascontiguousarray(x.reshape(-1, n).T, dtype=F32)
+
+
+def _make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float,
+                      nstep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """`make_qkx2_quants` (use_mad false) for every group at once. x, w: (n, N) position-major.
+    Returns (scale (N,), the_min (N,) = −min ≥ 0, L (n, N) uint8)."""
+    n = x.shape[0]
+    mn = x.min(axis=0)
+    mx = x.max(axis=0)
+    sum_w = w[0].copy()
+    sum_x = sum_w * x[0]
+    for i in range(1, n):
+        sum_w += w[i]
+        sum_x += w[i] * x[i]
+    mn = np.minimum(mn, F32(0))
+    flat = mx == mn
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = F32(nmax) / (mx - mn)
+        scale = F32(1) / iscale
+        L = np.clip(_nearest_int(iscale * (x - mn)), 0, nmax)
+        best = np.zeros_like(sum_w)
+        for i in range(n):
+            diff = scale * L[i].astype(F32) + mn - x[i]
+            best += w[i] * (diff * diff)
+        lo = mn.copy()  # the C loop moves `min` to each better solution's: later steps start from it
+        for step in range(nstep + 1):
+            iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / (mx - lo)
+            laux = np.clip(_nearest_int(iscale * (x - lo)), 0, nmax)
+            lf = laux.astype(F32)
+            sum_l = np.zeros_like(sum_w)
+            sum_l2 = np.zeros_like(sum_w)
+            sum_xl = np.zeros_like(sum_w)
+            for i in range(n):
+                wl = w[i] * lf[i]
+                sum_l += wl
+                sum_l2 += wl * lf[i]
+                sum_xl += wl * x[i]
+            d = sum_w * sum_l2 - sum_l * sum_l
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / d
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / d
+            pos = this_min > 0
+            this_min = np.where(pos, F32(0), this_min)
+            this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
+            cur = np.zeros_like(sum_w)
+            for i in range(n):
+                diff = this_scale * lf[i] + this_min - x[i]
+                cur += w[i] * (diff * diff)
+            better = (d > 0) & (cur < best)
+            L = np.where(better, laux, L)
+            best = np.where(better, cur, best)
+            scale = np.where(better, this_scale, scale)
+            lo = np.where(better, this_min, lo)
+    scale = np.where(flat, F32(0), scale).astype(F32)
+    L = np.where(flat, 0, L).astype(np.uint8)
+    return scale, (-lo).astype(F32), L
+
+
+def _make_qx_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """`make_qx_quants` with rmse_type 1 and no importance weights, for every group at once.
+    x: (n, N) position-major. Returns (scale (N,), L (n, N) int32 in [0, 2·nmax))."""
+    n = x.shape[0]
+    ax = np.abs(x)
+    at = ax.argmax(axis=0)  # the first largest, as the C loop's strict `>`
+    cols = np.arange(x.shape[1])
+    amax = ax[at, cols]
+    mx = x[at, cols]
+    zero = amax < GROUP_MAX_EPS
+    w = x * x
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+
+        def levels(iscale: np.ndarray) -> np.ndarray:
+            return np.clip(_nearest_int(iscale * x), -nmax, nmax - 1)
+
+        def sums(lv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            lf = lv.astype(F32)
+            sumlx = np.zeros(x.shape[1], F32)
+            suml2 = np.zeros(x.shape[1], F32)
+            for i in range(n):
+                sumlx += w[i] * x[i] * lf[i]
+                suml2 += w[i] * lf[i] * lf[i]
+            return sumlx, suml2
+
+        iscale = F32(-nmax) / mx
+        lv = levels(iscale)
+        L = lv + nmax
+        sumlx, suml2 = sums(lv)
+        scale = np.where(suml2 != 0, sumlx / suml2, F32(0)).astype(F32)
+        best = scale * sumlx
+        for step in range(-9, 10):
+            if step == 0:
+                continue
+            iscale = -(F32(nmax) + F32(0.1) * F32(step)) / mx
+            lv = levels(iscale)
+            sumlx, suml2 = sums(lv)
+            better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+            L = np.where(better, lv + nmax, L)
+            scale = np.where(better, sumlx / suml2, scale)
+            best = np.where(better, scale * sumlx, best)
+    scale = np.where(zero, F32(0), scale).astype(F32)
+    L = np.where(zero, 0, L)
+    return scale, L
+
+
+def _k_scales(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
+    """(M, 8) 6-bit scales and mins → (M, 12) bytes, as Q4_K/Q5_K pack them."""
+    out = np.zeros((ls.shape[0], 12), np.uint8)
+    out[:, 0:4] = ls[:, 0:4]
+    out[:, 4:8] = lm[:, 0:4]
+    out[:, 8:12] = (ls[:, 4:8] & 0xF) | ((lm[:, 4:8] & 0xF) << 4)
+    out[:, 0:4] |= (ls[:, 4:8] >> 4) << 6
+    out[:, 4:8] |= (lm[:, 4:8] >> 4) << 6
+    return out
+
+
+def _qkx_block(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """What Q4_K and Q5_K share: x (M, 256) → d, dmin bytes (M, 2) each, scales (M, 12), and the
+    levels L (M, 256) in [0, nmax]."""
+    m = x.shape[0]
+    xs = _rows(x, 32)  # (32, M·8)
+    sum_x2 = np.zeros(xs.shape[1], F32)
+    for i in range(32):
+        sum_x2 += xs[i] * xs[i]
+    av_x = np.sqrt(sum_x2 / F32(32))
+    w = av_x + np.abs(xs)
+    scales, mins, L = _make_qkx2_quants(xs, w, nmax, rmin, rdelta, nstep)
+    scales, mins = scales.reshape(m, 8), mins.reshape(m, 8)
+    max_scale = np.maximum(scales.max(axis=1), F32(0))
+    max_min = np.maximum(mins.max(axis=1), F32(0))
+    with np.errstate(divide="ignore"):
+        inv_scale = np.where(max_scale > 0, F32(63) / max_scale, F32(0)).astype(F32)
+        inv_min = np.where(max_min > 0, F32(63) / max_min, F32(0)).astype(F32)
+    ls = np.minimum(_nearest_int(inv_scale[:, None] * scales).astype(np.uint8), 63)
+    lm = np.minimum(_nearest_int(inv_min[:, None] * mins).astype(np.uint8), 63)
+    d = (max_scale / F32(63)).astype(F32)
+    dmin = (max_min / F32(63)).astype(F32)
+    sub_d = _f16_round(d)[:, None] * ls.astype(F32)  # (M, 8)
+    sub_m = _f16_round(dmin)[:, None] * lm.astype(F32)
+    L = L.T.reshape(m, 8, 32)
+    xb = x.reshape(m, 8, 32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        req = np.clip(_nearest_int((xb + sub_m[..., None]) / sub_d[..., None]), 0, nmax)
+    L = np.where(sub_d[..., None] != 0, req, L).astype(np.uint8).reshape(m, QK_K)
+    return _f16_bytes(d), _f16_bytes(dmin), _k_scales(ls, lm), L
+
+
+def _blocks(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=F32)
+    if x.size % QK_K:
+        raise ValueError(f"K-quants need a multiple of {QK_K} values, not {x.size}")
+    return x.reshape(-1, QK_K)
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """float32 values (a multiple of 256, row-major) → Q4_K blocks, (M, 144) uint8."""
+    x = _blocks(x)
+    d, dmin, scales, L = _qkx_block(x, 15, -1.0, 0.1, 20)
+    L = L.reshape(-1, 4, 2, 32)  # 64-value chunks: low nibbles the first 32, high the next
+    qs = (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(-1, 128)
+    return np.concatenate([d, dmin, scales, qs], axis=1)
+
+
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    """float32 values (a multiple of 256, row-major) → Q5_K blocks, (M, 176) uint8."""
+    x = _blocks(x)
+    d, dmin, scales, L = _qkx_block(x, 31, -0.5, 0.1, 15)
+    L = L.reshape(-1, 4, 2, 32)
+    low = L & 0xF
+    high = (L >> 4).astype(np.uint8)  # (M, 4, 2, 32): chunk n sets bits 2n and 2n + 1 of qh
+    shifts = (2 * np.arange(4)[:, None] + np.arange(2)[None, :]).astype(np.uint8)  # (4, 2)
+    qh = np.bitwise_or.reduce((high << shifts[None, :, :, None]).reshape(-1, 8, 32), axis=1)
+    qs = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
+    return np.concatenate([d, dmin, scales, qh.astype(np.uint8), qs], axis=1)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """float32 values (a multiple of 256, row-major) → Q6_K blocks, (M, 210) uint8."""
+    x = _blocks(x)
+    m = x.shape[0]
+    scales, L = _make_qx_quants(_rows(x, 16), 32)  # (M·16,), (16, M·16)
+    scales = scales.reshape(m, 16)
+    L = L.T.reshape(m, 16, 16)
+    at = np.abs(scales).argmax(axis=1)
+    max_scale = scales[np.arange(m), at]
+    zero = np.abs(max_scale) < GROUP_MAX_EPS
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = F32(-128) / max_scale
+        d = (F32(1) / iscale).astype(F32)
+        d = np.where(zero, F32(0), d).astype(F32)
+        sc = np.minimum(_nearest_int(iscale[:, None] * scales), 127)
+        sc = np.where(zero[:, None], 0, sc).astype(np.int8)
+        sub_d = _f16_round(d)[:, None] * sc.astype(F32)  # (M, 16)
+        xb = x.reshape(m, 16, 16)
+        req = np.clip(_nearest_int(xb / sub_d[..., None]), -32, 31) + 32
+    L = np.where(sub_d[..., None] != 0, req, L)
+    L = np.where(zero[:, None, None], 0, L).astype(np.uint8).reshape(m, 2, 4, 32)  # 128-value halves
+    ql = np.concatenate([(L[:, :, 0] & 0xF) | ((L[:, :, 2] & 0xF) << 4),
+                         (L[:, :, 1] & 0xF) | ((L[:, :, 3] & 0xF) << 4)], axis=2).reshape(m, 128)  # fmt: skip
+    qh = ((L[:, :, 0] >> 4) | ((L[:, :, 1] >> 4) << 2) | ((L[:, :, 2] >> 4) << 4)
+          | ((L[:, :, 3] >> 4) << 6)).reshape(m, 64)  # fmt: skip
+    return np.concatenate([ql, qh.astype(np.uint8), sc.view(np.uint8), _f16_bytes(d)], axis=1)

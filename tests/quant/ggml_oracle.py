@@ -1,0 +1,46 @@
+"""llama.cpp's own quantization of a float32 array: `ggml_quantize_chunk` in the libggml-base that
+llama-cpp-python ships (what `llama_model_quantize` calls per tensor), through ctypes."""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+
+from conftest import need
+
+# ggml's type ids (ggml.h)
+IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12,
+       "Q5_K": 13, "Q6_K": 14, "BF16": 30}  # fmt: skip
+
+
+@cache
+def _lib() -> ctypes.CDLL:
+    need("llama_cpp", "pip install -e '.[dev]' (llama-cpp-python is the quantization oracle)")
+    import llama_cpp
+
+    folder = Path(llama_cpp.__file__).parent / "lib"
+    found = sorted(folder.glob("libggml-base.*"))
+    if not found:
+        raise RuntimeError(f"no libggml-base in {folder}: reinstall llama-cpp-python")
+    lib = ctypes.CDLL(str(found[0]))
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                        ctypes.c_void_p]  # fmt: skip
+    lib.ggml_quantize_init.argtypes = [ctypes.c_int]
+    return lib
+
+
+def ggml_quantize(x: np.ndarray, type_name: str, row_bytes: int) -> np.ndarray:
+    """(rows, n) float32 → (rows, row_bytes) uint8, as llama.cpp quantizes it (no imatrix)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows, n = x.shape
+    out = np.zeros((rows, row_bytes), np.uint8)
+    lib = _lib()
+    lib.ggml_quantize_init(IDS[type_name])
+    written = lib.ggml_quantize_chunk(IDS[type_name], x.ctypes.data, out.ctypes.data, 0, rows, n, None)
+    assert written == out.nbytes, (written, out.nbytes)
+    return out
