@@ -168,10 +168,14 @@ def show(
     except LocalLLMError:  # no backend to ask: llama.cpp's arithmetic
         est, estimator = estimate(info, ctx=ctx, kv_cache=kv_cache), "llama.cpp"
     sampling, sampling_source = sampling_defaults(path, sampling_for(record))
+    from localllm.quant.report import load_report, report_table
+
+    quality = load_report(store.home, record.digest)
     if json_out:
         _emit_json(
             _record_json(record)
             | {
+                "quality": quality,
                 "path": str(path),
                 "info": info.to_dict(),
                 "chat_template": template,
@@ -227,6 +231,11 @@ def show(
     print(f"  {'total':<15} {human_bytes(est.total_bytes):>11}   "
           f"{human_bytes(est.available_bytes)} available on {est.device}: {verdict}")  # fmt: skip
     print()
+    if quality is not None:
+        print(f"Quality ({quality.get('file_type') or 'quantized'}, measured {quality['when']}):")
+        for label, value in report_table(quality):
+            print(f"  {label:<15} {value}")
+        print()
     if used.origin == "model file":
         print("Chat template (model file):")
         print(used.source.rstrip())
@@ -778,6 +787,151 @@ def _repl(llm: Any, history: list[dict[str, str]], ask: Any, raw: bool) -> None:
                 {"role": "user", "content": text},
                 {"role": "assistant", "content": result.text},
             ]
+
+
+@app.command()
+def quantize(
+    src: Annotated[str, typer.Argument(help="A local model name or a GGUF file (F32/F16/BF16).")],
+    type_name: Annotated[
+        str, typer.Option("--type", help="Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S, Q6_K, Q8_0, Q4_0, F16, F32.")
+    ],
+    output: Annotated[
+        Path | None, typer.Option("--output", help="Write the GGUF here instead of the store.")
+    ] = None,
+    name: Annotated[
+        str | None, typer.Option("--name", help="Register it under this name (default SRC:TYPE).")
+    ] = None,
+    engine: Annotated[
+        str, typer.Option("--engine", help="auto (ours when it has every type), localllm, llama.cpp.")
+    ] = "auto",
+    allow_requantize: Annotated[
+        bool, typer.Option("--allow-requantize", help="Quantize an already quantized model (warns).")
+    ] = False,
+    eval_text: Annotated[
+        Path | None,
+        typer.Option("--eval", help="A text to measure the result on against the source: "
+                     "perplexity, KL divergence, top-1 agreement (kept for `show`)."),  # fmt: skip
+    ] = None,
+    eval_limit: Annotated[
+        int, typer.Option("--eval-limit", help="Tokens of the --eval text to use.")
+    ] = 1024,
+    json_out: JsonFlag = False,
+) -> None:
+    """Quantize a model with llama.cpp's per-tensor type rules; byte-identical to llama.cpp."""
+    from localllm.model_info import human_bytes
+    from localllm.models_registry.catalog import ensure_local
+    from localllm.models_registry.names import name_from_file, parse_name
+    from localllm.quant.writer import quantize_file
+
+    if output is not None and name is not None:
+        raise click_exc.UsageError("give --output or --name, not both")
+    store = _store()
+    given = Path(src).expanduser()
+    source_name = None
+    if given.is_file():
+        path, base = given, name_from_file(given)
+    else:
+        record = ensure_local(src, store)
+        path, base, source_name = store.path_of(record), parse_name(record.name).name, record.name
+    if eval_text is not None and not eval_text.is_file():
+        raise LocalLLMError(f"no such text file: {eval_text}")
+    kind = type_name.upper()
+    target = output if output is not None else store.temp_path()
+    show = _QuantizeProgress(quiet=json_out)
+    try:
+        with show:
+            result = quantize_file(path, target, kind, engine=engine,
+                                   allow_requantize=allow_requantize, on_tensor=show.update)  # fmt: skip
+    except KeyboardInterrupt:
+        print("quantize interrupted: nothing was written", file=sys.stderr)
+        raise typer.Exit(130) from None
+    for w in result.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    where = str(result.path)
+    if output is None:
+        from localllm.models_registry.store import sha256_file
+
+        key = name or f"{base}:{kind.lower()}"
+        record = store.adopt(result.path, key, source=f"quantize:{path.name}:{kind}",
+                             digest=sha256_file(result.path))  # fmt: skip
+        where = record.name
+    counts: dict[str, int] = {}
+    for t in result.types.values():
+        counts[t] = counts.get(t, 0) + 1
+    report = None
+    if eval_text is not None:  # both sides by name, through the store (hard links, no copies)
+        from localllm.quant.report import quality_report, save_report
+
+        out_name = where if output is None else store.import_file(result.path).name
+        source_name = source_name or store.import_file(path).name
+        report = quality_report(out_name, source_name, eval_text, limit=eval_limit,
+                                file_type=kind, bits_per_weight=result.bits_per_weight)  # fmt: skip
+        save_report(store.home, report)
+    if json_out:
+        _emit_json({"model": where, "type": kind, "engine": result.engine, "bytes": result.nbytes,
+                    "bits_per_weight": round(result.bits_per_weight, 3), "tensor_types": counts,
+                    "seconds": round(result.seconds, 2), "warnings": result.warnings,
+                    "quality": report})  # fmt: skip
+        return
+    mix = ", ".join(f"{n} {t}" for t, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    print(f"quantized {path.name} → {where}: {kind}, {human_bytes(result.nbytes)}, "
+          f"{result.bits_per_weight:.2f} bits/weight ({mix}) by {result.engine} "
+          f"in {result.seconds:.1f} s")  # fmt: skip
+    if report is not None:
+        from localllm.quant.report import report_table
+
+        print("Quality:")
+        for label, value in report_table(report):
+            print(f"  {label:<15} {value}")
+
+
+@app.command()
+def convert(
+    folder: Annotated[Path, typer.Argument(help="A Hugging Face checkpoint folder (safetensors).")],
+    output: Annotated[Path, typer.Option("--output", help="The GGUF file to write.")],
+    outtype: Annotated[str, typer.Option("--outtype", help="f32, f16, bf16 or q8_0.")] = "f16",
+) -> None:
+    """Convert a Llama / Mistral / Qwen2 safetensors checkpoint to GGUF."""
+    from localllm.model_info import human_bytes
+    from localllm.quant.convert import convert as do_convert
+
+    try:
+        path = do_convert(folder, output, outtype.lower())
+    except KeyboardInterrupt:
+        print("convert interrupted: nothing was written", file=sys.stderr)
+        raise typer.Exit(130) from None
+    print(f"converted {folder} → {path} ({outtype.lower()}, {human_bytes(path.stat().st_size)}); "
+          f"`localllm import {path}` registers it")  # fmt: skip
+
+
+class _QuantizeProgress:
+    """Per-tensor progress: a rich bar on a terminal, nothing otherwise (the summary follows)."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.bar: Any = None
+        self.task: Any = None
+        self.tty = sys.stderr.isatty() and not quiet
+
+    def __enter__(self) -> _QuantizeProgress:
+        if self.tty:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                console=Console(stderr=True), transient=True)  # fmt: skip
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def update(self, e: Any) -> None:
+        if self.bar is None:
+            return
+        if self.task is None:
+            self.task = self.bar.add_task("quantizing", total=e.total)
+        self.bar.update(self.task, completed=e.index, description=f"{e.name} → {e.type_name}")
 
 
 def _server_missing() -> LocalLLMError | None:

@@ -143,7 +143,7 @@ def _score(ids: list[int], scorer: Any, ref: Any,
            progress: Callable[[int, int], None] | None) -> dict[str, Any]:  # fmt: skip
     """Feed ids[:-1] through `scorer` (and `ref` in step), predicting ids[1:]."""
     total = len(ids) - 1
-    nll = 0.0
+    nll = ref_nll = 0.0
     kls: list[np.ndarray] = []
     agree = 0
     argmax: list[np.ndarray] = []
@@ -164,6 +164,7 @@ def _score(ids: list[int], scorer: Any, ref: Any,
                 ref_pos += len(rp)
             rows = np.concatenate(pending) if len(pending) > 1 else pending[0]
             r, pending = rows[:m], ([rows[m:]] if len(rows) > m else [])
+            ref_nll -= float(r[np.arange(m), targets].astype(np.float64).sum())
             kls.append((np.exp(r) * (r - logp)).sum(-1, dtype=np.float64))
             agree += int((r.argmax(-1) == logp.argmax(-1)).sum())
         pos += m
@@ -174,7 +175,8 @@ def _score(ids: list[int], scorer: Any, ref: Any,
     if ref is not None:
         kl = np.concatenate(kls)
         out.update({"kl_mean": float(kl.mean()), "kl_p99": float(np.percentile(kl, 99)),
-                    "top1_agreement": agree / total})  # fmt: skip
+                    "top1_agreement": agree / total,
+                    "reference_perplexity": math.exp(ref_nll / total)})  # fmt: skip
     return out
 
 

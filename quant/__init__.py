@@ -7,6 +7,9 @@ ggml in the tests), the K-quants through our ports (`kquants`).
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 __all__ = ["BLOCK", "TYPES", "quantize", "row_bytes"]
@@ -40,13 +43,40 @@ def quantize(values: np.ndarray, type_name: str) -> np.ndarray:
         out = x.view(np.uint8)
     elif type_name == "F16":
         out = x.astype("<f2").view(np.uint8)
-    elif type_name in ("Q4_K", "Q5_K", "Q6_K"):
-        from localllm.quant import kquants
+    else:
+        out = _in_pieces(x.reshape(-1, n), type_name)
+    return np.ascontiguousarray(out).reshape(*shape, width)
 
-        fn = {"Q4_K": kquants.quantize_q4_k, "Q5_K": kquants.quantize_q5_k, "Q6_K": kquants.quantize_q6_k}
-        out = fn[type_name](x.reshape(-1, n))
+
+# values per piece: numpy's temporaries of a piece stay in the CPU's cache (Q4_K of 3.1 M values
+# took 1.34 s in one piece, 0.56 s in pieces of 65,536, 0.87 s in pieces of 16,384; 1 thread)
+PIECE = 65536
+LEGACY_PIECE = 1 << 22
+
+
+def _in_pieces(rows: np.ndarray, type_name: str) -> np.ndarray:
+    """Quantize whole rows piece by piece, the pieces on every core (numpy lets go of the GIL
+    inside its array operations)."""
+    from localllm.quant import kquants
+
+    k = {"Q4_K": kquants.quantize_q4_k, "Q5_K": kquants.quantize_q5_k, "Q6_K": kquants.quantize_q6_k}
+    # the legacy types are a few array operations each: pieces only add calls
+    step = max(1, (PIECE if type_name in k else LEGACY_PIECE) // rows.shape[1])
+    pieces = [rows[i : i + step] for i in range(0, len(rows), step)]
+    if type_name in k:
+        fn = k[type_name]
     else:
         from gguf import GGMLQuantizationType, quants
 
-        out = quants.quantize(x.reshape(-1, n), GGMLQuantizationType[type_name]).view(np.uint8)
-    return np.ascontiguousarray(out).reshape(*shape, width)
+        qtype = GGMLQuantizationType[type_name]
+
+        def fn(piece: np.ndarray) -> np.ndarray:
+            return quants.quantize(piece, qtype).view(np.uint8)
+
+    workers = min(len(pieces), os.cpu_count() or 1)
+    if workers <= 1:
+        done = [fn(p) for p in pieces]
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            done = list(pool.map(fn, pieces))
+    return np.concatenate(done).reshape(len(rows), -1)

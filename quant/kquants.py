@@ -7,8 +7,8 @@ positions inside one sub-block (32 or 16) and over the candidate scales, never o
 
 Byte-exactness rests on three things. Every value is float32 and every operation is one IEEE
 float32 operation in C's order (ggml-base is built without FMA contraction or fast-math, so `a*b + c`
-rounds twice there too; numpy's own `sum` would add pairwise, so sums are accumulated position by
-position as the C loops do). `nearest_int` (add 1.5·2^23, read the bits) is round-half-to-even, as
+rounds twice there too; numpy's own `sum` would add pairwise, so sums run over the first axis of
+position-major (n, N) arrays, which numpy adds in order, one row after another, as the C loops do). `nearest_int` (add 1.5·2^23, read the bits) is round-half-to-even, as
 `np.rint`. f32 → f16 is round-to-nearest-even in both.
 """
 
@@ -47,47 +47,35 @@ def _make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdel
                       nstep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
     """`make_qkx2_quants` (use_mad false) for every group at once. x, w: (n, N) position-major.
     Returns (scale (N,), the_min (N,) = −min ≥ 0, L (n, N) uint8)."""
-    n = x.shape[0]
     mn = x.min(axis=0)
     mx = x.max(axis=0)
-    sum_w = w[0].copy()
-    sum_x = sum_w * x[0]
-    for i in range(1, n):
-        sum_w += w[i]
-        sum_x += w[i] * x[i]
+    sum_w = w.sum(axis=0)
+    sum_x = (w * x).sum(axis=0)
     mn = np.minimum(mn, F32(0))
     flat = mx == mn
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         iscale = F32(nmax) / (mx - mn)
         scale = F32(1) / iscale
         L = np.clip(_nearest_int(iscale * (x - mn)), 0, nmax)
-        best = np.zeros_like(sum_w)
-        for i in range(n):
-            diff = scale * L[i].astype(F32) + mn - x[i]
-            best += w[i] * (diff * diff)
+        diff = scale * L.astype(F32) + mn - x
+        best = (w * (diff * diff)).sum(axis=0)
         lo = mn.copy()  # the C loop moves `min` to each better solution's: later steps start from it
         for step in range(nstep + 1):
             iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / (mx - lo)
             laux = np.clip(_nearest_int(iscale * (x - lo)), 0, nmax)
             lf = laux.astype(F32)
-            sum_l = np.zeros_like(sum_w)
-            sum_l2 = np.zeros_like(sum_w)
-            sum_xl = np.zeros_like(sum_w)
-            for i in range(n):
-                wl = w[i] * lf[i]
-                sum_l += wl
-                sum_l2 += wl * lf[i]
-                sum_xl += wl * x[i]
+            wl = w * lf
+            sum_l = wl.sum(axis=0)
+            sum_l2 = (wl * lf).sum(axis=0)
+            sum_xl = (wl * x).sum(axis=0)
             d = sum_w * sum_l2 - sum_l * sum_l
             this_scale = (sum_w * sum_xl - sum_x * sum_l) / d
             this_min = (sum_l2 * sum_x - sum_l * sum_xl) / d
             pos = this_min > 0
             this_min = np.where(pos, F32(0), this_min)
             this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
-            cur = np.zeros_like(sum_w)
-            for i in range(n):
-                diff = this_scale * lf[i] + this_min - x[i]
-                cur += w[i] * (diff * diff)
+            diff = this_scale * lf + this_min - x
+            cur = (w * (diff * diff)).sum(axis=0)
             better = (d > 0) & (cur < best)
             L = np.where(better, laux, L)
             best = np.where(better, cur, best)
@@ -101,7 +89,6 @@ def _make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdel
 def _make_qx_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     """`make_qx_quants` with rmse_type 1 and no importance weights, for every group at once.
     x: (n, N) position-major. Returns (scale (N,), L (n, N) int32 in [0, 2·nmax))."""
-    n = x.shape[0]
     ax = np.abs(x)
     at = ax.argmax(axis=0)  # the first largest, as the C loop's strict `>`
     cols = np.arange(x.shape[1])
@@ -109,6 +96,7 @@ def _make_qx_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     mx = x[at, cols]
     zero = amax < GROUP_MAX_EPS
     w = x * x
+    wx = w * x
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
 
         def levels(iscale: np.ndarray) -> np.ndarray:
@@ -116,12 +104,7 @@ def _make_qx_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
 
         def sums(lv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             lf = lv.astype(F32)
-            sumlx = np.zeros(x.shape[1], F32)
-            suml2 = np.zeros(x.shape[1], F32)
-            for i in range(n):
-                sumlx += w[i] * x[i] * lf[i]
-                suml2 += w[i] * lf[i] * lf[i]
-            return sumlx, suml2
+            return (wx * lf).sum(axis=0), (w * lf * lf).sum(axis=0)
 
         iscale = F32(-nmax) / mx
         lv = levels(iscale)
@@ -161,9 +144,7 @@ def _qkx_block(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
     levels L (M, 256) in [0, nmax]."""
     m = x.shape[0]
     xs = _rows(x, 32)  # (32, M·8)
-    sum_x2 = np.zeros(xs.shape[1], F32)
-    for i in range(32):
-        sum_x2 += xs[i] * xs[i]
+    sum_x2 = (xs * xs).sum(axis=0)
     av_x = np.sqrt(sum_x2 / F32(32))
     w = av_x + np.abs(xs)
     scales, mins, L = _make_qkx2_quants(xs, w, nmax, rmin, rdelta, nstep)

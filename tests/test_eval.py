@@ -15,7 +15,7 @@ from test_cli import assert_one_line_error, run
 from conftest import need
 
 KEYS = {"perplexity", "tokens", "kv_bytes_per_token", "kv_residual_bytes", "kv_peak_bytes"}
-REF_KEYS = {"kl_mean", "kl_p99", "top1_agreement"}
+REF_KEYS = {"kl_mean", "kl_p99", "top1_agreement", "reference_perplexity"}
 SMOLLM2_F16_PER_TOKEN = 2 * 2 * 30 * 3 * 64  # bytes × (K, V) × layers × kv_heads × head_dim
 
 
@@ -65,6 +65,8 @@ def test_torch_int8_against_its_f16_cache(corpus_dir: Path, capsys: pytest.Captu
     f16 = eval_json(capsys, "--text", str(corpus_dir / "alice.txt"), "--limit", "160",
                     "--backend", "torch", "--ref-kv", "f16")  # fmt: skip
     assert f16["kl_mean"] < 1e-6 and f16["top1_agreement"] == 1.0  # the same computation
+    assert f16["reference_perplexity"] == pytest.approx(f16["perplexity"], rel=1e-4)
+    assert r["reference_perplexity"] == pytest.approx(f16["perplexity"], rel=1e-3)  # its f16 run
     assert r["perplexity"] == pytest.approx(f16["perplexity"], rel=0.02)
 
 

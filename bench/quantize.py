@@ -1,0 +1,86 @@
+"""Quantization, side by side in one run (issue 15), JSON to bench/results/quantize.json.
+
+    .venv/bin/python bench/quantize.py [--types Q4_K_M,Q8_0,Q6_K] [--rounds 3] [--quick]
+
+- time: the default model dequantized to an F32 GGUF (our writer), then quantized to each type by
+  `--engine localllm` (ours) and `--engine llama.cpp` (`llama_model_quantize`, all cores), in turn,
+  `--rounds` times; the medians and their ratio; every pair's tensor data compared byte for byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import log, machine  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "results" / "quantize.json"
+
+
+def tensor_data(path: Path) -> dict[str, bytes]:
+    from localllm.gguf_file import GGUFFile
+
+    with GGUFFile(path) as f:
+        return {n: bytes(f.tensor_bytes(n)) for n in f.tensors}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--types", default="Q4_K_M,Q8_0,Q6_K,Q5_K_M")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="one round, one type (for the test)")
+    args = ap.parse_args()
+    types = ["Q8_0"] if args.quick else args.types.split(",")
+    rounds = 1 if args.quick else args.rounds
+    os.environ.setdefault("LOCALLLM_HOME", tempfile.mkdtemp(prefix="localllm-bench-quant-"))
+    from localllm.models_registry.catalog import ensure_local
+    from localllm.models_registry.store import Store
+    from localllm.quant.writer import quantize_file
+
+    store = Store()
+    src = store.path_of(ensure_local("smollm2", store))
+    work = Path(tempfile.mkdtemp(prefix="localllm-quant-"))
+    f32 = work / "smollm2-f32.gguf"
+    log("dequantizing the default model to F32 ...")
+    made = quantize_file(src, f32, "F32", allow_requantize=True)
+    results: dict[str, Any] = {"machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M"),
+                               "source": {"file": src.name, "f32_bytes": made.nbytes,
+                                          "params": made.n_params}, "types": {}}  # fmt: skip
+    for kind in types:
+        times: dict[str, list[float]] = {"localllm": [], "llama.cpp": []}
+        identical = True
+        for r in range(rounds):
+            outs = {}
+            for engine in ("localllm", "llama.cpp"):
+                dst = work / f"{kind}-{engine}.gguf"
+                t0 = time.perf_counter()
+                res = quantize_file(f32, dst, kind, engine=engine)
+                times[engine].append(time.perf_counter() - t0)
+                outs[engine] = res
+            a, b = (tensor_data(outs[e].path) for e in ("localllm", "llama.cpp"))
+            same = a == b
+            identical &= same
+            log(f"{kind} round {r + 1}: ours {times['localllm'][-1]:.2f} s, llama.cpp "
+                f"{times['llama.cpp'][-1]:.2f} s, tensor data identical: {same}")  # fmt: skip
+        ours, theirs = (statistics.median(times[e]) for e in ("localllm", "llama.cpp"))
+        results["types"][kind] = {
+            "seconds": times, "median_localllm_s": ours, "median_llamacpp_s": theirs,
+            "ratio": ours / theirs, "identical": identical,
+            "bytes": outs["localllm"].nbytes, "bits_per_weight": outs["localllm"].bits_per_weight,
+        }  # fmt: skip
+    OUT.parent.mkdir(exist_ok=True)
+    out = OUT.with_name("quantize_quick.json") if args.quick else OUT
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    log(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

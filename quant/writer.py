@@ -1,0 +1,293 @@
+"""Writing a quantized GGUF: one tensor at a time into a temporary file beside the output, re-opened
+and checked, then renamed — a kill at any moment leaves no file at the output name.
+
+    quantize_file(src, dst, "Q4_K_M", on_tensor=...)   → QuantizeResult
+
+Metadata is carried over from the source (every key, in order) with `general.file_type` and
+`general.quantization_version` updated. Tensor types come from `mix.choose_types` (llama.cpp's rules);
+values from `localllm.quant.quantize` (engine "localllm") or llama.cpp's own `llama_model_quantize`
+(engine "llama.cpp"; "auto" takes ours when it has every type the mix needs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from localllm.errors import LocalLLMError
+from localllm.gguf_file import GGUFFile
+from localllm.quant import BLOCK, quantize, row_bytes
+
+__all__ = ["QUANTIZATION_VERSION", "QuantizeResult", "TensorDone", "quantize_file"]
+
+QUANTIZATION_VERSION = 2  # ggml's GGML_QNT_VERSION: the block layouts written here
+FLOATS = ("F32", "F16", "BF16")
+# headroom beyond the tensors' bytes when checking free space (header, alignment padding)
+SLACK = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class TensorDone:
+    """One tensor written: the `index`-th of `total` (from 1)."""
+
+    index: int
+    total: int
+    name: str
+    type_name: str
+    nbytes: int
+    seconds: float
+
+
+@dataclass
+class QuantizeResult:
+    path: Path
+    file_type: str
+    engine: str
+    types: dict[str, str]  # tensor → type written
+    nbytes: int  # the output file's size
+    tensor_bytes: int  # of which tensor data
+    n_params: int
+    seconds: float
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Over the tensors' bytes, as llama.cpp reports it (the header is left out)."""
+        return self.tensor_bytes * 8 / max(1, self.n_params)
+
+
+def _values(f: GGUFFile, name: str) -> np.ndarray:
+    """A tensor's values as float32, rows of ne[0]."""
+    t = f.tensors[name]
+    raw = np.frombuffer(f.tensor_bytes(name), dtype=np.uint8)
+    n0 = t.shape[0] if t.shape else 1
+    kind = t.ggml_type.name
+    if kind == "F32":
+        x = raw.view("<f4").astype(np.float32)
+    elif kind == "F16":
+        x = raw.view("<f2").astype(np.float32)
+    else:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        try:
+            x = dequantize(raw, GGMLQuantizationType[kind]).astype(np.float32, copy=False)
+        except (KeyError, NotImplementedError):
+            raise LocalLLMError(f"cannot read tensor {name}: its type {kind} has no dequantizer") from None
+    return x.reshape(-1, n0)
+
+
+def _source_is_quantized(f: GGUFFile) -> str | None:
+    """The first matrix stored in a quantized type (name and type), or None."""
+    for t in f.tensors.values():
+        if len(t.shape) >= 2 and t.ggml_type.name not in FLOATS:
+            return f"{t.name} is {t.ggml_type.name}"
+    return None
+
+
+def _check_space(folder: Path, need: int) -> None:
+    free = shutil.disk_usage(folder).free
+    if free < need + SLACK:
+        raise LocalLLMError(
+            f"not enough free space in {folder}: the quantized file needs about "
+            f"{(need + SLACK) / 2**20:.0f} MiB, {free / 2**20:.0f} MiB are free"
+        )
+
+
+def _copy_metadata(src: Path, writer: Any, file_type: int) -> None:
+    """Every key of the source (gguf's reader gives each value's type), file type and
+    quantization version updated; the header's own fields and the architecture (the writer adds
+    it) left out."""
+    from gguf import GGUFReader, GGUFValueType
+
+    reader = GGUFReader(src)
+    skip = {"general.architecture", "general.file_type", "general.quantization_version"}
+    for key, fld in reader.fields.items():
+        if key.startswith("GGUF.") or key in skip:
+            continue
+        vtype = fld.types[0]
+        sub = fld.types[-1] if vtype == GGUFValueType.ARRAY and len(fld.types) > 1 else None
+        if vtype == GGUFValueType.ARRAY and sub is None:  # an empty array
+            sub = GGUFValueType.INT32
+        writer.add_key_value(key, fld.contents(), vtype, sub_type=sub)
+    writer.add_uint32("general.quantization_version", QUANTIZATION_VERSION)
+    writer.add_uint32("general.file_type", file_type)
+
+
+def verify(path: Path, want: dict[str, tuple[tuple[int, ...], str]]) -> None:
+    """Re-open the written file: the same tensors, shapes, types and sizes as planned."""
+    with GGUFFile(path) as out:
+        if set(out.tensors) != set(want):  # (llama.cpp writes them in its own order)
+            raise LocalLLMError(
+                f"the written file holds {len(out.tensors)} tensors, not the {len(want)} planned"
+            )
+        for name, (shape, type_name) in want.items():
+            t = out.tensors[name]
+            if t.shape != shape or t.ggml_type.name != type_name:
+                raise LocalLLMError(
+                    f"the written {name} is {t.ggml_type.name} {t.shape}, not {type_name} {shape}"
+                )
+            rows = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+            if t.nbytes != rows * row_bytes(type_name, shape[0]):
+                raise LocalLLMError(f"the written {name} has {t.nbytes} bytes")
+
+
+def temp_beside(dst: Path) -> Path:
+    """A fresh temporary name beside `dst` (the store's convention, so its `gc` knows it), after
+    removing those of earlier runs for the same output whose process is dead (killed mid-way)."""
+    from localllm.models_registry.store import pid_alive, temp_path, temp_writer
+
+    for old in dst.parent.glob(f".{dst.name}.tmp-*"):
+        pid = temp_writer(old.name)
+        if pid is not None and not pid_alive(pid):
+            with contextlib.suppress(OSError):
+                old.unlink()
+    return temp_path(dst.parent, prefix=f".{dst.name}")
+
+
+def quantize_file(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    file_type: str,
+    *,
+    engine: str = "auto",
+    allow_requantize: bool = False,
+    on_tensor: Callable[[TensorDone], None] | None = None,
+    cancel: Callable[[], bool] | None = None,
+) -> QuantizeResult:
+    """Quantize the GGUF `src` to `file_type` (a llama.cpp mix: Q4_K_M, Q8_0, ...) at `dst`."""
+    from localllm.quant.mix import FILE_TYPES, choose_types
+
+    t0 = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    file_type = file_type.upper()
+    if file_type not in FILE_TYPES:
+        raise LocalLLMError(f"unknown quantization type {file_type} (known: {', '.join(FILE_TYPES)})")
+    if engine not in ("auto", "localllm", "llama.cpp"):
+        raise LocalLLMError(f"unknown quantization engine {engine} (auto, localllm, llama.cpp)")
+    if dst.resolve() == src.resolve():
+        raise LocalLLMError("the output would overwrite the source: give another path")
+    warnings: list[str] = []
+    with GGUFFile(src) as f:
+        arch = f.architecture
+        quantized = _source_is_quantized(f)
+        if quantized and not allow_requantize:
+            raise LocalLLMError(
+                f"{src.name} is already quantized ({quantized}): quantizing it again loses more "
+                "quality than quantizing the original; pass --allow-requantize to do it anyway"
+            )
+        if quantized:
+            warnings.append(f"requantizing an already quantized model ({quantized}): quality suffers")
+        tensors = [(t.name, t.shape, t.ggml_type.name) for t in f.tensors.values()]
+        types = choose_types(
+            file_type, tensors, arch=arch,
+            n_layer=int(f.arch_get("block_count", 0) or 0),
+            n_head=int(f.arch_get("attention.head_count", 0) or 0),
+            n_head_kv=int(f.arch_get("attention.head_count_kv", 0) or f.arch_get("attention.head_count", 0) or 0),
+            n_expert=int(f.arch_get("expert_count", 0) or 0),
+        )  # fmt: skip
+        plan = {name: (shape, types[name]) for name, shape, _ in tensors}
+        missing = sorted({t for _, t in plan.values() if t not in BLOCK})
+        if engine == "auto":
+            engine = "llama.cpp" if missing else "localllm"
+        elif engine == "localllm" and missing:
+            raise LocalLLMError(f"--engine localllm has no quantizer for {', '.join(missing)}; "
+                                "use --engine llama.cpp")  # fmt: skip
+        n_params = sum(int(np.prod(s, dtype=np.int64)) for s, _ in plan.values())
+        need = sum(
+            (int(np.prod(s[1:], dtype=np.int64)) if len(s) > 1 else 1) * row_bytes(t, s[0])
+            for s, t in plan.values() if t in BLOCK
+        )  # fmt: skip
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        _check_space(dst.parent, need)
+        tmp = temp_beside(dst)
+        try:
+            if engine == "llama.cpp":
+                f.close()
+                _llamacpp_quantize(src, tmp, FILE_TYPES[file_type], allow_requantize)
+                done = TensorDone(len(plan), len(plan), "", "", need, time.perf_counter() - t0)
+                if on_tensor:
+                    on_tensor(done)
+            else:
+                _write(f, src, tmp, plan, FILE_TYPES[file_type], on_tensor, cancel)
+            verify(tmp, plan)
+            os.replace(tmp, dst)
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                raise LocalLLMError(f"the disk filled up writing {dst.name}: nothing was kept") from None
+            raise
+    return QuantizeResult(dst, file_type, engine, {n: t for n, (_, t) in plan.items()},
+                          dst.stat().st_size, need, n_params, time.perf_counter() - t0,
+                          warnings)  # fmt: skip
+
+
+class Cancelled(LocalLLMError):
+    """The caller asked to stop; nothing was written at the output name."""
+
+
+def _write(f: GGUFFile, src: Path, tmp: Path, plan: dict[str, tuple[tuple[int, ...], str]],
+           file_type: int, on_tensor: Callable[[TensorDone], None] | None,
+           cancel: Callable[[], bool] | None) -> None:  # fmt: skip
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    writer = GGUFWriter(tmp, f.architecture)
+    alignment = f.get("general.alignment")
+    if isinstance(alignment, int) and alignment != 32:
+        writer.data_alignment = alignment
+    _copy_metadata(src, writer, file_type)
+    for name, (shape, type_name) in plan.items():
+        rows = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+        nbytes = rows * row_bytes(type_name, shape[0])
+        writer.add_tensor_info(name, tuple(reversed(shape)), np.dtype(np.float32), nbytes,
+                               raw_dtype=GGMLQuantizationType[type_name])  # fmt: skip
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    total = len(plan)
+    for i, (name, (_, type_name)) in enumerate(plan.items(), 1):
+        if cancel is not None and cancel():
+            writer.close()
+            raise Cancelled("quantization cancelled: nothing was written at the output name")
+        t = time.perf_counter()
+        src_type = f.tensors[name].ggml_type.name
+        if src_type == type_name:
+            data = np.frombuffer(f.tensor_bytes(name), dtype=np.uint8).copy()
+        else:
+            data = quantize(_values(f, name), type_name).reshape(-1)
+        writer.write_tensor_data(data)
+        if on_tensor is not None:
+            on_tensor(TensorDone(i, total, name, type_name, data.nbytes, time.perf_counter() - t))
+    writer.close()
+
+
+def _llamacpp_quantize(src: Path, dst: Path, ftype: int, allow_requantize: bool) -> None:
+    """llama.cpp's `llama_model_quantize` (through llama-cpp-python), default parameters."""
+    import ctypes
+
+    try:
+        import llama_cpp
+    except ImportError:
+        raise LocalLLMError("--engine llama.cpp needs llama-cpp-python: pip install 'localllm[llamacpp]'") from None
+    from localllm.backends.llamacpp_guard import probe
+
+    verdict = probe()  # a child evaluates first: a build that dies on this CPU must not take us along
+    if not verdict.ok:
+        raise LocalLLMError(f"--engine llama.cpp: {verdict.message()}")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = os.cpu_count() or 1
+    params.allow_requantize = allow_requantize
+    rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst), ctypes.byref(params))
+    if rc != 0:
+        raise LocalLLMError(f"llama.cpp could not quantize {src.name} (code {rc})")

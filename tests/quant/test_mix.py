@@ -1,0 +1,207 @@
+"""The per-tensor type mix against llama.cpp's own quantizer: for every file type, `choose_types`
+gives exactly the types `llama_model_quantize` writes, on float32 copies of the real SmolLM2 and
+Gemma 3 models and on synthetic Llama models (256-multiple rows, many layers, odd rows, untied
+output, shuffled file order, 8 experts, an 80-layer GQA model)."""
+
+from __future__ import annotations
+
+import ctypes
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from localllm.gguf_file import GGUFFile
+from localllm.quant.mix import FILE_TYPES, choose_types, default_type
+
+from conftest import need
+from ggufs import tokenizer_metadata, write_tiny_llama
+
+
+def f32_copy(src: Path, dst: Path, *, extra: dict[str, np.ndarray] | None = None,
+             drop: tuple[str, ...] = (), kv: dict[str, int] | None = None,
+             reverse: bool = False) -> Path:  # fmt: skip
+    """A float32 GGUF copy of `src` (metadata copied, general.file_type 0), tensors dequantized and
+    streamed one at a time; `extra` tensors appended, names containing a `drop` part left out, `kv`
+    uint32 keys added or replaced, tensor order reversed with `reverse`."""
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(src)
+    arch = str(reader.get_field("general.architecture").contents())
+    writer = gguf.GGUFWriter(str(dst), arch=arch)
+    kv = kv or {}
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name in ("general.architecture", "general.file_type"):
+            continue
+        if f.name in kv:
+            continue
+        if f.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(f.name, f.contents(), f.types[0], sub_type=f.types[-1])
+        else:
+            writer.add_key_value(f.name, f.contents(), f.types[0])
+    writer.add_file_type(0)
+    for key, value in kv.items():
+        writer.add_uint32(key, value)
+
+    def source(t: gguf.ReaderTensor) -> tuple[tuple[int, ...], Callable[[], np.ndarray]]:
+        shape = tuple(int(n) for n in reversed(t.shape))
+        return shape, lambda: dequantize(t.data, t.tensor_type).reshape(shape)
+
+    items = [(t.name, *source(t)) for t in reader.tensors if not any(d in t.name for d in drop)]
+    items += [(name, a.shape, lambda a=a: a) for name, a in (extra or {}).items()]
+    if reverse:
+        items.reverse()
+    for name, shape, _ in items:
+        writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, _, load in items:
+        writer.write_tensor_data(np.ascontiguousarray(load(), dtype=np.float32))
+    writer.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def models(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Synthetic float32 Llama models, small enough to quantize to every file type."""
+    need("gguf", "pip install -e '.[dev]' (the gguf package writes test models)")
+    tok = tokenizer_metadata(default_model_path)
+    d = tmp_path_factory.mktemp("mix")
+    rng = np.random.default_rng(3)
+
+    def tiny(name: str, **kw: int) -> Path:
+        return write_tiny_llama(d / f"{name}.gguf", tok, dtype=np.float32, seed=kw.pop("seed", 0),
+                                **kw)  # fmt: skip
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+
+    n_vocab = len(tok["tokenizer.ggml.tokens"])
+    out = {}
+    # 16 layers, rows of 256 multiples: no fallbacks; an untied output.weight and rope_freqs,
+    # tensors written in reverse order (llama.cpp visits them sorted by layer, then name)
+    base = tiny("base16", n_embd=256, n_ff=512, n_layer=16, n_head=4, n_kv_head=2)
+    out["untied16"] = f32_copy(base, d / "untied16.gguf", reverse=True,
+                               extra={"output.weight": w(n_vocab, 256),
+                                      "rope_freqs.weight": np.ones(32, np.float32)})  # fmt: skip
+    # tied embeddings, 12 layers (another use_more_bits pattern), ffn 768
+    out["tied12"] = tiny("tied12", n_embd=256, n_ff=768, n_layer=12, n_head=4, n_kv_head=1)
+    # rows of 80 (not a multiple of 32: F16 fallbacks) and 96 (Q5_0 / Q5_1 / Q8_0 fallbacks)
+    out["odd"] = tiny("odd", n_embd=80, n_ff=96, n_layer=3, n_head=4, n_kv_head=2)
+    # 80 layers, n_head != n_head_kv: llama.cpp calls it a 70B model (attn_v Q4_K → Q5_K)
+    out["l80"] = tiny("l80", n_embd=256, n_ff=256, n_layer=80, n_head=4, n_kv_head=1)
+    # 8 experts (Mixtral-style 3-D expert tensors and a router that stays F32)
+    moe_base = tiny("moe_base", n_embd=256, n_ff=512, n_layer=4, n_head=4, n_kv_head=2)
+    experts = {}
+    for i in range(4):
+        experts[f"blk.{i}.ffn_gate_inp.weight"] = w(8, 256)
+        experts[f"blk.{i}.ffn_gate_exps.weight"] = w(8, 512, 256)
+        experts[f"blk.{i}.ffn_up_exps.weight"] = w(8, 512, 256)
+        experts[f"blk.{i}.ffn_down_exps.weight"] = w(8, 256, 512)
+    out["moe8"] = f32_copy(moe_base, d / "moe8.gguf", drop=(".ffn_gate.", ".ffn_up.", ".ffn_down."),
+                           extra=experts, kv={"llama.expert_count": 8, "llama.expert_used_count": 2})  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def smol_f32(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    need("gguf", "pip install -e '.[dev]'")
+    return f32_copy(default_model_path, tmp_path_factory.mktemp("smol") / "smollm2-f32.gguf")
+
+
+@pytest.fixture(scope="module")
+def gemma_f32(gemma_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    need("gguf", "pip install -e '.[dev]'")
+    return f32_copy(gemma_model_path, tmp_path_factory.mktemp("gemma") / "gemma3-f32.gguf")
+
+
+def header(path: Path) -> tuple[dict[str, object], list[tuple[str, tuple[int, ...], str]]]:
+    """Metadata and (name, ne shape, type) of every tensor, in file order. `GGUFFile`, not
+    `gguf.GGUFReader`: the reader takes ~5 s per file to parse a 49k-token vocabulary."""
+    with GGUFFile(path) as g:
+        tensors = [(t.name, t.shape, t.ggml_type.name) for t in g.tensors.values()]
+        return dict(g.metadata), tensors
+
+
+def llamacpp_types(src: Path, dst: Path, file_type: str, *, reader: bool = False) -> dict[str, str]:
+    """Quantize `src` with llama.cpp's `llama_model_quantize`; the written tensor types (checked
+    against `gguf.GGUFReader`'s reading with `reader`)."""
+    need("llama_cpp", "pip install -e '.[dev]' (llama-cpp-python is the quantization oracle)")
+    import llama_cpp
+
+    p = llama_cpp.llama_model_quantize_default_params()
+    p.ftype = FILE_TYPES[file_type]
+    p.nthread = 2
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(p))
+    assert rc == 0, f"llama_model_quantize {src.name} → {file_type} failed ({rc})"
+    metadata, tensors = header(dst)
+    assert metadata["general.file_type"] == FILE_TYPES[file_type]
+    types = {name: t for name, _, t in tensors}
+    if reader:
+        import gguf
+
+        r = gguf.GGUFReader(dst)
+        assert {t.name: t.tensor_type.name for t in r.tensors} == types
+        del r
+    dst.unlink()
+    return types
+
+
+def ours(src: Path, file_type: str) -> dict[str, str]:
+    metadata, tensors = header(src)
+    arch = str(metadata["general.architecture"])
+    hp = {k.removeprefix(f"{arch}."): v for k, v in metadata.items() if k.startswith(f"{arch}.")}
+    return choose_types(file_type, tensors, arch=arch, n_layer=hp["block_count"],
+                        n_head=hp["attention.head_count"], n_head_kv=hp["attention.head_count_kv"],
+                        n_expert=hp.get("expert_count", 0))  # fmt: skip
+
+
+def check(src: Path, dst: Path, file_type: str, *, reader: bool = False) -> Counter[str]:
+    theirs = llamacpp_types(src, dst, file_type, reader=reader)
+    mine = ours(src, file_type)
+    assert set(mine) == set(theirs)
+    wrong = {n: (mine[n], theirs[n]) for n in theirs if mine[n] != theirs[n]}
+    assert not wrong, f"{src.name} {file_type}: (ours, llama.cpp) differ for {wrong}"
+    return Counter(theirs.values())
+
+
+SYNTHETIC = ["untied16", "tied12", "odd", "l80", "moe8"]
+
+
+@pytest.mark.parametrize("file_type", list(FILE_TYPES))
+@pytest.mark.parametrize("model", SYNTHETIC)
+def test_synthetic_matches_llamacpp(model: str, file_type: str, models: dict[str, Path],
+                                    tmp_path: Path) -> None:  # fmt: skip
+    check(models[model], tmp_path / "out.gguf", file_type)
+
+
+@pytest.mark.parametrize("file_type", list(FILE_TYPES))
+def test_tiny_f16_source_matches_llamacpp(file_type: str, tiny_llama: Path, tmp_path: Path) -> None:
+    """An F16 source: tensors that are not quantized keep their own type (F32 norms, F16 here)."""
+    check(tiny_llama, tmp_path / "out.gguf", file_type)
+
+
+@pytest.mark.parametrize("file_type", ["Q4_K_M", "Q5_K_S", "Q6_K"])
+def test_smollm2_matches_llamacpp(file_type: str, smol_f32: Path, tmp_path: Path) -> None:
+    counts = check(smol_f32, tmp_path / "out.gguf", file_type, reader=True)
+    assert counts["F32"] == 61  # the 1-D norms
+    if file_type == "Q4_K_M":  # 576-wide rows: Q4_K → Q5_0, Q6_K → Q8_0 (incl. tied token_embd)
+        assert counts == {"Q5_0": 166, "Q4_K": 16, "Q6_K": 14, "Q8_0": 15, "F32": 61}
+
+
+def test_gemma3_matches_llamacpp(gemma_f32: Path, tmp_path: Path) -> None:
+    check(gemma_f32, tmp_path / "out.gguf", "Q4_K_M")
+
+
+def test_file_types() -> None:
+    assert default_type("Q4_K_M") == default_type("Q4_K_S") == "Q4_K"
+    assert default_type("Q5_K_M") == "Q5_K" and default_type("Q8_0") == "Q8_0"
+    assert FILE_TYPES["Q4_K_M"] == 15 and FILE_TYPES["F32"] == 0
+    with pytest.raises(ValueError, match="unknown file type 'Q3_K_L'"):
+        choose_types("Q3_K_L", [], arch="llama", n_layer=1, n_head=1, n_head_kv=1)
+    with pytest.raises(ValueError, match="unknown file type"):
+        default_type("q4_k_m")
