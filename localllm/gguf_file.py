@@ -458,6 +458,13 @@ class GGUFFile:
         t = self.tensors[name]
         return memoryview(self._map)[t.offset : t.offset + t.nbytes]
 
+    def kv_bytes(self, key: str) -> bytes:
+        """One metadata entry exactly as the file holds it (key, type and value), to copy it."""
+        if self._map is None:
+            raise ValueError("GGUF file is closed")
+        a, b = self.kv_spans[key]
+        return bytes(self._map[a:b])
+
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 

@@ -51,6 +51,7 @@ def quantize(values: np.ndarray, type_name: str) -> np.ndarray:
 # values per piece: numpy's temporaries of a piece stay in the CPU's cache (Q4_K of 3.1 M values
 # took 1.34 s in one piece, 0.56 s in pieces of 65,536, 0.87 s in pieces of 16,384; 1 thread)
 PIECE = 65536
+WORKERS = 0  # threads for the pieces (0: one per core)
 LEGACY_PIECE = 1 << 22
 
 
@@ -73,7 +74,7 @@ def _in_pieces(rows: np.ndarray, type_name: str) -> np.ndarray:
         def fn(piece: np.ndarray) -> np.ndarray:
             return quants.quantize(piece, qtype).view(np.uint8)
 
-    workers = min(len(pieces), os.cpu_count() or 1)
+    workers = min(len(pieces), WORKERS or os.cpu_count() or 1)
     if workers <= 1:
         done = [fn(p) for p in pieces]
     else:

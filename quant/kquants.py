@@ -43,6 +43,12 @@ def _rows(x: np.ndarray, n: int) -> np.ndarray:
     return np.ascontiguousarray(x.reshape(-1, n).T, dtype=F32)
 
 
+def _levels(t: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """nearest_int, then clamped, in place and kept as floats (exact: small integers)."""
+    np.rint(t, out=t)
+    return np.clip(t, lo, hi, out=t)
+
+
 def _make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float,
                       nstep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
     """`make_qkx2_quants` (use_mad false) for every group at once. x, w: (n, N) position-major.
@@ -53,36 +59,42 @@ def _make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdel
     sum_x = (w * x).sum(axis=0)
     mn = np.minimum(mn, F32(0))
     flat = mx == mn
+    t = np.empty_like(x)
+    u = np.empty_like(x)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         iscale = F32(nmax) / (mx - mn)
         scale = F32(1) / iscale
-        L = np.clip(_nearest_int(iscale * (x - mn)), 0, nmax)
-        diff = scale * L.astype(F32) + mn - x
+        L = _levels(np.multiply(iscale, np.subtract(x, mn, out=t), out=t), 0, nmax).copy()
+        diff = scale * L + mn - x
         best = (w * (diff * diff)).sum(axis=0)
         lo = mn.copy()  # the C loop moves `min` to each better solution's: later steps start from it
         for step in range(nstep + 1):
             iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / (mx - lo)
-            laux = np.clip(_nearest_int(iscale * (x - lo)), 0, nmax)
-            lf = laux.astype(F32)
-            wl = w * lf
+            lf = _levels(np.multiply(iscale, np.subtract(x, lo, out=t), out=t), 0, nmax)
+            wl = np.multiply(w, lf, out=u)
             sum_l = wl.sum(axis=0)
             sum_l2 = (wl * lf).sum(axis=0)
-            sum_xl = (wl * x).sum(axis=0)
+            sum_xl = np.multiply(wl, x, out=u).sum(axis=0)
             d = sum_w * sum_l2 - sum_l * sum_l
             this_scale = (sum_w * sum_xl - sum_x * sum_l) / d
             this_min = (sum_l2 * sum_x - sum_l * sum_xl) / d
             pos = this_min > 0
             this_min = np.where(pos, F32(0), this_min)
             this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
-            diff = this_scale * lf + this_min - x
-            cur = (w * (diff * diff)).sum(axis=0)
+            diff = np.multiply(this_scale, lf, out=u)  # (scale·l + min − x)², weighted
+            diff += this_min
+            diff -= x
+            diff *= diff
+            diff *= w
+            cur = diff.sum(axis=0)
             better = (d > 0) & (cur < best)
-            L = np.where(better, laux, L)
-            best = np.where(better, cur, best)
-            scale = np.where(better, this_scale, scale)
-            lo = np.where(better, this_min, lo)
+            if better.any():
+                L = np.where(better, lf, L)
+                best = np.where(better, cur, best)
+                scale = np.where(better, this_scale, scale)
+                lo = np.where(better, this_min, lo)
     scale = np.where(flat, F32(0), scale).astype(F32)
-    L = np.where(flat, 0, L).astype(np.uint8)
+    L = np.where(flat, F32(0), L).astype(np.uint8)
     return scale, (-lo).astype(F32), L
 
 
@@ -97,33 +109,31 @@ def _make_qx_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     zero = amax < GROUP_MAX_EPS
     w = x * x
     wx = w * x
+    t = np.empty_like(x)
+    u = np.empty_like(x)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
 
-        def levels(iscale: np.ndarray) -> np.ndarray:
-            return np.clip(_nearest_int(iscale * x), -nmax, nmax - 1)
+        def sums(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            lf = _levels(np.multiply(iscale, x, out=t), -nmax, nmax - 1)
+            sumlx = np.multiply(wx, lf, out=u).sum(axis=0)
+            suml2 = np.multiply(np.multiply(w, lf, out=u), lf, out=u).sum(axis=0)
+            return lf, sumlx, suml2
 
-        def sums(lv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            lf = lv.astype(F32)
-            return (wx * lf).sum(axis=0), (w * lf * lf).sum(axis=0)
-
-        iscale = F32(-nmax) / mx
-        lv = levels(iscale)
-        L = lv + nmax
-        sumlx, suml2 = sums(lv)
+        lf, sumlx, suml2 = sums(F32(-nmax) / mx)
+        L = lf + F32(nmax)
         scale = np.where(suml2 != 0, sumlx / suml2, F32(0)).astype(F32)
         best = scale * sumlx
         for step in range(-9, 10):
             if step == 0:
                 continue
-            iscale = -(F32(nmax) + F32(0.1) * F32(step)) / mx
-            lv = levels(iscale)
-            sumlx, suml2 = sums(lv)
+            lf, sumlx, suml2 = sums(-(F32(nmax) + F32(0.1) * F32(step)) / mx)
             better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-            L = np.where(better, lv + nmax, L)
-            scale = np.where(better, sumlx / suml2, scale)
-            best = np.where(better, scale * sumlx, best)
+            if better.any():
+                L = np.where(better, lf + F32(nmax), L)
+                scale = np.where(better, sumlx / suml2, scale)
+                best = np.where(better, scale * sumlx, best)
     scale = np.where(zero, F32(0), scale).astype(F32)
-    L = np.where(zero, 0, L)
+    L = np.where(zero, F32(0), L).astype(np.int32)
     return scale, L
 
 

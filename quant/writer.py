@@ -15,8 +15,9 @@ import contextlib
 import errno
 import os
 import shutil
+import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,24 +104,44 @@ def _check_space(folder: Path, need: int) -> None:
         )
 
 
-def _copy_metadata(src: Path, writer: Any, file_type: int) -> None:
-    """Every key of the source (gguf's reader gives each value's type), file type and
-    quantization version updated; the header's own fields and the architecture (the writer adds
-    it) left out."""
-    from gguf import GGUFReader, GGUFValueType
+def _kv_u32(key: str, value: int) -> bytes:
+    k = key.encode()
+    return struct.pack("<Q", len(k)) + k + struct.pack("<II", 4, value)  # GGUF value type 4: u32
 
-    reader = GGUFReader(src)
-    skip = {"general.architecture", "general.file_type", "general.quantization_version"}
-    for key, fld in reader.fields.items():
-        if key.startswith("GGUF.") or key in skip:
-            continue
-        vtype = fld.types[0]
-        sub = fld.types[-1] if vtype == GGUFValueType.ARRAY and len(fld.types) > 1 else None
-        if vtype == GGUFValueType.ARRAY and sub is None:  # an empty array
-            sub = GGUFValueType.INT32
-        writer.add_key_value(key, fld.contents(), vtype, sub_type=sub)
-    writer.add_uint32("general.quantization_version", QUANTIZATION_VERSION)
-    writer.add_uint32("general.file_type", file_type)
+
+def _header(f: GGUFFile, plan: dict[str, tuple[tuple[int, ...], str]], file_type: int) -> bytes:
+    """The output's header: every metadata entry of the source copied byte for byte, in order,
+    `general.file_type` and `general.quantization_version` (re)written; the planned tensors' infos
+    with aligned offsets; padding to the alignment."""
+    from gguf import GGMLQuantizationType
+
+    new = {"general.quantization_version": _kv_u32("general.quantization_version", QUANTIZATION_VERSION),
+           "general.file_type": _kv_u32("general.file_type", file_type)}  # fmt: skip
+    entries = [new.pop(k) if k in new else f.kv_bytes(k) for k in f.metadata]
+    entries += new.values()  # those the source lacked
+    align = f.alignment
+    out = bytearray(b"GGUF" + struct.pack("<IQQ", 3, len(plan), len(entries)))
+    for e in entries:
+        out += e
+    pos = 0
+    for name, (shape, type_name) in plan.items():
+        k = name.encode()
+        out += struct.pack("<Q", len(k)) + k + struct.pack("<I", len(shape))
+        out += struct.pack(f"<{len(shape)}Q", *shape)
+        out += struct.pack("<IQ", GGMLQuantizationType[type_name].value, pos)
+        pos += -(-_nbytes(shape, type_name) // align) * align
+    out += b"\0" * (-len(out) % align)
+    return bytes(out)
+
+
+def _nbytes(shape: tuple[int, ...], type_name: str) -> int:
+    rows = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+    return rows * row_bytes(type_name, shape[0])
+
+
+def _put(fh: Any, data: bytes | memoryview) -> None:
+    """One write of the output (its own function: a test makes the disk fill up here)."""
+    fh.write(data)
 
 
 def verify(path: Path, want: dict[str, tuple[tuple[int, ...], str]]) -> None:
@@ -218,7 +239,7 @@ def quantize_file(
                 if on_tensor:
                     on_tensor(done)
             else:
-                _write(f, src, tmp, plan, FILE_TYPES[file_type], on_tensor, cancel)
+                _write(f, tmp, plan, FILE_TYPES[file_type], on_tensor, cancel)
             verify(tmp, plan)
             os.replace(tmp, dst)
         except BaseException as e:
@@ -236,39 +257,97 @@ class Cancelled(LocalLLMError):
     """The caller asked to stop; nothing was written at the output name."""
 
 
-def _write(f: GGUFFile, src: Path, tmp: Path, plan: dict[str, tuple[tuple[int, ...], str]],
-           file_type: int, on_tensor: Callable[[TensorDone], None] | None,
+def _write(f: GGUFFile, tmp: Path, plan: dict[str, tuple[tuple[int, ...], str]], file_type: int,
+           on_tensor: Callable[[TensorDone], None] | None,
            cancel: Callable[[], bool] | None) -> None:  # fmt: skip
-    from gguf import GGMLQuantizationType, GGUFWriter
-
-    writer = GGUFWriter(tmp, f.architecture)
-    alignment = f.get("general.alignment")
-    if isinstance(alignment, int) and alignment != 32:
-        writer.data_alignment = alignment
-    _copy_metadata(src, writer, file_type)
-    for name, (shape, type_name) in plan.items():
-        rows = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
-        nbytes = rows * row_bytes(type_name, shape[0])
-        writer.add_tensor_info(name, tuple(reversed(shape)), np.dtype(np.float32), nbytes,
-                               raw_dtype=GGMLQuantizationType[type_name])  # fmt: skip
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
+    if f.byte_order != "<":
+        raise LocalLLMError(f"{Path(f.path).name} is a big-endian GGUF: only little-endian ones are quantized")
+    align = f.alignment
     total = len(plan)
-    for i, (name, (_, type_name)) in enumerate(plan.items(), 1):
-        if cancel is not None and cancel():
-            writer.close()
-            raise Cancelled("quantization cancelled: nothing was written at the output name")
+    with open(tmp, "xb") as fh:
+        _put(fh, _header(f, plan, file_type))
         t = time.perf_counter()
-        src_type = f.tensors[name].ggml_type.name
-        if src_type == type_name:
-            data = np.frombuffer(f.tensor_bytes(name), dtype=np.uint8).copy()
-        else:
-            data = quantize(_values(f, name), type_name).reshape(-1)
-        writer.write_tensor_data(data)
-        if on_tensor is not None:
-            on_tensor(TensorDone(i, total, name, type_name, data.nbytes, time.perf_counter() - t))
-    writer.close()
+        for i, (name, data) in enumerate(_tensors_out(f, plan, cancel), 1):
+            shape, type_name = plan[name]
+            if len(data) != _nbytes(shape, type_name):
+                raise LocalLLMError(f"{name}: {len(data)} bytes quantized, {_nbytes(shape, type_name)} planned")
+            _put(fh, data)
+            _put(fh, b"\0" * (-len(data) % align))
+            if on_tensor is not None:
+                on_tensor(TensorDone(i, total, name, type_name, len(data), time.perf_counter() - t))
+            t = time.perf_counter()
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+# values above which tensors are quantized in worker processes (`worker`), one per core: numpy
+# spends most of a K-quant in short calls that keep the GIL (threads gained 0-20% here), and a
+# worker costs ~0.5 s to start
+PROCESS_VALUES = 32 * 2**20
+
+
+def quantized_bytes(f: GGUFFile, name: str, type_name: str) -> bytes | memoryview:
+    """One tensor's bytes in `type_name` (its own bytes when it already is)."""
+    if f.tensors[name].ggml_type.name == type_name:
+        return f.tensor_bytes(name)
+    return quantize(_values(f, name), type_name).reshape(-1).data
+
+
+def _tensors_out(f: GGUFFile, plan: dict[str, tuple[tuple[int, ...], str]],
+                 cancel: Callable[[], bool] | None) -> Iterator[tuple[str, bytes | memoryview]]:  # fmt: skip
+    """Each planned tensor's output bytes, in plan order: in this process for small models, else
+    by worker processes, tensor i by worker i mod N."""
+
+    def stop() -> None:
+        if cancel is not None and cancel():
+            raise Cancelled("quantization cancelled: nothing was written at the output name")
+
+    work = [(n, t) for n, (_, t) in plan.items()]
+    values = sum(f.tensors[n].n_elements for n, t in work if f.tensors[n].ggml_type.name != t)
+    n = min(os.cpu_count() or 1, len(work))
+    if n <= 1 or values < PROCESS_VALUES:
+        for name, type_name in work:
+            stop()
+            yield name, quantized_bytes(f, name, type_name)
+        return
+    import subprocess
+    import sys
+    import tempfile
+
+    # stderr to files: a pipe nobody reads could fill and stop a worker mid-write
+    with contextlib.ExitStack() as stack:
+        errs = [stack.enter_context(tempfile.TemporaryFile()) for _ in range(n)]
+        procs = [subprocess.Popen([sys.executable, "-m", "localllm.quant.worker", f.path],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=e)
+                 for e in errs]  # fmt: skip
+        stack.callback(_end, procs)
+        for i, p in enumerate(procs):
+            assert p.stdin is not None
+            p.stdin.write("".join(f"{name}\t{t}\n" for name, t in work[i::n]).encode())
+            p.stdin.close()
+        for i, (name, _) in enumerate(work):
+            stop()
+            p = procs[i % n]
+            assert p.stdout is not None
+            head = p.stdout.read(8)
+            size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            data = p.stdout.read(size) if size >= 0 else b""
+            if size < 0 or len(data) != size:
+                status = p.wait()
+                errs[i % n].seek(0)
+                err = errs[i % n].read().decode(errors="replace").strip()
+                last = err.splitlines()[-1] if err else f"exit status {status}"
+                raise LocalLLMError(f"a quantizing worker failed on {name}: {last}")
+            yield name, data
+
+
+def _end(procs: list[Any]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        if p.stdout is not None:
+            p.stdout.close()
 
 
 def _llamacpp_quantize(src: Path, dst: Path, ftype: int, allow_requantize: bool) -> None:

@@ -102,21 +102,19 @@ def test_not_enough_space_is_refused_before_writing(f32_llama: Path, tmp_path: P
 
 def test_a_full_disk_mid_way_keeps_nothing(f32_llama: Path, tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    from gguf import GGUFWriter
-
-    real = GGUFWriter.write_tensor_data
+    real = qwriter._put
     calls = []
 
-    def full(self, tensor, *a, **kw):  # type: ignore[no-untyped-def]
+    def full(fh, data):  # type: ignore[no-untyped-def]
         calls.append(1)
-        if len(calls) == 5:
+        if len(calls) == 9:  # a few tensors in
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, tensor, *a, **kw)
+        return real(fh, data)
 
-    monkeypatch.setattr(GGUFWriter, "write_tensor_data", full)
+    monkeypatch.setattr(qwriter, "_put", full)
     with pytest.raises(LocalLLMError, match="disk filled up .*nothing was kept"):
         quantize_file(f32_llama, tmp_path / "out.gguf", "Q8_0")
-    assert not list(tmp_path.iterdir())
+    assert len(calls) == 9 and not list(tmp_path.iterdir())
 
 
 def test_cancel_keeps_nothing(f32_llama: Path, tmp_path: Path) -> None:
@@ -163,3 +161,19 @@ def test_cli_quantize_registers_in_the_store(f32_llama: Path, tmp_path: Path) ->
     listed = subprocess.run([sys.executable, "-m", "localllm", "list", "--json"], capture_output=True,
                             text=True, timeout=60)  # fmt: skip
     assert "tiny-f32:q8_0" in listed.stdout
+
+
+def test_worker_processes_write_the_same_bytes(f32_llama: Path, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Large models go through one worker process per core: the same bytes, in order; a cancel
+    ends the workers and keeps nothing."""
+    here = quantize_file(f32_llama, tmp_path / "here.gguf", "Q4_K_M")
+    monkeypatch.setattr(qwriter, "PROCESS_VALUES", 0)
+    monkeypatch.setattr(qwriter.os, "cpu_count", lambda: 3)  # more workers than cores is fine
+    there = quantize_file(f32_llama, tmp_path / "there.gguf", "Q4_K_M")
+    assert here.path.read_bytes() == there.path.read_bytes()
+    seen = []
+    with pytest.raises(qwriter.Cancelled):
+        quantize_file(f32_llama, tmp_path / "out.gguf", "Q8_0", on_tensor=seen.append,
+                      cancel=lambda: len(seen) >= 5)  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here.gguf", "there.gguf"]
