@@ -15,6 +15,7 @@ import pytest
 
 from localllm.gguf_file import GGUFFile
 from localllm.quant.mix import FILE_TYPES, choose_types, default_type
+from localllm.quant.writer import quantize_file
 
 from conftest import need
 from ggufs import tokenizer_metadata, write_tiny_llama
@@ -109,14 +110,17 @@ def models(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture(scope="module")
 def smol_f32(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model dequantized to F32 by our writer (its `F32` file type)."""
     need("gguf", "pip install -e '.[dev]'")
-    return f32_copy(default_model_path, tmp_path_factory.mktemp("smol") / "smollm2-f32.gguf")
+    out = tmp_path_factory.mktemp("smol") / "smollm2-f32.gguf"
+    return quantize_file(default_model_path, out, "F32", allow_requantize=True).path
 
 
 @pytest.fixture(scope="module")
 def gemma_f32(gemma_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     need("gguf", "pip install -e '.[dev]'")
-    return f32_copy(gemma_model_path, tmp_path_factory.mktemp("gemma") / "gemma3-f32.gguf")
+    out = tmp_path_factory.mktemp("gemma") / "gemma3-f32.gguf"
+    return quantize_file(gemma_model_path, out, "F32", allow_requantize=True).path
 
 
 def header(path: Path) -> tuple[dict[str, object], list[tuple[str, tuple[int, ...], str]]]:
@@ -127,7 +131,8 @@ def header(path: Path) -> tuple[dict[str, object], list[tuple[str, tuple[int, ..
         return dict(g.metadata), tensors
 
 
-def llamacpp_types(src: Path, dst: Path, file_type: str, *, reader: bool = False) -> dict[str, str]:
+def llamacpp_types(src: Path, dst: Path, file_type: str, *, reader: bool = False,
+                   keep: bool = False) -> dict[str, str]:  # fmt: skip
     """Quantize `src` with llama.cpp's `llama_model_quantize`; the written tensor types (checked
     against `gguf.GGUFReader`'s reading with `reader`)."""
     need("llama_cpp", "pip install -e '.[dev]' (llama-cpp-python is the quantization oracle)")
@@ -147,7 +152,8 @@ def llamacpp_types(src: Path, dst: Path, file_type: str, *, reader: bool = False
         r = gguf.GGUFReader(dst)
         assert {t.name: t.tensor_type.name for t in r.tensors} == types
         del r
-    dst.unlink()
+    if not keep:
+        dst.unlink()
     return types
 
 
@@ -160,8 +166,9 @@ def ours(src: Path, file_type: str) -> dict[str, str]:
                         n_expert=hp.get("expert_count", 0))  # fmt: skip
 
 
-def check(src: Path, dst: Path, file_type: str, *, reader: bool = False) -> Counter[str]:
-    theirs = llamacpp_types(src, dst, file_type, reader=reader)
+def check(src: Path, dst: Path, file_type: str, *, reader: bool = False,
+          keep: bool = False) -> Counter[str]:  # fmt: skip
+    theirs = llamacpp_types(src, dst, file_type, reader=reader, keep=keep)
     mine = ours(src, file_type)
     assert set(mine) == set(theirs)
     wrong = {n: (mine[n], theirs[n]) for n in theirs if mine[n] != theirs[n]}
@@ -187,10 +194,17 @@ def test_tiny_f16_source_matches_llamacpp(file_type: str, tiny_llama: Path, tmp_
 
 @pytest.mark.parametrize("file_type", ["Q4_K_M", "Q5_K_S", "Q6_K"])
 def test_smollm2_matches_llamacpp(file_type: str, smol_f32: Path, tmp_path: Path) -> None:
-    counts = check(smol_f32, tmp_path / "out.gguf", file_type, reader=True)
+    """The types, and the whole file's tensor data byte for byte against our writer's."""
+    theirs = tmp_path / "theirs.gguf"
+    counts = check(smol_f32, theirs, file_type, reader=file_type == "Q4_K_M", keep=True)
     assert counts["F32"] == 61  # the 1-D norms
     if file_type == "Q4_K_M":  # 576-wide rows: Q4_K → Q5_0, Q6_K → Q8_0 (incl. tied token_embd)
         assert counts == {"Q5_0": 166, "Q4_K": 16, "Q6_K": 14, "Q8_0": 15, "F32": 61}
+    mine = quantize_file(smol_f32, tmp_path / "ours.gguf", file_type, engine="localllm").path
+    with GGUFFile(mine) as a, GGUFFile(theirs) as b:
+        assert set(a.tensors) == set(b.tensors)
+        differ = [n for n in a.tensors if bytes(a.tensor_bytes(n)) != bytes(b.tensor_bytes(n))]
+    assert not differ, f"{file_type}: {len(differ)} tensors differ from llama.cpp's, e.g. {differ[:3]}"
 
 
 def test_gemma3_matches_llamacpp(gemma_f32: Path, tmp_path: Path) -> None:
