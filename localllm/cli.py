@@ -819,54 +819,23 @@ def quantize(
 ) -> None:
     """Quantize a model with llama.cpp's per-tensor type rules; byte-identical to llama.cpp."""
     from localllm.model_info import human_bytes
-    from localllm.models_registry.catalog import ensure_local
-    from localllm.models_registry.names import name_from_file, parse_name
-    from localllm.quant.writer import quantize_file
+    from localllm.quant.job import run_quantize
 
-    if output is not None and name is not None:
-        raise click_exc.UsageError("give --output or --name, not both")
-    store = _store()
-    given = Path(src).expanduser()
-    source_name = None
-    if given.is_file():
-        path, base = given, name_from_file(given)
-    else:
-        record = ensure_local(src, store)
-        path, base, source_name = store.path_of(record), parse_name(record.name).name, record.name
-    if eval_text is not None and not eval_text.is_file():
-        raise LocalLLMError(f"no such text file: {eval_text}")
-    kind = type_name.upper()
-    target = output if output is not None else store.temp_path()
     show = _QuantizeProgress(quiet=json_out)
     try:
         with show:
-            result = quantize_file(path, target, kind, engine=engine,
-                                   allow_requantize=allow_requantize, on_tensor=show.update)  # fmt: skip
+            job = run_quantize(_store(), src, type_name, output=output, name=name, engine=engine,
+                               allow_requantize=allow_requantize, eval_text=eval_text,
+                               eval_limit=eval_limit, on_tensor=show.update)  # fmt: skip
     except KeyboardInterrupt:
         print("quantize interrupted: nothing was written", file=sys.stderr)
         raise typer.Exit(130) from None
+    result, where, report, kind = job.result, job.where, job.report, job.result.file_type
     for w in result.warnings:
         print(f"warning: {w}", file=sys.stderr)
-    where = str(result.path)
-    if output is None:
-        from localllm.models_registry.store import sha256_file
-
-        key = name or f"{base}:{kind.lower()}"
-        record = store.adopt(result.path, key, source=f"quantize:{path.name}:{kind}",
-                             digest=sha256_file(result.path))  # fmt: skip
-        where = record.name
     counts: dict[str, int] = {}
     for t in result.types.values():
         counts[t] = counts.get(t, 0) + 1
-    report = None
-    if eval_text is not None:  # both sides by name, through the store (hard links, no copies)
-        from localllm.quant.report import quality_report, save_report
-
-        out_name = where if output is None else store.import_file(result.path).name
-        source_name = source_name or store.import_file(path).name
-        report = quality_report(out_name, source_name, eval_text, limit=eval_limit,
-                                file_type=kind, bits_per_weight=result.bits_per_weight)  # fmt: skip
-        save_report(store.home, report)
     if json_out:
         _emit_json({"model": where, "type": kind, "engine": result.engine, "bytes": result.nbytes,
                     "bits_per_weight": round(result.bits_per_weight, 3), "tensor_types": counts,
@@ -874,7 +843,7 @@ def quantize(
                     "quality": report})  # fmt: skip
         return
     mix = ", ".join(f"{n} {t}" for t, n in sorted(counts.items(), key=lambda kv: -kv[1]))
-    print(f"quantized {path.name} → {where}: {kind}, {human_bytes(result.nbytes)}, "
+    print(f"quantized {job.source} → {where}: {kind}, {human_bytes(result.nbytes)}, "
           f"{result.bits_per_weight:.2f} bits/weight ({mix}) by {result.engine} "
           f"in {result.seconds:.1f} s")  # fmt: skip
     if report is not None:

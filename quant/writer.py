@@ -175,6 +175,30 @@ def temp_beside(dst: Path) -> Path:
     return temp_path(dst.parent, prefix=f".{dst.name}")
 
 
+def make_plan(f: GGUFFile, file_type: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor's shape and the type `file_type` gives it (`mix.choose_types`), in file order."""
+    from localllm.quant.mix import choose_types
+
+    tensors = [(t.name, t.shape, t.ggml_type.name) for t in f.tensors.values()]
+    try:
+        types = choose_types(
+            file_type, tensors, arch=f.architecture,
+            n_layer=int(f.arch_get("block_count", 0) or 0),
+            n_head=int(f.arch_get("attention.head_count", 0) or 0),
+            n_head_kv=int(f.arch_get("attention.head_count_kv", 0) or f.arch_get("attention.head_count", 0) or 0),
+            n_expert=int(f.arch_get("expert_count", 0) or 0),
+        )  # fmt: skip
+    except ValueError as e:
+        raise LocalLLMError(str(e)) from None
+    return {name: (shape, types[name]) for name, shape, _ in tensors}
+
+
+def estimate_bytes(src: str | os.PathLike[str], file_type: str) -> int:
+    """The tensor bytes `src` quantized to `file_type` will hold (what its weights need in memory)."""
+    with GGUFFile(src) as f:
+        return sum(_nbytes(s, t) for s, t in make_plan(f, file_type.upper()).values() if t in BLOCK)
+
+
 def quantize_file(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -186,7 +210,7 @@ def quantize_file(
     cancel: Callable[[], bool] | None = None,
 ) -> QuantizeResult:
     """Quantize the GGUF `src` to `file_type` (a llama.cpp mix: Q4_K_M, Q8_0, ...) at `dst`."""
-    from localllm.quant.mix import FILE_TYPES, choose_types
+    from localllm.quant.mix import FILE_TYPES
 
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
@@ -199,7 +223,6 @@ def quantize_file(
         raise LocalLLMError("the output would overwrite the source: give another path")
     warnings: list[str] = []
     with GGUFFile(src) as f:
-        arch = f.architecture
         quantized = _source_is_quantized(f)
         if quantized and not allow_requantize:
             raise LocalLLMError(
@@ -208,15 +231,7 @@ def quantize_file(
             )
         if quantized:
             warnings.append(f"requantizing an already quantized model ({quantized}): quality suffers")
-        tensors = [(t.name, t.shape, t.ggml_type.name) for t in f.tensors.values()]
-        types = choose_types(
-            file_type, tensors, arch=arch,
-            n_layer=int(f.arch_get("block_count", 0) or 0),
-            n_head=int(f.arch_get("attention.head_count", 0) or 0),
-            n_head_kv=int(f.arch_get("attention.head_count_kv", 0) or f.arch_get("attention.head_count", 0) or 0),
-            n_expert=int(f.arch_get("expert_count", 0) or 0),
-        )  # fmt: skip
-        plan = {name: (shape, types[name]) for name, shape, _ in tensors}
+        plan = make_plan(f, file_type)
         missing = sorted({t for _, t in plan.values() if t not in BLOCK})
         if engine == "auto":
             engine = "llama.cpp" if missing else "localllm"
@@ -224,10 +239,7 @@ def quantize_file(
             raise LocalLLMError(f"--engine localllm has no quantizer for {', '.join(missing)}; "
                                 "use --engine llama.cpp")  # fmt: skip
         n_params = sum(int(np.prod(s, dtype=np.int64)) for s, _ in plan.values())
-        need = sum(
-            (int(np.prod(s[1:], dtype=np.int64)) if len(s) > 1 else 1) * row_bytes(t, s[0])
-            for s, t in plan.values() if t in BLOCK
-        )  # fmt: skip
+        need = sum(_nbytes(s, t) for s, t in plan.values() if t in BLOCK)
         dst.parent.mkdir(parents=True, exist_ok=True)
         _check_space(dst.parent, need)
         tmp = temp_beside(dst)

@@ -79,6 +79,7 @@ class ModelsScreen(Screen):
         Binding("i", "import", "Import"),
         Binding("x", "cycle_ctx", "Context"),
         Binding("k", "cycle_kv", "KV type"),
+        Binding("q", "quantize", "Quantize"),
     ]
     CTX_CHOICES = (2048, 4096, 8192, 16384, 32768, 131072)
 
@@ -300,6 +301,19 @@ class ModelsScreen(Screen):
         from localllm.tui.dialogs import Confirm
 
         self.app.push_screen(Confirm(f"Remove {name}?"), done)
+
+    def action_quantize(self) -> None:
+        name = self._selected()
+        if not name:
+            self.notify("pick a local model to quantize")
+            return
+        from localllm.tui.quantize_screen import QuantizeScreen
+
+        def done(job: Any) -> None:
+            if job is not None:
+                self.action_refresh()
+
+        self.app.push_screen(QuantizeScreen(name), done)
 
     def action_import(self) -> None:
         from localllm.tui.dialogs import Ask

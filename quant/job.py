@@ -1,0 +1,71 @@
+"""`localllm quantize` as one call, for the CLI and the app alike: the source by name or path, the
+result registered in the store (or written to a path), and the quality report when a text is given."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from localllm.errors import LocalLLMError
+from localllm.quant.writer import QuantizeResult, TensorDone, quantize_file
+
+__all__ = ["QuantizeJob", "run_quantize"]
+
+
+@dataclass
+class QuantizeJob:
+    result: QuantizeResult
+    where: str  # the registered name, or the output path
+    source: str  # the source's file name
+    report: dict[str, Any] | None = None
+
+
+def run_quantize(store: Any, src: str, file_type: str, *, output: Path | None = None,
+                 name: str | None = None, engine: str = "auto", allow_requantize: bool = False,
+                 eval_text: Path | None = None, eval_limit: int = 1024,
+                 on_tensor: Callable[[TensorDone], None] | None = None,
+                 cancel: threading.Event | None = None,
+                 on_phase: Callable[[str], None] | None = None) -> QuantizeJob:  # fmt: skip
+    """Quantize the model `src` (a store name or a GGUF path) to `file_type`."""
+    from localllm.models_registry.catalog import ensure_local
+    from localllm.models_registry.names import name_from_file, parse_name
+    from localllm.models_registry.store import sha256_file
+
+    if output is not None and name is not None:
+        raise LocalLLMError("give an output path or a name, not both")
+    given = Path(src).expanduser()
+    source_name = None
+    if given.is_file():
+        path, base = given, name_from_file(given)
+    else:
+        record = ensure_local(src, store)
+        path, base, source_name = store.path_of(record), parse_name(record.name).name, record.name
+    if eval_text is not None and not Path(eval_text).is_file():
+        raise LocalLLMError(f"no such text file: {eval_text}")
+    kind = file_type.upper()
+    target = output if output is not None else store.temp_path()
+    stop = cancel.is_set if cancel is not None else None
+    result = quantize_file(path, target, kind, engine=engine, allow_requantize=allow_requantize,
+                           on_tensor=on_tensor, cancel=stop)  # fmt: skip
+    where = str(result.path)
+    if output is None:
+        if on_phase:
+            on_phase("registering")
+        record = store.adopt(result.path, name or f"{base}:{kind.lower()}",
+                             source=f"quantize:{path.name}:{kind}", digest=sha256_file(result.path))  # fmt: skip
+        where = record.name
+    job = QuantizeJob(result, where, path.name)
+    if eval_text is not None:  # both sides by name, through the store (hard links, no copies)
+        from localllm.quant.report import quality_report, save_report
+
+        if on_phase:
+            on_phase("measuring quality")
+        out_name = where if output is None else store.import_file(result.path).name
+        source_name = source_name or store.import_file(path).name
+        job.report = quality_report(out_name, source_name, Path(eval_text), limit=eval_limit,
+                                    file_type=kind, bits_per_weight=result.bits_per_weight)  # fmt: skip
+        save_report(store.home, job.report)
+    return job
