@@ -309,37 +309,54 @@ def pull(
               f"{human_bytes(record.size)}) sha256:{record.digest}")  # fmt: skip
 
 
-class _PullProgress:
-    """A rich progress bar on a terminal; a few plain lines on stderr otherwise."""
+class _StderrBar:
+    """A rich progress bar on stderr while it is a terminal (and not `--json`); subclasses give
+    the columns and feed it in `update`."""
+
+    transient = False
 
     def __init__(self, quiet: bool) -> None:
         self.quiet = quiet
         self.tty = sys.stderr.isatty() and not quiet
-        self.last: Any = None
         self.bar: Any = None
         self.task: Any = None
 
-    def __enter__(self) -> _PullProgress:
+    def columns(self) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
         if self.tty:
             from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,  # fmt: skip
-                TransferSpeedColumn,
-            )
+            from rich.progress import Progress
 
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                                TransferSpeedColumn(), TimeRemainingColumn(),
-                                console=Console(stderr=True), transient=False)  # fmt: skip
+            self.bar = Progress(*self.columns(), console=Console(stderr=True),
+                                transient=self.transient)  # fmt: skip
             self.bar.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+class _PullProgress(_StderrBar):
+    """A rich progress bar on a terminal; a few plain lines on stderr otherwise."""
+
+    def __init__(self, quiet: bool) -> None:
+        super().__init__(quiet)
+        self.last: Any = None
+
+    def columns(self) -> tuple[Any, ...]:
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        return (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                TransferSpeedColumn(), TimeRemainingColumn())  # fmt: skip
 
     def update(self, e: Any) -> None:
         phase_changed = self.last is None or self.last.phase != e.phase
@@ -873,27 +890,15 @@ def convert(
           f"`localllm import {path}` registers it")  # fmt: skip
 
 
-class _QuantizeProgress:
+class _QuantizeProgress(_StderrBar):
     """Per-tensor progress: a rich bar on a terminal, nothing otherwise (the summary follows)."""
 
-    def __init__(self, quiet: bool) -> None:
-        self.bar: Any = None
-        self.task: Any = None
-        self.tty = sys.stderr.isatty() and not quiet
+    transient = True
 
-    def __enter__(self) -> _QuantizeProgress:
-        if self.tty:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    def columns(self) -> tuple[Any, ...]:
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
 
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                console=Console(stderr=True), transient=True)  # fmt: skip
-            self.bar.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+        return TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()
 
     def update(self, e: Any) -> None:
         if self.bar is None:

@@ -39,7 +39,8 @@ def tensor_data(path: Path) -> dict[str, tuple[str, bytes]]:
         return {n: (t.ggml_type.name, bytes(f.tensor_bytes(n))) for n, t in f.tensors.items()}
 
 
-@pytest.mark.parametrize("file_type", ["Q4_K_M", "Q8_0", "Q5_K_S", "Q6_K"])
+@pytest.mark.parametrize("file_type", ["Q4_K_M", "Q4_K_S", "Q5_K_M", "Q5_K_S", "Q6_K", "Q8_0",
+                                       "Q4_0", "F16"])  # fmt: skip
 def test_whole_file_byte_identical_to_llamacpp(f32_llama: Path, tmp_path: Path, file_type: str) -> None:
     need("llama_cpp", "pip install -e '.[dev]'")
     ours = quantize_file(f32_llama, tmp_path / "ours.gguf", file_type, engine="localllm")
