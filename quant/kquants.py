@@ -178,6 +178,83 @@ def _qkx_block(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
     return _f16_bytes(d), _f16_bytes(dmin), _k_scales(ls, lm), L
 
 
+def _make_qp_quants(x: np.ndarray, qw: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """`make_qp_quants` for every group at once: x ≥ 0 (the sub-blocks' scales or mins) and qw,
+    (n, G) position-major → (scale (G,), L (n, G) float levels). Its last search changes levels one
+    position at a time against running sums, so that loop runs over positions, in order."""
+    n = x.shape[0]
+    mx = np.maximum(x.max(axis=0), F32(0))
+    zero = mx < GROUP_MAX_EPS
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = F32(nmax) / mx
+        L = np.rint(iscale * x)
+        scale = F32(1) / iscale
+        diff = x - scale * L
+        best = (qw * diff * diff).sum(axis=0)
+        for step in (-4, -3, -2, -1, 1, 2, 3, 4):
+            iscale_is = (F32(0.1) * F32(step) + F32(nmax)) / mx
+            scale_is = F32(1) / iscale_is
+            lv = np.minimum(np.rint(iscale_is * x), F32(nmax))
+            diff = x - scale_is * lv
+            mse = (qw * diff * diff).sum(axis=0)
+            better = mse < best
+            best = np.where(better, mse, best)
+            iscale = np.where(better, iscale_is, iscale)
+        L = np.minimum(np.rint(iscale * x), F32(nmax))
+        wx = qw * x
+        sumlx = (wx * L).sum(axis=0)
+        suml2 = (qw * L * L).sum(axis=0)
+        active = ~zero
+        for _ in range(5):
+            changed = np.zeros_like(active)
+            for i in range(n):
+                w, xi, li = qw[i], x[i], L[i]
+                slx = sumlx - w * xi * li
+                sl2 = suml2 - w * li * li
+                new = np.minimum(np.rint(xi * sl2 / slx), F32(nmax))
+                slx2 = slx + w * xi * new
+                sl22 = sl2 + w * new * new
+                take = (active & (slx > 0) & (sl2 > 0) & (new != li)
+                        & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22))  # fmt: skip
+                L[i] = np.where(take, new, li)
+                sumlx = np.where(take, slx2, sumlx)
+                suml2 = np.where(take, sl22, suml2)
+                changed |= take
+            active &= changed
+            if not active.any():
+                break
+        scale = np.where(suml2 > 0, sumlx / suml2, F32(0)).astype(F32)
+    return np.where(zero, F32(0), scale).astype(F32), np.where(zero, F32(0), L)
+
+
+def quantize_q4_k_weighted(x: np.ndarray, qw: np.ndarray) -> np.ndarray:
+    """`quantize_row_q4_K_impl` (llama.cpp with an importance matrix): x and the per-value
+    importance qw, both (M, 256) → Q4_K blocks (M, 144)."""
+    x = _blocks(x)
+    qw = np.asarray(qw, dtype=F32).reshape(x.shape)
+    m = x.shape[0]
+    xt = np.ascontiguousarray(x.T)  # (256, M): the super-block's sum runs over all its values
+    sigma2 = F32(2) * (xt * xt).sum(axis=0) / F32(QK_K)
+    xs, qs = _rows(x, 32), _rows(qw, 32)  # (32, M·8)
+    sig = np.repeat(sigma2, 8)
+    w = qs * np.sqrt(sig + xs * xs)
+    sw = w.sum(axis=0).reshape(m, 8)
+    scales, mins, L = _make_qkx2_quants(xs, w, 15, -0.9, 0.05, 36)  # make_qkx3_quants: the same steps
+    scales, mins = scales.reshape(m, 8), mins.reshape(m, 8)
+    d, ls = _make_qp_quants(np.ascontiguousarray(scales.T), np.ascontiguousarray(sw.T), 63)
+    dm, lm = _make_qp_quants(np.ascontiguousarray(mins.T), np.ascontiguousarray(sw.T), 63)
+    ls, lm = ls.T.astype(np.uint8), lm.T.astype(np.uint8)
+    sub_d = _f16_round(d)[:, None] * ls.astype(F32)
+    sub_m = _f16_round(dm)[:, None] * lm.astype(F32)
+    L = L.T.reshape(m, 8, 32)
+    xb = x.reshape(m, 8, 32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        req = np.clip(_nearest_int((xb + sub_m[..., None]) / sub_d[..., None]), 0, 15)
+    L = np.where(sub_d[..., None] != 0, req, L).astype(np.uint8).reshape(-1, 4, 2, 32)
+    q = (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(-1, 128)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dm), _k_scales(ls, lm), q], axis=1)
+
+
 def _blocks(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=F32)
     if x.size % QK_K:

@@ -34,13 +34,20 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def ggml_quantize(x: np.ndarray, type_name: str, row_bytes: int) -> np.ndarray:
-    """(rows, n) float32 → (rows, row_bytes) uint8, as llama.cpp quantizes it (no imatrix)."""
+def ggml_quantize(x: np.ndarray, type_name: str, row_bytes: int,
+                  imatrix: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+    """(rows, n) float32 → (rows, row_bytes) uint8, as llama.cpp quantizes it; `imatrix`: (n,)
+    importance of each column (llama.cpp's quant_weights), else none."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows, n = x.shape
     out = np.zeros((rows, row_bytes), np.uint8)
     lib = _lib()
     lib.ggml_quantize_init(IDS[type_name])
-    written = lib.ggml_quantize_chunk(IDS[type_name], x.ctypes.data, out.ctypes.data, 0, rows, n, None)
+    qw = None
+    if imatrix is not None:
+        imatrix = np.ascontiguousarray(imatrix, dtype=np.float32)
+        assert imatrix.shape == (n,)
+        qw = imatrix.ctypes.data
+    written = lib.ggml_quantize_chunk(IDS[type_name], x.ctypes.data, out.ctypes.data, 0, rows, n, qw)
     assert written == out.nbytes, (written, out.nbytes)
     return out

@@ -90,3 +90,18 @@ def test_rows_that_do_not_fit_the_block_are_refused() -> None:
     with pytest.raises(ValueError, match="no quantizer for IQ2_XS"):
         quantize(np.zeros((2, 512), np.float32), "IQ2_XS")
     assert set(BLOCK) >= set(TYPES)
+
+
+def test_q4_k_with_an_importance_matrix_is_byte_identical() -> None:
+    """llama.cpp's importance-weighted path (`quantize_row_q4_K_impl`): ours gives its bytes."""
+    from localllm.quant.kquants import quantize_q4_k_weighted
+
+    rng = np.random.default_rng(11)
+    for name, x in inputs().items():
+        imatrix = (rng.uniform(0.01, 5, x.shape[1]) ** 2).astype(np.float32)
+        theirs = ggml_quantize(x, "Q4_K", row_bytes("Q4_K", x.shape[1]), imatrix)
+        per_value = np.tile(imatrix.reshape(-1, 256), (x.shape[0], 1))
+        ours = quantize_q4_k_weighted(x, per_value).reshape(theirs.shape)
+        bad = np.nonzero((ours != theirs).any(axis=1))[0]
+        assert not len(bad), f"Q4_K with imatrix, {name}: rows {bad[:8]} differ"
+        assert not np.array_equal(ours, quantize(x, "Q4_K"))  # the weights changed the result
