@@ -98,16 +98,17 @@ def _make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdel
     return scale, (-lo).astype(F32), L
 
 
-def _make_qx_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """`make_qx_quants` with rmse_type 1 and no importance weights, for every group at once.
-    x: (n, N) position-major. Returns (scale (N,), L (n, N) int32 in [0, 2·nmax))."""
+def _make_qx_quants(x: np.ndarray, nmax: int, qw: np.ndarray | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """`make_qx_quants` with rmse_type 1 (weights x², or `qw` when given), for every group at
+    once. x: (n, N) position-major. Returns (scale (N,), L (n, N) int32 in [0, 2·nmax))."""
     ax = np.abs(x)
     at = ax.argmax(axis=0)  # the first largest, as the C loop's strict `>`
     cols = np.arange(x.shape[1])
     amax = ax[at, cols]
     mx = x[at, cols]
     zero = amax < GROUP_MAX_EPS
-    w = x * x
+    w = x * x if qw is None else qw
     wx = w * x
     t = np.empty_like(x)
     u = np.empty_like(x)
@@ -227,32 +228,32 @@ def _make_qp_quants(x: np.ndarray, qw: np.ndarray, nmax: int) -> tuple[np.ndarra
     return np.where(zero, F32(0), scale).astype(F32), np.where(zero, F32(0), L)
 
 
-def quantize_q4_k_weighted(x: np.ndarray, qw: np.ndarray) -> np.ndarray:
-    """`quantize_row_q4_K_impl` (llama.cpp with an importance matrix): x and the per-value
-    importance qw, both (M, 256) → Q4_K blocks (M, 144)."""
-    x = _blocks(x)
-    qw = np.asarray(qw, dtype=F32).reshape(x.shape)
+def _qkx_weighted(x: np.ndarray, qw: np.ndarray, nmax: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """`quantize_row_q{4,5}_K_impl` (llama.cpp with an importance matrix): x and the per-value
+    importance qw, both (M, 256) → what `_qkx_block` returns."""
     m = x.shape[0]
     xt = np.ascontiguousarray(x.T)  # (256, M): the super-block's sum runs over all its values
     sigma2 = F32(2) * (xt * xt).sum(axis=0) / F32(QK_K)
     xs, qs = _rows(x, 32), _rows(qw, 32)  # (32, M·8)
-    sig = np.repeat(sigma2, 8)
-    w = qs * np.sqrt(sig + xs * xs)
-    sw = w.sum(axis=0).reshape(m, 8)
-    scales, mins, L = _make_qkx2_quants(xs, w, 15, -0.9, 0.05, 36)  # make_qkx3_quants: the same steps
-    scales, mins = scales.reshape(m, 8), mins.reshape(m, 8)
-    d, ls = _make_qp_quants(np.ascontiguousarray(scales.T), np.ascontiguousarray(sw.T), 63)
-    dm, lm = _make_qp_quants(np.ascontiguousarray(mins.T), np.ascontiguousarray(sw.T), 63)
-    ls, lm = ls.T.astype(np.uint8), lm.T.astype(np.uint8)
+    w = qs * np.sqrt(np.repeat(sigma2, 8) + xs * xs)
+    sw = np.ascontiguousarray(w.sum(axis=0).reshape(m, 8).T)
+    scales, mins, L = _make_qkx2_quants(xs, w, nmax, -0.9, 0.05, 36)  # make_qkx3_quants' steps
+    d, ls = _make_qp_quants(np.ascontiguousarray(scales.reshape(m, 8).T), sw, 63)
+    dm, lm = _make_qp_quants(np.ascontiguousarray(mins.reshape(m, 8).T), sw, 63)
+    ls, lm = np.minimum(ls.T, 63).astype(np.uint8), np.minimum(lm.T, 63).astype(np.uint8)
     sub_d = _f16_round(d)[:, None] * ls.astype(F32)
     sub_m = _f16_round(dm)[:, None] * lm.astype(F32)
     L = L.T.reshape(m, 8, 32)
     xb = x.reshape(m, 8, 32)
     with np.errstate(divide="ignore", invalid="ignore"):
-        req = np.clip(_nearest_int((xb + sub_m[..., None]) / sub_d[..., None]), 0, 15)
-    L = np.where(sub_d[..., None] != 0, req, L).astype(np.uint8).reshape(-1, 4, 2, 32)
-    q = (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(-1, 128)
-    return np.concatenate([_f16_bytes(d), _f16_bytes(dm), _k_scales(ls, lm), q], axis=1)
+        req = np.clip(_nearest_int((xb + sub_m[..., None]) / sub_d[..., None]), 0, nmax)
+    L = np.where(sub_d[..., None] != 0, req, L).astype(np.uint8).reshape(m, QK_K)
+    return _f16_bytes(d), _f16_bytes(dm), _k_scales(ls, lm), L
+
+
+def _weights(qw: np.ndarray | None, x: np.ndarray) -> np.ndarray | None:
+    return None if qw is None else np.asarray(qw, dtype=F32).reshape(x.shape)
 
 
 def _blocks(x: np.ndarray) -> np.ndarray:
@@ -262,19 +263,22 @@ def _blocks(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1, QK_K)
 
 
-def quantize_q4_k(x: np.ndarray) -> np.ndarray:
-    """float32 values (a multiple of 256, row-major) → Q4_K blocks, (M, 144) uint8."""
+def quantize_q4_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
+    """float32 values (a multiple of 256, row-major) → Q4_K blocks, (M, 144) uint8; `qw`, the
+    importance of each value (same shape), takes llama.cpp's importance-matrix path."""
     x = _blocks(x)
-    d, dmin, scales, L = _qkx_block(x, 15, -1.0, 0.1, 20)
+    w = _weights(qw, x)
+    d, dmin, scales, L = _qkx_block(x, 15, -1.0, 0.1, 20) if w is None else _qkx_weighted(x, w, 15)
     L = L.reshape(-1, 4, 2, 32)  # 64-value chunks: low nibbles the first 32, high the next
     qs = (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(-1, 128)
     return np.concatenate([d, dmin, scales, qs], axis=1)
 
 
-def quantize_q5_k(x: np.ndarray) -> np.ndarray:
-    """float32 values (a multiple of 256, row-major) → Q5_K blocks, (M, 176) uint8."""
+def quantize_q5_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
+    """float32 values (a multiple of 256, row-major) → Q5_K blocks, (M, 176) uint8 (`qw`: as Q4_K)."""
     x = _blocks(x)
-    d, dmin, scales, L = _qkx_block(x, 31, -0.5, 0.1, 15)
+    w = _weights(qw, x)
+    d, dmin, scales, L = _qkx_block(x, 31, -0.5, 0.1, 15) if w is None else _qkx_weighted(x, w, 31)
     L = L.reshape(-1, 4, 2, 32)
     low = L & 0xF
     high = (L >> 4).astype(np.uint8)  # (M, 4, 2, 32): chunk n sets bits 2n and 2n + 1 of qh
@@ -284,11 +288,13 @@ def quantize_q5_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([d, dmin, scales, qh.astype(np.uint8), qs], axis=1)
 
 
-def quantize_q6_k(x: np.ndarray) -> np.ndarray:
-    """float32 values (a multiple of 256, row-major) → Q6_K blocks, (M, 210) uint8."""
+def quantize_q6_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
+    """float32 values (a multiple of 256, row-major) → Q6_K blocks, (M, 210) uint8 (`qw`: the
+    importance of each value replaces x² as the scale search's weight, as llama.cpp's does)."""
     x = _blocks(x)
     m = x.shape[0]
-    scales, L = _make_qx_quants(_rows(x, 16), 32)  # (M·16,), (16, M·16)
+    w = _weights(qw, x)
+    scales, L = _make_qx_quants(_rows(x, 16), 32, None if w is None else _rows(w, 16))
     scales = scales.reshape(m, 16)
     L = L.T.reshape(m, 16, 16)
     at = np.abs(scales).argmax(axis=1)

@@ -92,16 +92,18 @@ def test_rows_that_do_not_fit_the_block_are_refused() -> None:
     assert set(BLOCK) >= set(TYPES)
 
 
-def test_q4_k_with_an_importance_matrix_is_byte_identical() -> None:
-    """llama.cpp's importance-weighted path (`quantize_row_q4_K_impl`): ours gives its bytes."""
-    from localllm.quant.kquants import quantize_q4_k_weighted
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quants_with_an_importance_matrix_are_byte_identical(type_name: str) -> None:
+    """llama.cpp's importance-weighted paths (`quantize_row_q{4,5,6}_K_impl`): ours give its bytes."""
+    from localllm.quant import kquants
 
+    fn = {"Q4_K": kquants.quantize_q4_k, "Q5_K": kquants.quantize_q5_k, "Q6_K": kquants.quantize_q6_k}
     rng = np.random.default_rng(11)
     for name, x in inputs().items():
         imatrix = (rng.uniform(0.01, 5, x.shape[1]) ** 2).astype(np.float32)
-        theirs = ggml_quantize(x, "Q4_K", row_bytes("Q4_K", x.shape[1]), imatrix)
+        theirs = ggml_quantize(x, type_name, row_bytes(type_name, x.shape[1]), imatrix)
         per_value = np.tile(imatrix.reshape(-1, 256), (x.shape[0], 1))
-        ours = quantize_q4_k_weighted(x, per_value).reshape(theirs.shape)
+        ours = fn[type_name](x, per_value).reshape(theirs.shape)
         bad = np.nonzero((ours != theirs).any(axis=1))[0]
-        assert not len(bad), f"Q4_K with imatrix, {name}: rows {bad[:8]} differ"
-        assert not np.array_equal(ours, quantize(x, "Q4_K"))  # the weights changed the result
+        assert not len(bad), f"{type_name} with imatrix, {name}: rows {bad[:8]} differ"
+        assert not np.array_equal(ours, quantize(x, type_name))  # the weights changed the result
