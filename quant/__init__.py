@@ -31,8 +31,10 @@ def row_bytes(type_name: str, n: int) -> int:
     return n // per * size
 
 
-def quantize(values: np.ndarray, type_name: str) -> np.ndarray:
-    """float32 values (..., n) → (..., row_bytes) uint8 in `type_name`'s blocks."""
+def quantize(values: np.ndarray, type_name: str, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """float32 values (..., n) → (..., row_bytes) uint8 in `type_name`'s blocks. `imatrix`: the
+    importance of each of the n columns (llama.cpp's importance matrix: mean squared activation
+    of that input); the K-quants and Q4_0/Q4_1/Q5_0/Q5_1 then weight their scale search by it."""
     if type_name not in BLOCK:
         raise ValueError(f"no quantizer for {type_name} (there are: {', '.join(TYPES)})")
     x = np.ascontiguousarray(values, dtype=np.float32)
@@ -43,9 +45,34 @@ def quantize(values: np.ndarray, type_name: str) -> np.ndarray:
         out = x.view(np.uint8)
     elif type_name == "F16":
         out = x.astype("<f2").view(np.uint8)
+    elif imatrix is not None and type_name in WEIGHTED:
+        imatrix = np.asarray(imatrix, dtype=np.float32).reshape(-1)
+        if imatrix.shape != (n,):
+            raise ValueError(f"the importance matrix has {imatrix.size} columns, the rows {n}")
+        out = _weighted(x.reshape(-1, n), type_name, imatrix)
     else:
         out = _in_pieces(x.reshape(-1, n), type_name)
     return np.ascontiguousarray(out).reshape(*shape, width)
+
+
+WEIGHTED = ("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+
+
+def _weighted(rows: np.ndarray, type_name: str, imatrix: np.ndarray) -> np.ndarray:
+    from localllm.quant import kquants, legacy
+
+    step = max(1, PIECE // rows.shape[1])
+    out = []
+    for i in range(0, len(rows), step):
+        piece = rows[i : i + step]
+        if type_name in ("Q4_K", "Q5_K", "Q6_K"):
+            fn = {"Q4_K": kquants.quantize_q4_k, "Q5_K": kquants.quantize_q5_k,
+                  "Q6_K": kquants.quantize_q6_k}[type_name]  # fmt: skip
+            qw = np.broadcast_to(imatrix, piece.shape).reshape(-1, 256)
+            out.append(fn(piece, qw).reshape(len(piece), -1))
+        else:
+            out.append(legacy.quantize_weighted(piece, imatrix, type_name))
+    return np.concatenate(out)
 
 
 # values per piece: numpy's temporaries of a piece stay in the CPU's cache (Q4_K of 3.1 M values

@@ -121,3 +121,16 @@ def test_legacy_types_with_an_importance_matrix_are_byte_identical(type_name: st
         bad = np.nonzero((ours != theirs).any(axis=1))[0]
         assert ours.shape == theirs.shape and not len(bad), f"{type_name} {name}: rows {bad[:8]} differ"
         assert not np.array_equal(ours, quantize(x, type_name))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0", "Q8_0"])
+def test_quantize_takes_an_importance_matrix(type_name: str) -> None:
+    """`quantize(x, type, imatrix)`: llama.cpp's bytes in pieces of rows; Q8_0 ignores it, as
+    llama.cpp does; a matrix of the wrong width is refused."""
+    rng = np.random.default_rng(13)
+    x = (rng.standard_normal((300, 512)) * 0.02).astype(np.float32)  # several pieces
+    imatrix = rng.uniform(0.1, 3, 512).astype(np.float32)
+    theirs = ggml_quantize(x, type_name, row_bytes(type_name, 512), imatrix)
+    assert np.array_equal(quantize(x, type_name, imatrix), theirs)
+    with pytest.raises(ValueError, match="importance matrix has 256 columns"):
+        quantize(x, "Q4_K", imatrix[:256])
