@@ -17,7 +17,7 @@ import os
 import shutil
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -208,8 +208,12 @@ def quantize_file(
     allow_requantize: bool = False,
     on_tensor: Callable[[TensorDone], None] | None = None,
     cancel: Callable[[], bool] | None = None,
+    imatrix: Mapping[str, np.ndarray] | None = None,
 ) -> QuantizeResult:
-    """Quantize the GGUF `src` to `file_type` (a llama.cpp mix: Q4_K_M, Q8_0, ...) at `dst`."""
+    """Quantize the GGUF `src` to `file_type` (a llama.cpp mix: Q4_K_M, Q8_0, ...) at `dst`.
+
+    `imatrix`: tensor name → the importance of each of its input columns (`calibrate`); the
+    tensors it names are quantized with it, as llama.cpp does with an importance matrix."""
     from localllm.quant.mix import FILE_TYPES
 
     t0 = time.perf_counter()
@@ -251,7 +255,7 @@ def quantize_file(
                 if on_tensor:
                     on_tensor(done)
             else:
-                _write(f, tmp, plan, FILE_TYPES[file_type], on_tensor, cancel)
+                _write(f, tmp, plan, FILE_TYPES[file_type], on_tensor, cancel, imatrix or {})
             verify(tmp, plan)
             os.replace(tmp, dst)
         except BaseException as e:
@@ -270,8 +274,8 @@ class Cancelled(LocalLLMError):
 
 
 def _write(f: GGUFFile, tmp: Path, plan: dict[str, tuple[tuple[int, ...], str]], file_type: int,
-           on_tensor: Callable[[TensorDone], None] | None,
-           cancel: Callable[[], bool] | None) -> None:  # fmt: skip
+           on_tensor: Callable[[TensorDone], None] | None, cancel: Callable[[], bool] | None,
+           imatrix: Mapping[str, np.ndarray]) -> None:  # fmt: skip
     if f.byte_order != "<":
         raise LocalLLMError(f"{Path(f.path).name} is a big-endian GGUF: only little-endian ones are quantized")
     align = f.alignment
@@ -279,7 +283,7 @@ def _write(f: GGUFFile, tmp: Path, plan: dict[str, tuple[tuple[int, ...], str]],
     with open(tmp, "xb") as fh:
         _put(fh, _header(f, plan, file_type))
         t = time.perf_counter()
-        for i, (name, data) in enumerate(_tensors_out(f, plan, cancel), 1):
+        for i, (name, data) in enumerate(_tensors_out(f, plan, cancel, imatrix), 1):
             shape, type_name = plan[name]
             if len(data) != _nbytes(shape, type_name):
                 raise LocalLLMError(f"{name}: {len(data)} bytes quantized, {_nbytes(shape, type_name)} planned")
@@ -298,15 +302,17 @@ def _write(f: GGUFFile, tmp: Path, plan: dict[str, tuple[tuple[int, ...], str]],
 PROCESS_VALUES = 32 * 2**20
 
 
-def quantized_bytes(f: GGUFFile, name: str, type_name: str) -> bytes | memoryview:
+def quantized_bytes(f: GGUFFile, name: str, type_name: str,
+                    importance: np.ndarray | None = None) -> bytes | memoryview:  # fmt: skip
     """One tensor's bytes in `type_name` (its own bytes when it already is)."""
     if f.tensors[name].ggml_type.name == type_name:
         return f.tensor_bytes(name)
-    return quantize(_values(f, name), type_name).reshape(-1).data
+    return quantize(_values(f, name), type_name, importance).reshape(-1).data
 
 
 def _tensors_out(f: GGUFFile, plan: dict[str, tuple[tuple[int, ...], str]],
-                 cancel: Callable[[], bool] | None) -> Iterator[tuple[str, bytes | memoryview]]:  # fmt: skip
+                 cancel: Callable[[], bool] | None, imatrix: Mapping[str, np.ndarray]
+                 ) -> Iterator[tuple[str, bytes | memoryview]]:  # fmt: skip
     """Each planned tensor's output bytes, in plan order: in this process for small models, else
     by worker processes, tensor i by worker i mod N."""
 
@@ -320,7 +326,7 @@ def _tensors_out(f: GGUFFile, plan: dict[str, tuple[tuple[int, ...], str]],
     if n <= 1 or values < PROCESS_VALUES:
         for name, type_name in work:
             stop()
-            yield name, quantized_bytes(f, name, type_name)
+            yield name, quantized_bytes(f, name, type_name, imatrix.get(name))
         return
     import subprocess
     import sys
@@ -329,7 +335,12 @@ def _tensors_out(f: GGUFFile, plan: dict[str, tuple[tuple[int, ...], str]],
     # stderr to files: a pipe nobody reads could fill and stop a worker mid-write
     with contextlib.ExitStack() as stack:
         errs = [stack.enter_context(tempfile.TemporaryFile()) for _ in range(n)]
-        procs = [subprocess.Popen([sys.executable, "-m", "localllm.quant.worker", f.path],
+        args = [f.path]
+        if imatrix:  # the workers read it from a file
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="localllm-imatrix-"))
+            args.append(os.path.join(folder, "imatrix.npz"))
+            np.savez(args[1], **{k: np.asarray(v, np.float32) for k, v in imatrix.items()})
+        procs = [subprocess.Popen([sys.executable, "-m", "localllm.quant.worker", *args],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=e)
                  for e in errs]  # fmt: skip
         stack.callback(_end, procs)

@@ -178,3 +178,32 @@ def test_worker_processes_write_the_same_bytes(f32_llama: Path, tmp_path: Path,
         quantize_file(f32_llama, tmp_path / "out.gguf", "Q8_0", on_tensor=seen.append,
                       cancel=lambda: len(seen) >= 5)  # fmt: skip
     assert sorted(p.name for p in tmp_path.iterdir()) == ["here.gguf", "there.gguf"]
+
+
+def test_an_importance_matrix_reaches_every_tensor_it_names(f32_llama: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Each named tensor is quantized as llama.cpp quantizes it with those column weights (in
+    this process and in the workers alike); the others as without."""
+    from localllm.quant import row_bytes
+
+    from ggml_oracle import ggml_quantize
+
+    rng = np.random.default_rng(5)
+    with GGUFFile(f32_llama) as src:
+        named = {n: rng.uniform(0.1, 4, t.shape[0]).astype(np.float32)
+                 for n, t in src.tensors.items() if n.endswith(("ffn_down.weight", "attn_q.weight"))}  # fmt: skip
+        values = {n: np.frombuffer(src.tensor_bytes(n), np.float32).reshape(-1, src.tensors[n].shape[0]).copy()
+                  for n in src.tensors}  # fmt: skip
+    plain = quantize_file(f32_llama, tmp_path / "plain.gguf", "Q4_K_M")
+    here = quantize_file(f32_llama, tmp_path / "here.gguf", "Q4_K_M", imatrix=named)
+    monkeypatch.setattr(qwriter, "PROCESS_VALUES", 0)
+    there = quantize_file(f32_llama, tmp_path / "there.gguf", "Q4_K_M", imatrix=named)
+    assert here.path.read_bytes() == there.path.read_bytes()
+    a, p = tensor_data(here.path), tensor_data(plain.path)
+    for name, (kind, data) in a.items():
+        if name in named:
+            want = ggml_quantize(values[name], kind, row_bytes(kind, values[name].shape[1]), named[name])
+            assert data == want.tobytes(), name
+            assert data != p[name][1], name
+        else:
+            assert data == p[name][1], name
