@@ -832,6 +832,14 @@ def quantize(
     eval_limit: Annotated[
         int, typer.Option("--eval-limit", help="Tokens of the --eval text to use.")
     ] = 1024,
+    calibrate: Annotated[
+        Path | None,
+        typer.Option("--calibrate", help="A text the torch engine runs the model over: each "
+                     "matrix's input activations weight its quantization (an importance matrix)."),  # fmt: skip
+    ] = None,
+    calibrate_tokens: Annotated[
+        int, typer.Option("--calibrate-tokens", help="Tokens of the --calibrate text to use.")
+    ] = 4096,
     json_out: JsonFlag = False,
 ) -> None:
     """Quantize a model with llama.cpp's per-tensor type rules; byte-identical to llama.cpp."""
@@ -843,7 +851,8 @@ def quantize(
         with show:
             job = run_quantize(_store(), src, type_name, output=output, name=name, engine=engine,
                                allow_requantize=allow_requantize, eval_text=eval_text,
-                               eval_limit=eval_limit, on_tensor=show.update)  # fmt: skip
+                               eval_limit=eval_limit, calibrate=calibrate,
+                               calibrate_tokens=calibrate_tokens, on_tensor=show.update)  # fmt: skip
     except KeyboardInterrupt:
         print("quantize interrupted: nothing was written", file=sys.stderr)
         raise typer.Exit(130) from None

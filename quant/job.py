@@ -26,6 +26,7 @@ class QuantizeJob:
 def run_quantize(store: Any, src: str, file_type: str, *, output: Path | None = None,
                  name: str | None = None, engine: str = "auto", allow_requantize: bool = False,
                  eval_text: Path | None = None, eval_limit: int = 1024,
+                 calibrate: Path | None = None, calibrate_tokens: int = 4096,
                  on_tensor: Callable[[TensorDone], None] | None = None,
                  cancel: threading.Event | None = None,
                  on_phase: Callable[[str], None] | None = None) -> QuantizeJob:  # fmt: skip
@@ -46,10 +47,20 @@ def run_quantize(store: Any, src: str, file_type: str, *, output: Path | None = 
     if eval_text is not None and not Path(eval_text).is_file():
         raise LocalLLMError(f"no such text file: {eval_text}")
     kind = file_type.upper()
+    imatrix = None
+    if calibrate is not None:
+        from localllm.evaluate import read_text
+        from localllm.quant.calibrate import collect_imatrix
+
+        if engine == "llama.cpp":
+            raise LocalLLMError("--calibrate quantizes with our engine: drop --engine llama.cpp")
+        if on_phase:
+            on_phase("calibrating")
+        imatrix = collect_imatrix(path, read_text(Path(calibrate)), tokens=calibrate_tokens)
     target = output if output is not None else store.temp_path()
     stop = cancel.is_set if cancel is not None else None
     result = quantize_file(path, target, kind, engine=engine, allow_requantize=allow_requantize,
-                           on_tensor=on_tensor, cancel=stop)  # fmt: skip
+                           on_tensor=on_tensor, cancel=stop, imatrix=imatrix)  # fmt: skip
     where = str(result.path)
     if output is None:
         if on_phase:
