@@ -5,6 +5,9 @@
 - time: the default model dequantized to an F32 GGUF (our writer), then quantized to each type by
   `--engine localllm` (ours) and `--engine llama.cpp` (`llama_model_quantize`, all cores), in turn,
   `--rounds` times; the medians and their ratio; every pair's tensor data compared byte for byte.
+- calibration (`--calibration`): Q4_K_M and Q4_0 with and without `--calibrate` on one text
+  (tinyshakespeare), each measured against the F32 source on another (alice): KL mean and p99,
+  top-1 agreement, perplexity — through `localllm eval --ref`'s evaluation.
 """
 
 from __future__ import annotations
@@ -32,11 +35,44 @@ def tensor_data(path: Path) -> dict[str, bytes]:
         return {n: bytes(f.tensor_bytes(n)) for n in f.tensors}
 
 
+def calibration(store: Any, f32: Path, work: Path) -> dict[str, Any]:
+    from localllm.evaluate import evaluate, read_text
+    from localllm.quant.calibrate import collect_imatrix
+    from localllm.quant.writer import quantize_file
+    from localllm.types import LoadOptions
+
+    corpus = Path(os.environ.get("LOCALLLM_CORPUS", Path(__file__).resolve().parents[2] / "shared/data/corpus"))
+    held_in, held_out = corpus / "tinyshakespeare.txt", corpus / "alice.txt"
+    log("calibrating on tinyshakespeare (4,096 tokens) ...")
+    t0 = time.perf_counter()
+    imatrix = collect_imatrix(f32, read_text(held_in), tokens=4096)
+    out: dict[str, Any] = {"calibration_text": held_in.name, "eval_text": held_out.name,
+                           "calibration_tokens": 4096, "eval_tokens": 1024,
+                           "calibration_s": time.perf_counter() - t0}  # fmt: skip
+    store.import_file(f32, "bench-f32")
+    text = read_text(held_out)
+    for kind in ("Q4_K_M", "Q4_0"):
+        row = {}
+        for label, im in (("plain", None), ("calibrated", imatrix)):
+            dst = work / f"{kind}-{label}.gguf"
+            quantize_file(f32, dst, kind, imatrix=im)
+            name = f"bench-{kind.lower()}-{label}"
+            store.import_file(dst, name)
+            r = evaluate(name, text, options=LoadOptions(backend="llama.cpp"), limit=1024, ref="bench-f32")
+            row[label] = {k: r[k] for k in ("perplexity", "reference_perplexity", "kl_mean", "kl_p99",
+                                            "top1_agreement")}  # fmt: skip
+            log(f"{kind} {label}: {row[label]}")
+        row["kl_mean_ratio"] = row["calibrated"]["kl_mean"] / row["plain"]["kl_mean"]
+        out[kind] = row
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", default="Q4_K_M,Q8_0,Q6_K,Q5_K_M")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="one round, one type (for the test)")
+    ap.add_argument("--calibration", action="store_true", help="only the calibration benefit")
     args = ap.parse_args()
     types = ["Q8_0"] if args.quick else args.types.split(",")
     rounds = 1 if args.quick else args.rounds
@@ -54,6 +90,12 @@ def main() -> None:
     results: dict[str, Any] = {"machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M"),
                                "source": {"file": src.name, "f32_bytes": made.nbytes,
                                           "params": made.n_params}, "types": {}}  # fmt: skip
+    if args.calibration:
+        results = json.loads(OUT.read_text()) if OUT.exists() else results
+        results["calibration"] = calibration(store, f32, work)
+        OUT.write_text(json.dumps(results, indent=1) + "\n")
+        log(f"wrote {OUT}")
+        return
     for kind in types:
         times: dict[str, list[float]] = {"localllm": [], "llama.cpp": []}
         identical = True
