@@ -1,5 +1,6 @@
 """Quantize from the Models screen (`q`): a type picker with the size each type gives, an optional
-text to measure the result on, progress per tensor, cancel (Escape), then the quality report.
+calibration text (an importance matrix from the torch engine), an optional text to measure the
+result on, progress per tensor, cancel (Escape), then the quality report.
 
 The same job as `localllm quantize` (`localllm.quant.job.run_quantize`), on a worker thread."""
 
@@ -59,6 +60,8 @@ class QuantizeScreen(ModalScreen[Any]):
         with Vertical(id="dialog"):
             yield Label(f"Quantize {self.model}: pick a type (the size is the weights' after it)")
             yield OptionList(*(Option(label, id=t) for t, label in type_choices(path)), id="types")
+            yield Input(placeholder="a text file to calibrate on: an importance matrix (optional)",
+                        id="calibrate")  # fmt: skip
             yield Input(placeholder="a text file to measure quality on (optional)", id="eval")
             yield Button("Quantize", id="go", variant="primary")
             yield ProgressBar(id="bar", show_eta=False)
@@ -79,14 +82,16 @@ class QuantizeScreen(ModalScreen[Any]):
         index = options.highlighted if options.highlighted is not None else 0
         kind = options.get_option_at_index(index).id or TYPES[0]
         text = self.query_one("#eval", Input).value.strip()
+        calibrate = self.query_one("#calibrate", Input).value.strip()
         self.running = True
         self.cancel_event.clear()
         self.query_one(ProgressBar).display = True
         self.query_one("#detail", Label).update(f"quantizing to {kind}…")
-        self._run(kind, Path(text).expanduser() if text else None)
+        self._run(kind, Path(text).expanduser() if text else None,
+                  Path(calibrate).expanduser() if calibrate else None)  # fmt: skip
 
     @work(thread=True, exclusive=True, group="quantize")
-    def _run(self, kind: str, text: Path | None) -> None:
+    def _run(self, kind: str, text: Path | None, calibrate: Path | None) -> None:
         from localllm.quant.job import run_quantize
 
         def tensor(e: Any) -> None:
@@ -97,7 +102,8 @@ class QuantizeScreen(ModalScreen[Any]):
 
         try:
             job = run_quantize(self.app.store, self.model, kind, eval_text=text,  # type: ignore[attr-defined]
-                               on_tensor=tensor, cancel=self.cancel_event, on_phase=phase)  # fmt: skip
+                               calibrate=calibrate, on_tensor=tensor, cancel=self.cancel_event,
+                               on_phase=phase)  # fmt: skip
         except LocalLLMError as e:
             self.app.call_from_thread(self._failed, str(e))
             return

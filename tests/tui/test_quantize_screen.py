@@ -21,7 +21,7 @@ async def wait_for(pilot, cond, timeout: float = 60.0) -> None:  # noqa: ANN001
         await pilot.pause(0.05)
 
 
-def test_quantize_from_the_models_screen(tiny_llama: Path, corpus_dir: Path) -> None:
+def test_quantize_from_the_models_screen(tiny_llama: Path, corpus_dir: Path, tmp_path: Path) -> None:
     Store().add_file(tiny_llama, "tiny", source="file:x")
 
     async def go() -> None:
@@ -35,19 +35,28 @@ def test_quantize_from_the_models_screen(tiny_llama: Path, corpus_dir: Path) -> 
             labels = [str(options.get_option_at_index(i).prompt) for i in range(options.option_count)]
             assert labels[0].startswith("Q4_K_M") and "weights" in labels[0]
             assert any(label.startswith("Q8_0") for label in labels)
-            options.highlighted = [i for i, lab in enumerate(labels) if lab.startswith("Q8_0")][0]
+            options.highlighted = [i for i, lab in enumerate(labels) if lab.startswith("Q4_0")][0]
             screen.query_one("#eval").value = str(corpus_dir / "alice.txt")
+            screen.query_one("#calibrate").value = str(corpus_dir / "tinyshakespeare.txt")
             screen.start()
             await wait_for(pilot, lambda: screen.job is not None or not screen.running)
-            assert screen.job is not None and screen.job.where == "tiny:q8_0"
+            assert screen.job is not None and screen.job.where == "tiny:q4_0"
             report = str(screen.query_one("#report").render())
             assert "KL divergence" in report and "top-1 agreement" in report
             await pilot.press("escape")
             await wait_for(pilot, lambda: isinstance(app.screen, ModelsScreen))
             names = [r.name for r in Store().list()]
-            assert "tiny:q8_0" in names
+            assert "tiny:q4_0" in names
             table = app.screen.query_one("#models")
-            assert "tiny:q8_0" in [str(k.value) for k in table.rows]
+            assert "tiny:q4_0" in [str(k.value) for k in table.rows]
+        # calibrated: not what the same type gives without the importance matrix
+        from localllm.gguf_file import GGUFFile
+        from localllm.quant.writer import quantize_file
+
+        plain = quantize_file(tiny_llama, tmp_path / "plain.gguf", "Q4_0").path
+        store = Store()
+        with GGUFFile(plain) as a, GGUFFile(store.path_of(store.get("tiny:q4_0"))) as b:
+            assert any(bytes(a.tensor_bytes(n)) != bytes(b.tensor_bytes(n)) for n in a.tensors)
 
     asyncio.run(go())
 
