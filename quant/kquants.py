@@ -169,6 +169,15 @@ def _qkx_block(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
     lm = np.minimum(_nearest_int(inv_min[:, None] * mins).astype(np.uint8), 63)
     d = (max_scale / F32(63)).astype(F32)
     dmin = (max_min / F32(63)).astype(F32)
+    return _finish(x, d, dmin, ls, lm, L, nmax)
+
+
+def _finish(x: np.ndarray, d: np.ndarray, dmin: np.ndarray, ls: np.ndarray, lm: np.ndarray,
+            L: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """A Q4_K/Q5_K super-block once its scales are chosen: the levels again against the stored
+    (f16, 6-bit) scales and mins — where a sub-block's scale is 0 they stay as the search left
+    them — and the bytes of d, dmin and the packed scales."""
+    m = x.shape[0]
     sub_d = _f16_round(d)[:, None] * ls.astype(F32)  # (M, 8)
     sub_m = _f16_round(dmin)[:, None] * lm.astype(F32)
     L = L.T.reshape(m, 8, 32)
@@ -242,14 +251,7 @@ def _qkx_weighted(x: np.ndarray, qw: np.ndarray, nmax: int
     d, ls = _make_qp_quants(np.ascontiguousarray(scales.reshape(m, 8).T), sw, 63)
     dm, lm = _make_qp_quants(np.ascontiguousarray(mins.reshape(m, 8).T), sw, 63)
     ls, lm = np.minimum(ls.T, 63).astype(np.uint8), np.minimum(lm.T, 63).astype(np.uint8)
-    sub_d = _f16_round(d)[:, None] * ls.astype(F32)
-    sub_m = _f16_round(dm)[:, None] * lm.astype(F32)
-    L = L.T.reshape(m, 8, 32)
-    xb = x.reshape(m, 8, 32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        req = np.clip(_nearest_int((xb + sub_m[..., None]) / sub_d[..., None]), 0, nmax)
-    L = np.where(sub_d[..., None] != 0, req, L).astype(np.uint8).reshape(m, QK_K)
-    return _f16_bytes(d), _f16_bytes(dm), _k_scales(ls, lm), L
+    return _finish(x, d, dm, ls, lm, L, nmax)
 
 
 def _weights(qw: np.ndarray | None, x: np.ndarray) -> np.ndarray | None:
