@@ -504,20 +504,41 @@ def _print_stats(result: Any, llm: Any = None) -> None:
 
 
 def _generate(llm: Any, request: Any, *, stream_out: bool) -> Any:
-    """Stream one request to stdout; Ctrl-C cancels it and re-raises after the result is in."""
-    stream = llm.submit(request)
+    """Stream one request to stdout; Ctrl-C cancels it and raises KeyboardInterrupt once the
+    stream has ended.
+
+    While it runs, Ctrl-C only sets a flag and cancels the stream (a handler that never raises):
+    a KeyboardInterrupt raised wherever the signal lands was lost when it landed in a fork
+    callback (the chat template renders in a forked child; Python ignores exceptions raised in
+    `os.register_at_fork` callbacks), and the answer ran on to its end."""
+    import signal
+    import threading
+
+    stopped = threading.Event()
+    stream: Any = None
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        stopped.set()
+        if stream is not None:
+            stream.cancel()
+
+    handled = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, on_sigint) if handled else None
     try:
+        stream = llm.submit(request)
+        if stopped.is_set():  # pressed while the request was being prepared
+            stream.cancel()
         for chunk in stream:
-            if stream_out and chunk.text:
+            if stream_out and chunk.text and not stopped.is_set():
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
-    except KeyboardInterrupt:
-        stream.close()
-        if stream_out:
-            print(file=sys.stdout, flush=True)
-        raise
+    finally:
+        if handled:
+            signal.signal(signal.SIGINT, previous)
     if stream_out:
         print(flush=True)
+    if stopped.is_set():
+        raise KeyboardInterrupt
     return stream.result
 
 

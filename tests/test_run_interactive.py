@@ -68,3 +68,27 @@ def test_repl_on_a_terminal(default_model_path: Path) -> None:
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         os.close(fd)
+
+
+def test_ctrl_c_right_after_enter_stops_the_answer(default_model_path: Path) -> None:
+    """Ctrl-C pressed just after Enter lands while the prompt is prepared — once in the fork that
+    renders the chat template, whose callbacks swallowed the KeyboardInterrupt and let a 4,000-token
+    answer run on. Pressed at a spread of moments, every one must bring the prompt back."""
+    pid, fd = pty.fork()
+    if pid == 0:
+        _default_sigint()
+        os.execv(sys.executable, [sys.executable, "-m", "localllm", "run", "smollm2", "--temperature", "0",
+                                  "--max-tokens", "4000"])  # fmt: skip
+    try:
+        _read_until(fd, b">>> ")
+        for delay in (0, 0, 0.001, 0.002, 0.003, 0.005, 0.005, 0.008, 0.01, 0.02, 0.05):
+            os.write(fd, b"Write a long poem about rain.\n")
+            _read_until(fd, b"rain.", timeout=10)  # the echo
+            time.sleep(delay)
+            os.write(fd, b"\x03")
+            _read_until(fd, b">>> ", timeout=60)
+        os.write(fd, b"/bye\n")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        os.close(fd)
