@@ -56,10 +56,14 @@ class QuantizeScreen(ModalScreen[Any]):
         store = self.app.store  # type: ignore[attr-defined]
         from localllm.models_registry.catalog import ensure_local
 
-        path = store.path_of(ensure_local(self.model, store))
+        try:
+            choices = type_choices(store.path_of(ensure_local(self.model, store)))
+            title = f"Quantize {self.model}: pick a type (the size is the weights' after it)"
+        except LocalLLMError as e:  # the file went away, or is not a GGUF we can read
+            choices, title = [(t, t) for t in TYPES], f"Quantize {self.model}: {e}"
         with Vertical(id="dialog"):
-            yield Label(f"Quantize {self.model}: pick a type (the size is the weights' after it)")
-            yield OptionList(*(Option(label, id=t) for t, label in type_choices(path)), id="types")
+            yield Label(title)
+            yield OptionList(*(Option(label, id=t) for t, label in choices), id="types")
             yield Input(placeholder="a text file to calibrate on: an importance matrix (optional)",
                         id="calibrate")  # fmt: skip
             yield Input(placeholder="a text file to measure quality on (optional)", id="eval")
