@@ -1,14 +1,17 @@
 """Hugging Face checkpoints (safetensors) to GGUF: `localllm convert HF_DIR --output OUT.gguf`.
 
 Llama, Mistral and Qwen2 causal LMs with a byte-level BPE tokenizer (`tokenizer.json`: Llama 3,
-Qwen2, SmolLM, Mistral Nemo's tekken). What llama.cpp's converter writes for them, done here:
+Qwen2, SmolLM, Mistral Nemo's tekken) or a SentencePiece one (`tokenizer.model`, or its
+byte-fallback BPE in `tokenizer.json`: Llama 1/2, Mistral 7B v0.1-v0.3). What llama.cpp's
+converter writes for them, done here:
 
 - hyperparameters from `config.json` into the architecture's keys;
 - tensors renamed to GGUF's names; for `llama` the q and k rows permuted for llama.cpp's
   adjacent-pair RoPE (what the torch engine undoes as it loads); Qwen2's q/k/v biases kept;
-- the vocabulary (tokens by id, added tokens marked control or user-defined, merges), the
+- the vocabulary (tokens by id, added tokens marked control or user-defined; merges and the
   pre-tokenizer named the way llama.cpp names it — by hashing the tokenization of its check text,
-  as its converter does — special token ids and the chat template from `tokenizer_config.json`;
+  as its converter does — for byte-level BPE; scores and token types for SentencePiece), special
+  token ids and the chat template from `tokenizer_config.json`;
 - matrices in the output type (f32, f16, bf16 or q8_0 through `localllm.quant`), vectors in f32.
 
 The file is written beside the output and renamed when complete and re-read.
@@ -52,7 +55,16 @@ PRE_TOKENIZERS = {
     "3ce83efda5659b07b1ad37ca97ca5797ea4285d9b9ab0dc679e4a720c9da7454": "gpt-2",  # GPT-2
 }
 
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+
+def looks_special(text: str) -> bool:
+    """An added token llama.cpp's converter makes a control token though it is not marked
+    special (its `does_token_look_special`)."""
+    return (text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+            or (text.startswith("<|") and text.endswith("|>"))
+            or (text.startswith("<\uff5c") and text.endswith("\uff5c>"))
+            or (text.startswith("<unused") and text.endswith(">")))  # fmt: skip
 
 # Hugging Face name (after `model.`) → GGUF name; {n} is the layer
 _NAMES = {
@@ -132,15 +144,125 @@ def _values(path: Path, key: str) -> np.ndarray:
         return f.get_tensor(key).float().numpy()
 
 
-def _vocab(folder: Path, config: dict[str, Any]) -> dict[str, Any]:
-    """tokenizer.json (byte-level BPE) and tokenizer_config.json → GGUF tokenizer keys."""
-    tok = _read_json(folder / "tokenizer.json", "the tokenizer")
-    model = tok.get("model") or {}
-    if model.get("type") != "BPE" or model.get("byte_fallback"):
-        raise LocalLLMError(
-            "only byte-level BPE tokenizers (Llama 3, Qwen2, SmolLM, Mistral Nemo) are converted; "
-            "this one is " + ("SentencePiece-style BPE" if model.get("byte_fallback") else str(model.get("type")))
-        )
+def _varint(buf: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= len(buf) or shift > 63:
+            raise ValueError("a varint runs past the end")
+        b = buf[at]
+        value |= (b & 0x7F) << shift
+        at, shift = at + 1, shift + 7
+        if b < 0x80:
+            return value, at
+
+
+def _fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
+    """(field number, wire type, value) of one protobuf message: ints for varints, bytes for
+    length-delimited fields and for 32/64-bit ones; groups are not part of a SentencePiece model."""
+    at = 0
+    while at < len(buf):
+        key, at = _varint(buf, at)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, at = _varint(buf, at)
+        elif wire in (1, 5):
+            size = 8 if wire == 1 else 4
+            value, at = buf[at:at + size], at + size
+        elif wire == 2:
+            size, at = _varint(buf, at)
+            value, at = buf[at:at + size], at + size
+        else:
+            raise ValueError(f"wire type {wire}")
+        if at > len(buf):
+            raise ValueError("a field runs past the end")
+        yield field, wire, value
+
+
+def read_sentencepiece(path: Path) -> list[tuple[str, float, int]]:
+    """The pieces of a SentencePiece `tokenizer.model` as (text, score, type), read from its
+    protobuf directly (ModelProto field 1; each piece: 1 text, 2 score, 3 type, NORMAL when
+    absent) — the sentencepiece package is not needed. Types are SentencePiece's, which GGUF's
+    token types copy: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte."""
+    try:
+        buf = path.read_bytes()
+        pieces = []
+        for field, wire, value in _fields(buf):
+            if field != 1 or wire != 2:
+                continue
+            text, score, kind = None, 0.0, 1
+            for f, w, v in _fields(value):
+                if f == 1 and w == 2:
+                    text = v.decode("utf-8")
+                elif f == 2 and w == 5:
+                    score = float(np.frombuffer(v, "<f4")[0])
+                elif f == 3 and w == 0:
+                    kind = int(v)
+            if text is None or not 1 <= kind <= 6:
+                raise ValueError("a piece without text or with an unknown type")
+            pieces.append((text, score, kind))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise LocalLLMError(f"{path} is not a SentencePiece model ({e})") from None
+    if not pieces:
+        raise LocalLLMError(f"{path} is not a SentencePiece model (it holds no pieces)")
+    return pieces
+
+
+def _spm_vocab(folder: Path, config: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """A SentencePiece vocabulary (Llama 1/2, Mistral 7B v0.1-v0.3): llama.cpp's `llama`
+    tokenizer model, whose tokenizer merges the adjacent pair whose joined text has the highest
+    score. From `tokenizer.model` as llama.cpp's converter reads it (its scores; user-defined
+    pieces kept normal, as it keeps them), else from `tokenizer.json`'s byte-fallback BPE."""
+    if (folder / "tokenizer.model").is_file():
+        pieces = read_sentencepiece(folder / "tokenizer.model")
+        pieces = [(t, s, TOKEN_NORMAL if k == TOKEN_USER_DEFINED else k) for t, s, k in pieces]
+    else:
+        tok = _read_json(folder / "tokenizer.json", "the tokenizer")
+        model = tok["model"]
+        vocab: dict[str, int] = model["vocab"]
+        # llama.cpp's converter writes -1000 for every score here, which leaves its tokenizer
+        # merging leftmost-first; a merge's rank gives each piece the order the tokenizer ranks it in
+        rank: dict[str, int] = {}
+        for i, m in enumerate(model.get("merges", [])):
+            a, b = m.split(" ", 1) if isinstance(m, str) else m
+            rank.setdefault(a + b, i)
+        pieces = [("", -1000.0, TOKEN_UNUSED)] * (max(vocab.values()) + 1)
+        for text, i in vocab.items():
+            byte = len(text) == 6 and text.startswith("<0x") and text.endswith(">")
+            pieces[i] = (text, -float(rank[text]) if text in rank else -1000.0,
+                         TOKEN_BYTE if byte else TOKEN_NORMAL)  # fmt: skip
+        if isinstance(model.get("unk_token"), str) and model["unk_token"] in vocab:
+            i = vocab[model["unk_token"]]
+            pieces[i] = (pieces[i][0], pieces[i][1], TOKEN_UNKNOWN)
+    tok_json = folder / "tokenizer.json"
+    added = _read_json(tok_json, "the tokenizer").get("added_tokens", []) if tok_json.is_file() else []
+    decoder = {int(k): v for k, v in (cfg.get("added_tokens_decoder") or {}).items()}
+    for a in added:
+        decoder.setdefault(int(a["id"]), a)
+    size = max(len(pieces), int(config.get("vocab_size", 0)), *(i + 1 for i in decoder))
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    scores, types = [-10000.0] * size, [TOKEN_UNUSED] * size
+    for i, (text, score, kind) in enumerate(pieces):
+        if text:
+            tokens[i], scores[i], types[i] = text, score, kind
+    for i, a in sorted(decoder.items()):
+        text = a["content"]
+        if a.get("special") or looks_special(text):
+            types[i] = TOKEN_CONTROL
+        else:
+            text, types[i] = text.replace("\u2581", " "), TOKEN_USER_DEFINED
+        tokens[i], scores[i] = text, -1000.0
+    out: dict[str, Any] = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default",
+                           "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
+                           "tokenizer.ggml.token_type": types}  # fmt: skip
+    if isinstance(cfg.get("add_prefix_space"), bool):
+        out["tokenizer.ggml.add_space_prefix"] = cfg["add_prefix_space"]
+    return out
+
+
+def _bpe_vocab(folder: Path, config: dict[str, Any], tok: dict[str, Any]) -> dict[str, Any]:
+    """A byte-level BPE vocabulary (Llama 3, Qwen2, SmolLM, Mistral Nemo): llama.cpp's `gpt2`
+    tokenizer model with its merges and the pre-tokenizer named by its check hash."""
+    model = tok["model"]
     vocab: dict[str, int] = model["vocab"]
     added = {int(a["id"]): a for a in tok.get("added_tokens", [])}
     size = max([*vocab.values(), *added, int(config.get("vocab_size", 0)) - 1]) + 1
@@ -162,10 +284,24 @@ def _vocab(folder: Path, config: dict[str, Any]) -> dict[str, Any]:
             f"llama.cpp would not know this tokenizer's pre-tokenizer (check hash {digest[:16]}…): "
             "only Llama 3, Qwen2, SmolLM, Mistral Nemo and GPT-2 style ones are converted"
         )
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges}  # fmt: skip
+
+
+def _vocab(folder: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """The tokenizer's files → GGUF tokenizer keys, in the order llama.cpp's converter tries
+    them: a SentencePiece `tokenizer.model`, else `tokenizer.json` (byte-fallback BPE is
+    SentencePiece's; byte-level BPE is GPT-2's), then the special tokens and chat template."""
     cfg = _read_json(folder / "tokenizer_config.json", "the tokenizer's settings", required=False)
-    out: dict[str, Any] = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
-                           "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
-                           "tokenizer.ggml.merges": merges}  # fmt: skip
+    if (folder / "tokenizer.model").is_file():
+        out = _spm_vocab(folder, config, cfg)
+    else:
+        tok = _read_json(folder / "tokenizer.json", "the tokenizer")
+        model = tok.get("model") or {}
+        if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+            raise LocalLLMError(f"only BPE tokenizers are converted; this one is {model.get('type')}")
+        out = _spm_vocab(folder, config, cfg) if model.get("byte_fallback") else _bpe_vocab(folder, config, tok)
+    tokens = out["tokenizer.ggml.tokens"]
     by_text = {t: i for i, t in enumerate(tokens)}
 
     def token_id(key: str) -> int | None:
@@ -244,6 +380,9 @@ def convert(folder: str | os.PathLike[str], output: str | os.PathLike[str], outt
         plan[name], sources[name] = (ne, kind), (path, key)
     if "token_embd.weight" not in plan:
         raise LocalLLMError("the checkpoint has no model.embed_tokens.weight")
+    n_tokens, rows = len(vocab["tokenizer.ggml.tokens"]), plan["token_embd.weight"][0][1]
+    if n_tokens != rows:
+        raise LocalLLMError(f"the tokenizer has {n_tokens} tokens but the embedding {rows} rows")
     if config.get("tie_word_embeddings") is False and "output.weight" not in plan:
         raise LocalLLMError("the checkpoint unties its embeddings but has no lm_head.weight")
 

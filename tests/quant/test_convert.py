@@ -153,3 +153,172 @@ def test_refusals_are_one_line(hf_tokenizer: Path, tmp_path: Path) -> None:
     with pytest.raises(LocalLLMError, match="no .safetensors"):
         convert(tmp_path / "ok", tmp_path / "o.gguf")
     assert not (tmp_path / "o.gguf").exists()
+
+
+# SentencePiece vocabularies (Llama 2, Mistral 7B v0.1-v0.3): llama.cpp's `llama` tokenizer model.
+# The tokenizer is trained here on the corpus with Llama 2's settings (BPE, byte fallback, digits
+# split, no normalization); sentencepiece and transformers' tokenizer built from it are the oracles.
+SPM_TEXT = ("Hello world. 3.14 🦙 x  double  spaces\n\nnew line\tTab ¿Qué? 我想 ROMEO: O, she doth "
+            "teach the torches to burn bright! Ünïcödé — naïve café")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def spm_model(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 1,000-piece SentencePiece BPE model (`tokenizer.model`) with a user-defined and a
+    control piece, and the tokenizer files transformers saves for it, in one folder."""
+    need("sentencepiece", "pip install -e '.[dev]' (sentencepiece trains the test tokenizer)")
+    need("google.protobuf", "pip install -e '.[dev]' (transformers reads tokenizer.model with protobuf)")
+    import io
+
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    text = (corpus_dir / "tinyshakespeare.txt").read_text(encoding="utf-8")[:300_000]
+    lines = [line for line in text.splitlines() if line.strip()] + ["naïve café Ünïcödé 我想 ¿Qué?"]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=1000, model_type="bpe",
+        byte_fallback=True, split_digits=True, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, character_coverage=1.0,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, user_defined_symbols=["<tool>"],
+        control_symbols=["<ctrl>"], num_threads=1, minloglevel=2,
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp("spm")
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "legacy": False, "add_bos_token": True,
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "chat_template": "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"}))  # fmt: skip
+    AutoTokenizer.from_pretrained(folder).save_pretrained(folder)  # tokenizer.json beside it
+    return folder
+
+
+def spm_checkpoint(folder: Path, spm_model: Path, arch: str, with_model_file: bool, vocab_size: int = 1000) -> object:
+    """A random tiny Llama or Mistral with the SentencePiece tokenizer: `tokenizer.model` and
+    transformers' files (as Llama 2 checkpoints ship), or transformers' files alone (as
+    transformers 5 saves them: byte-fallback BPE in tokenizer.json)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(1)
+    cls, cfg_cls = (LlamaForCausalLM, LlamaConfig) if arch == "llama" else (MistralForCausalLM, MistralConfig)
+    config = cfg_cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                     rms_norm_eps=1e-6, tie_word_embeddings=False)  # fmt: skip
+    model = cls(config).float().eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    for f in spm_model.iterdir():
+        if with_model_file or f.name != "tokenizer.model":
+            (folder / f.name).write_bytes(f.read_bytes())
+    return model
+
+
+@pytest.mark.parametrize(("arch", "with_model_file"), [("llama", True), ("llama", False), ("mistral", True)])
+def test_sentencepiece_checkpoints(arch: str, with_model_file: bool, spm_model: Path, tmp_path: Path) -> None:
+    """llama.cpp tokenizes the converted file as sentencepiece and transformers do, and its
+    logits match transformers' (fp32, max |Δ| ≤ 1e-3)."""
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    model = spm_checkpoint(tmp_path / "ckpt", spm_model, arch, with_model_file)
+    out = convert(tmp_path / "ckpt", tmp_path / "out.gguf", "f32")
+    sp_ids = spm.SentencePieceProcessor(model_file=str(spm_model / "tokenizer.model")).encode(SPM_TEXT)
+    hf_ids = AutoTokenizer.from_pretrained(tmp_path / "ckpt")(SPM_TEXT, add_special_tokens=False)["input_ids"]
+    assert hf_ids == sp_ids
+    need("llama_cpp", "pip install -e '.[dev]'")
+    from llama_cpp import Llama
+
+    llm = Llama(str(out), n_ctx=256, logits_all=True, verbose=False, n_threads=2, type_k=0, type_v=0)
+    try:
+        assert llm.tokenize(SPM_TEXT.encode(), add_bos=False, special=False) == sp_ids
+        # BOS from tokenizer_config.json; the control and user-defined pieces are single tokens
+        assert llm.tokenize(b"<s>Hi<ctrl>", add_bos=True, special=True)[:2] == [1, 1]
+        assert 3 in llm.tokenize(b"a<ctrl>b", add_bos=False, special=True)
+        assert 4 in llm.tokenize(b"a <tool> b", add_bos=False, special=True)
+        assert llm.detokenize(sp_ids).decode().lstrip(" ") == SPM_TEXT
+        llm.eval(sp_ids)
+        ours = np.array(llm.scores[: len(sp_ids)], dtype=np.float32)
+    finally:
+        llm.close()
+    delta = float(np.abs(ours - hf_logits(model, sp_ids)).max())
+    assert delta <= 1e-3, f"{arch}: max |Δ logits| {delta}"
+    from localllm.gguf_file import GGUFFile
+
+    with GGUFFile(out) as f:
+        md = f.metadata
+        assert (md["tokenizer.ggml.model"], md["tokenizer.ggml.pre"]) == ("llama", "default")
+        assert (md["tokenizer.ggml.bos_token_id"], md["tokenizer.ggml.eos_token_id"]) == (1, 2)
+        assert md["tokenizer.ggml.unknown_token_id"] == 0
+        assert md["tokenizer.chat_template"].startswith("{% for m in messages %}[INST]")
+        types = list(md["tokenizer.ggml.token_type"])
+        # <unk>, <s>, <ctrl> control (special in added_tokens_decoder, as llama.cpp's converter
+        # marks them), <tool> user-defined, <0x00> a byte, the rest normal
+        assert types[:6] == [3, 3, 3, 3, 4, 6] and set(types[261:]) == {1}
+
+
+def test_sentencepiece_file_in_the_torch_engine(spm_model: Path, tmp_path: Path) -> None:
+    """The converted file also loads in the torch engine, which tokenizes it as sentencepiece
+    does and computes transformers' logits."""
+    import sentencepiece as spm
+
+    from localllm.engine import load
+    from localllm.models_registry.store import Store
+
+    model = spm_checkpoint(tmp_path / "ckpt", spm_model, "llama", True)
+    out = convert(tmp_path / "ckpt", tmp_path / "out.gguf", "f16")
+    Store().import_file(out, "spm-tiny")
+    sp_ids = spm.SentencePieceProcessor(model_file=str(spm_model / "tokenizer.model")).encode(SPM_TEXT)
+    with load("spm-tiny", backend="torch", device="cpu", dtype="f32", ctx=256) as m:
+        assert m.backend.tokenize(SPM_TEXT, add_special=False) == sp_ids  # type: ignore[attr-defined]
+        r = m.complete("Hello", max_tokens=3, temperature=0)
+    assert 1 <= r.usage.completion_tokens <= 3
+    del model
+
+
+def test_sentencepiece_vocab_padded_to_the_embedding(spm_model: Path, tmp_path: Path) -> None:
+    """An embedding with more rows than pieces (vocab_size rounded up, as many checkpoints do)
+    gets [PADn] tokens, as llama.cpp's converter writes; llama.cpp loads it."""
+    spm_checkpoint(tmp_path / "ckpt", spm_model, "llama", True, vocab_size=1024)
+    out = convert(tmp_path / "ckpt", tmp_path / "out.gguf", "f32")
+    from localllm.gguf_file import GGUFFile
+
+    with GGUFFile(out) as f:
+        tokens = list(f.metadata["tokenizer.ggml.tokens"])
+        types = list(f.metadata["tokenizer.ggml.token_type"])
+    assert len(tokens) == 1024 and tokens[1000:1002] == ["[PAD1000]", "[PAD1001]"] and types[1023] == 5
+    ids, _ = llamacpp_logits_of(out, [1, 400, 500])
+    assert ids.shape == (3, 1024)
+
+
+def llamacpp_logits_of(path: Path, ids: list[int]) -> tuple[np.ndarray, None]:
+    need("llama_cpp", "pip install -e '.[dev]'")
+    from llama_cpp import Llama
+
+    llm = Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+    try:
+        llm.eval(ids)
+        return np.array(llm.scores[: len(ids)], dtype=np.float32), None
+    finally:
+        llm.close()
+
+
+def test_hostile_sentencepiece_files_are_one_line(spm_model: Path, tmp_path: Path) -> None:
+    from localllm.quant.convert import read_sentencepiece
+
+    good = (spm_model / "tokenizer.model").read_bytes()
+    pieces = read_sentencepiece(spm_model / "tokenizer.model")
+    assert len(pieces) == 1000 and pieces[0] == ("<unk>", 0.0, 2) and pieces[4][2] == 4
+    rng = np.random.default_rng(0)
+    bad = tmp_path / "tokenizer.model"
+    for blob in (b"", b"\xff" * 12, good[: len(good) // 2], rng.bytes(4096), b"\x0a\xff\xff\xff\xff\x0f"):
+        bad.write_bytes(blob)
+        with pytest.raises(LocalLLMError, match="is not a SentencePiece model"):
+            read_sentencepiece(bad)
+    spm_checkpoint(tmp_path / "ckpt", spm_model, "llama", True)
+    (tmp_path / "ckpt" / "tokenizer.model").write_bytes(good[:100])
+    with pytest.raises(LocalLLMError, match="is not a SentencePiece model"):
+        convert(tmp_path / "ckpt", tmp_path / "o.gguf")
+    spm_checkpoint(tmp_path / "ckpt2", spm_model, "llama", True, vocab_size=900)
+    with pytest.raises(LocalLLMError, match="the tokenizer has 1000 tokens but the embedding 900 rows"):
+        convert(tmp_path / "ckpt2", tmp_path / "o.gguf")
+    assert not (tmp_path / "o.gguf").exists()
