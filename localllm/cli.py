@@ -746,6 +746,137 @@ def eval_text(
     print(f"{r['seconds']:.1f} s")
 
 
+@app.command()
+def bench(
+    model: Annotated[
+        str | None, typer.Argument(help="Model name (with --url: the server's, default its first).")
+    ] = None,
+    url: Annotated[
+        str | None, typer.Option("--url", help="A running server (OpenAI or Ollama API) to measure.")
+    ] = None,
+    api: Annotated[str, typer.Option("--api", help="With --url: auto, openai or ollama.")] = "auto",
+    api_key: Annotated[str | None, typer.Option("--api-key", help="With --url: its API key.")] = None,
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Tokens per prompt.")] = 128,
+    gen_tokens: Annotated[int, typer.Option("--gen-tokens", help="Tokens generated per request.")] = 64,
+    concurrency: Annotated[
+        str, typer.Option("--concurrency", help="Clients at once, one level or several: 1,2,4,8.")
+    ] = "1",
+    requests: Annotated[
+        int | None, typer.Option("--requests", help="Requests per level (default: 2 × clients, >= 4).")
+    ] = None,
+    backend: Annotated[str, typer.Option("--backend", help=BACKEND_HELP)] = "auto",
+    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or mps.")] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", help="torch engine's working precision.")] = "auto",
+    kv_cache: Annotated[str, typer.Option("--kv-cache", help="KV cache type, or k=TYPE,v=TYPE.")] = "f16",
+    speculative: Annotated[
+        str | None, typer.Option("--speculative", help="off, lookup, self or draft:MODEL.")
+    ] = None,
+    gpu_cost_per_hour: Annotated[
+        float | None, typer.Option("--gpu-cost-per-hour", help="USD an hour of this machine costs.")
+    ] = None,
+    watts: Annotated[float | None, typer.Option("--watts", help="Power drawn (with --kwh-price).")] = None,
+    kwh_price: Annotated[float | None, typer.Option("--kwh-price", help="USD per kWh.")] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """TTFT, TPOT and latency percentiles, throughput at each concurrency, cost per million
+    tokens, and the decode ceiling of this machine's memory bandwidth."""
+    from localllm.bench import Price, run_bench
+    from localllm.types import LoadOptions
+
+    try:
+        levels = [int(c) for c in concurrency.split(",") if c.strip()]
+    except ValueError:
+        raise LocalLLMError(f"--concurrency takes numbers separated by commas, not {concurrency!r}") from None
+    price = Price.of(gpu_cost_per_hour, watts, kwh_price)
+    options = None
+    if url is None:
+        options = LoadOptions(backend=backend, device=device, dtype=dtype, kv_cache=kv_cache,
+                              speculative=speculative)  # fmt: skip
+    with _BenchProgress(quiet=json_out) as bar:
+        report = run_bench(model, options=options, url=url, api=api, api_key=api_key,
+                           prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, concurrency=levels,
+                           requests=requests, price=price, progress=bar.update)  # fmt: skip
+    if json_out:
+        _emit_json(report)
+        return
+    _print_bench(report)
+
+
+def _print_bench(r: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from localllm.model_info import human_bytes
+
+    where = (f"{r['url']} ({r['api']} API)" if r["target"] == "server"
+             else f"{r['backend']} on {r['device']}, KV {r['kv_cache']}"
+             + (f", speculative {r['speculative']}" if r.get("speculative") else ""))  # fmt: skip
+    print(f"{r['model']}  {where}; {r['prompt_tokens']} prompt + {r['gen_tokens']} generated tokens a request")
+    if "memory_bandwidth_bytes_per_s" in r:
+        bw = r["memory_bandwidth_bytes_per_s"]
+        print(f"memory bandwidth {bw / 1e9:.1f} GB/s (probe); a decode step reads "
+              f"{human_bytes(r['weights_bytes_per_token'])} of weights + "
+              f"{human_bytes(r['kv_bytes_per_token'])} of KV per cached token and sequence")
+    ms = lambda d: f"{1000 * d['p50']:.0f} / {1000 * d['p95']:.0f} / {1000 * d['p99']:.0f}"  # noqa: E731
+    table = Table(title=None, show_lines=False)
+    for col in ("clients", "TTFT ms p50/95/99", "TPOT ms p50/95/99", "e2e s p50/99", "out tok/s",
+                "prompt tok/s", "decode tok/s"):  # fmt: skip
+        table.add_column(col, justify="right")
+    has_ceiling = any("ceiling_tokens_per_s" in lv for lv in r["levels"])
+    has_price = r.get("price") is not None
+    if has_ceiling:
+        table.add_column("% of ceiling", justify="right")
+    if has_price:
+        table.add_column("USD/M out", justify="right")
+        table.add_column("USD/M in", justify="right")
+    for lv in r["levels"]:
+        row = [str(lv["concurrency"]), ms(lv["ttft_s"]), ms(lv["tpot_s"]),
+               f"{lv['e2e_s']['p50']:.2f} / {lv['e2e_s']['p99']:.2f}", f"{lv['output_tokens_per_s']:.1f}",
+               f"{lv['prompt_tokens_per_s']:.0f}", f"{lv['decode_tokens_per_s']:.1f}"]  # fmt: skip
+        if has_ceiling:
+            row.append(f"{100 * lv['ceiling_fraction']:.0f}% of {lv['ceiling_tokens_per_s']:.0f}")
+        if has_price:
+            row += [_usd(lv.get("usd_per_million_output")), _usd(lv.get("usd_per_million_input"))]
+        table.add_row(*row)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)  # a pipe gets whole lines
+    if has_price:
+        print(f"price: {r['price']['basis']}")
+
+
+def _usd(v: float | None) -> str:
+    return "-" if v is None else (f"{v:.2f}" if v >= 0.01 else f"{v:.4f}")
+
+
+class _BenchProgress:
+    """Requests done per concurrency level, as a rich bar on a terminal (stderr)."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.bar: Any = None
+        self.quiet = quiet
+        self.tasks: dict[str, Any] = {}
+
+    def __enter__(self) -> _BenchProgress:
+        if not self.quiet and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                console=Console(stderr=True), transient=True)  # fmt: skip
+            self.bar.start()
+        return self
+
+    def update(self, label: str, done: int, total: int) -> None:
+        if self.bar is None:
+            return
+        if label not in self.tasks:
+            self.tasks[label] = self.bar.add_task(label, total=total)
+        self.bar.update(self.tasks[label], completed=done, total=total)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
 class _EvalProgress:
     """A rich progress bar of evaluated tokens on a terminal (stderr); nothing otherwise."""
 

@@ -233,7 +233,7 @@ class Assembler:
             self.spec_off = self.spec_off or step.spec_off
         self.shifts += len(step.shifted)
         self.discarded += sum(step.shifted)
-        if b.is_end(step.token):
+        if b.is_end(step.token) and not s.ignore_eos:
             self.finish_reason = "stop"
             return None
         self.out.append(step.token)

@@ -32,6 +32,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     max_tokens: int | None = None  # None: until the model stops or the context is full
     logprobs: int | None = None  # top alternatives to report per token (0: just the chosen)
+    ignore_eos: bool = False  # run to max_tokens past end-of-generation tokens (benchmarks)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -147,6 +147,7 @@ def _common(b: Body) -> Parsed:
         "seed": b.number("seed", -(2**63), 2**64 - 1, integer=True),
         "stop": b.stop(),
         "max_tokens": max_tokens,
+        "ignore_eos": b.flag("ignore_eos"),  # as llama.cpp's and vLLM's servers take it
     }
     if sampling["top_p"] == 0:
         sampling["top_p"] = 1e-9  # OpenAI accepts 0 (greedy in effect); ours needs (0, 1]

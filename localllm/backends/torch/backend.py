@@ -512,6 +512,26 @@ class TorchBackend:
         return shared + sum(c.nbytes for slot in list(self._slots) for c in list(slot.caches)
                             if getattr(c, "rows", None) is None)  # fmt: skip
 
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads, as this engine holds them (fp16 packed by
+        fbgemm, int4 codes with their scales, f32 ...): every module's own tensors once, but
+        not an embedding table, of which a step reads one row — unless the head shares it."""
+        from localllm.backends.torch.quantized import Fp16Linear
+
+        seen: set[int] = set()
+        total = 0
+        for m in self.model.modules():
+            if isinstance(m, torch.nn.Embedding):
+                continue
+            if isinstance(m, Fp16Linear) and m._packed is not None:  # fbgemm's copy: 2 bytes each
+                total += 2 * m.out_features * m.in_features
+            for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+        return total
+
     def drop_caches(self) -> None:
         """Forget what every free slot's cache holds (and free its memory: the shared rows
         once no slot is in use)."""
