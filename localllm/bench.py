@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +46,6 @@ __all__ = [
 ]
 
 PERCENTILES = (50, 95, 99)
-# the prompt's words: any text works; every request gets its own first line (no shared prefix)
-_FILLER = ("The river ran past the old mill and the children watched the boats drift slowly "
-           "toward the sea while the bells of the town rang out across the water. ")  # fmt: skip
 
 
 # -- statistics ---------------------------------------------------------------------------------
@@ -231,18 +229,29 @@ def weight_bytes_of_file(path: str | os.PathLike[str]) -> int:
 # -- running requests ---------------------------------------------------------------------------
 
 
+def default_quality_text() -> str:
+    """The opening of Alice's Adventures in Wonderland (public domain), shipped with localllm:
+    the prose of the benchmark's prompts and `recommend`'s default quality text."""
+    return resources.files("localllm").joinpath("data/quality.txt").read_text(encoding="utf-8")
+
+
 def prompts_for(tokenize: Callable[[str], list[int]], n_tokens: int, count: int,
                 start: int = 0) -> list[str]:  # fmt: skip
-    """`count` prompts of about `n_tokens` tokens each, each with its own first words
-    (numbered from `start`), so that none shares a cached prefix with another."""
-    unit = max(1, len(tokenize(_FILLER)))
-    body = _FILLER * (n_tokens // unit + 2)
+    """`count` prompts of about `n_tokens` tokens each: prose (the built-in public-domain text),
+    each starting with its own number and at its own place in the text, so that none shares a
+    cached prefix with another — and not a repeated sentence, which would flatter prompt-lookup
+    drafting."""
+    prose = " ".join(default_quality_text().split())
+    unit = max(1, len(tokenize(prose)))
+    body = prose * (n_tokens // unit + 2)
     out = []
     for i in range(start, start + count):
-        text = f"Request {i}: " + body
-        ids = tokenize(text)
-        if len(ids) > n_tokens:  # cut by characters in proportion, then check
-            text = text[: max(1, int(len(text) * n_tokens / len(ids)))]
+        at = (i * 397) % len(prose)
+        text = f"Request {i}: " + body[at:]
+        n = len(tokenize(text))
+        while n > n_tokens:  # cut by characters in proportion until it fits
+            text = text[: max(1, min(len(text) - 1, int(len(text) * n_tokens / n)))]
+            n = len(tokenize(text))
         out.append(text)
     return out
 

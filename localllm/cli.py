@@ -843,6 +843,97 @@ def _print_bench(r: dict[str, Any]) -> None:
         print(f"price: {r['price']['basis']}")
 
 
+@app.command()
+def recommend(
+    max_ttft: Annotated[float | None, typer.Option("--max-ttft", help="Seconds: TTFT p95 at most.")] = None,
+    min_tokens_per_s: Annotated[
+        float | None, typer.Option("--min-tokens-per-s", help="Decode tokens/s at least.")
+    ] = None,
+    max_memory: Annotated[float | None, typer.Option("--max-memory", help="GB the model may use.")] = None,
+    quality_text: Annotated[
+        Path | None, typer.Option("--quality-text", help="Text to judge quality on (default: built in).")
+    ] = None,
+    quality_chars: Annotated[
+        int, typer.Option("--quality-chars", help="Characters of it to evaluate.")
+    ] = 2000,
+    model: Annotated[
+        list[str] | None, typer.Option("--model", help="Compare only these local models (repeatable).")
+    ] = None,
+    backend: Annotated[str, typer.Option("--backend", help="all (every one here), or one backend.")] = "all",
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Speed: tokens per prompt.")] = 128,
+    gen_tokens: Annotated[int, typer.Option("--gen-tokens", help="Speed: tokens generated.")] = 32,
+    gpu_cost_per_hour: Annotated[
+        float | None, typer.Option("--gpu-cost-per-hour", help="USD an hour of this machine costs.")
+    ] = None,
+    watts: Annotated[float | None, typer.Option("--watts", help="Power drawn (with --kwh-price).")] = None,
+    kwh_price: Annotated[float | None, typer.Option("--kwh-price", help="USD per kWh.")] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Which local model and settings meet the targets here: measured (speed, quality, memory),
+    kept for the next run, ranked by quality and cost."""
+    from localllm.bench import Price
+    from localllm.evaluate import read_text
+    from localllm.recommend import Targets
+    from localllm.recommend import recommend as run_recommend
+
+    for name, v in (("--max-ttft", max_ttft), ("--min-tokens-per-s", min_tokens_per_s), ("--max-memory", max_memory)):
+        if v is not None and not v > 0:
+            raise LocalLLMError(f"{name} must be > 0, got {v}")
+    if quality_chars < 100:
+        raise LocalLLMError(f"--quality-chars must be at least 100, got {quality_chars}")
+    targets = Targets(max_ttft, min_tokens_per_s, None if max_memory is None else max_memory * 1e9)
+    price = Price.of(gpu_cost_per_hour, watts, kwh_price)
+    text = read_text(quality_text) if quality_text is not None else None
+    say = None if json_out else (lambda line: print(line, file=sys.stderr, flush=True))
+    report = run_recommend(targets, backend=backend, quality_text=text, quality_chars=quality_chars,
+                           prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, price=price,
+                           models=model, progress=say)  # fmt: skip
+    if json_out:
+        _emit_json(report)
+        return
+    _print_recommend(report)
+
+
+def _print_recommend(r: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from localllm.model_info import human_bytes
+
+    has_price = r.get("price") is not None
+    table = Table()
+    for col in ("", "model", "setting", "memory", "TTFT p95 s", "tok/s", "bits/char", "PPL",
+                "KL vs best", "top-1"):  # fmt: skip
+        table.add_column(col, justify="left" if col in ("model", "setting") else "right")
+    if has_price:
+        table.add_column("USD/M out", justify="right")
+    table.add_column("misses")
+    f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+    for i, row in enumerate(r["rows"], 1):
+        setting = f"{row['backend']}, KV {row['kv_cache']}" + (
+            f", {row['speculative']}" if row["speculative"] != "off" else "")  # fmt: skip
+        cells = [f"{i}." if row["meets"] else "✗", row["model"], setting, human_bytes(row["memory_bytes"]),
+                 f(row.get("ttft_p95_s"), ".2f"), f(row.get("tokens_per_s"), ".1f"),
+                 f(row.get("bits_per_char"), ".3f"), f(row.get("perplexity"), ".2f"),
+                 f(row.get("kl_mean"), ".4f"),
+                 "-" if row.get("top1_agreement") is None else f"{100 * row['top1_agreement']:.1f}%"]  # fmt: skip
+        if has_price:
+            cells.append(_usd(row.get("usd_per_million_output")))
+        cells.append("; ".join(row["misses"]) or "")
+        table.add_row(*cells)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    met = [row for row in r["rows"] if row["meets"]]
+    if met:
+        best = met[0]
+        print(f"recommended: {best['model']} with --backend {best['backend']} --kv-cache {best['kv_cache']}"
+              + (f" --speculative {best['speculative']}" if best["speculative"] != "off" else ""))  # fmt: skip
+    else:
+        print("no local model and setting meets every target here")
+    print(f"quality on {r['quality_chars']:,} characters of the {r['quality_text']} text; speed at one "
+          f"client, {r['prompt_tokens']} prompt + {r['gen_tokens']} generated tokens; numbers kept "
+          "in the store for the next run")  # fmt: skip
+
+
 def _usd(v: float | None) -> str:
     return "-" if v is None else (f"{v:.2f}" if v >= 0.01 else f"{v:.4f}")
 

@@ -145,3 +145,69 @@ def test_bad_options_are_one_line(args: list[str], text: str, capsys: pytest.Cap
 def test_unreachable_server_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = run(["bench", "--url", "http://127.0.0.1:9", "--requests", "1"], capsys)
     assert_one_line_error(rc, out, err, "cannot reach http://127.0.0.1:9")
+
+
+# -- recommend ------------------------------------------------------------------------------
+
+
+def test_targets_say_what_they_miss() -> None:
+    from localllm.recommend import Targets
+
+    row = {"memory_bytes": 2e9, "ttft_p95_s": 0.8, "tokens_per_s": 12.0}
+    assert Targets().misses(row) == []
+    assert Targets(max_ttft_s=1, min_tokens_per_s=10, max_memory_bytes=3e9).misses(row) == []
+    assert Targets(max_ttft_s=0.5, min_tokens_per_s=20, max_memory_bytes=1e9).misses(row) == [
+        "memory 2.00 GB > 1 GB", "TTFT p95 0.80 s > 0.5 s", "12.0 tokens/s < 20"]
+
+
+def test_recommend_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                              default_model_path: Path, tiny_llama: Path) -> None:  # fmt: skip
+    """The default model and a Q8_0 of it (one family: KL against the larger) on llama.cpp;
+    a random-weight model (its own family) is ranked last for quality; a second run takes the
+    kept numbers; a memory target leaves candidates unmeasured and says so."""
+    from localllm.models_registry.store import Store
+    from localllm.quant.writer import quantize_file
+
+    store = Store()
+    q8 = quantize_file(default_model_path, tmp_path / "smollm2-q8_0.gguf", "Q8_0", allow_requantize=True)
+    store.import_file(q8.path, "smol-q8:latest")
+    store.import_file(tiny_llama, "tiny:latest")
+    args = ["recommend", "--backend", "llama.cpp", "--quality-chars", "600", "--min-tokens-per-s", "1",
+            "--prompt-tokens", "32", "--gen-tokens", "8",
+            "--model", "smollm2", "--model", "smol-q8", "--model", "tiny", "--gpu-cost-per-hour", "1", "--json"]
+    rc, out, err = run(args, capsys)
+    assert rc in (0, None), err
+    r = json.loads(out)
+    rows = r["rows"]
+    assert {row["model"] for row in rows} == {"smollm2:135m-instruct-q4_1", "smol-q8:latest", "tiny:latest"}
+    assert {(row["kv_cache"], row["speculative"]) for row in rows} == {("f16", "off"), ("q8_0", "off"),
+                                                                        ("f16", "lookup")}
+    by = {(row["model"], row["kv_cache"], row["speculative"]): row for row in rows}
+    ref, q4 = by[("smol-q8:latest", "f16", "off")], by[("smollm2:135m-instruct-q4_1", "f16", "off")]
+    assert ref["kl_mean"] == 0.0 and ref["reference"] == "smol-q8:latest"  # the family's largest file
+    assert q4["reference"] == "smol-q8:latest" and 0 < q4["kl_mean"] < 0.5 and q4["top1_agreement"] < 1
+    assert by[("smol-q8:latest", "q8_0", "off")]["kl_mean"] > 0  # its KV cache against f16
+    tiny = by[("tiny:latest", "f16", "off")]
+    assert tiny["kl_mean"] == 0.0 and tiny["bits_per_char"] > 3 * q4["bits_per_char"]  # random weights
+    # llama.cpp's q8_0 cache needs heads of 32: the tiny model (16) cannot run it, and says so
+    assert by[("tiny:latest", "q8_0", "off")]["misses"][0].startswith("cannot run: ")
+    rows = [row for row in rows if "skipped" not in row]
+    assert all(row["meets"] for row in rows) and rows[-1]["model"] == "tiny:latest"
+    bpcs = [round(row["bits_per_char"], 2) for row in rows]
+    assert bpcs == sorted(bpcs)  # ranked by quality first
+    assert all(row["usd_per_million_output"] > 0 and not row["cached"] for row in rows)
+    # the second run measures nothing: the same numbers, from the store
+    rc, out, err = run(args, capsys)
+    again = json.loads(out)["rows"]
+    again = [row for row in again if "skipped" not in row]
+    assert all(row["cached"] for row in again)
+    assert [(x["model"], x["bits_per_char"]) for x in again] == [(x["model"], x["bits_per_char"]) for x in rows]
+    # a memory target below every model: nothing measured, each says why
+    rc, out, err = run(["recommend", "--backend", "llama.cpp", "--model", "tiny", "--max-memory", "0.001"], capsys)
+    assert rc in (0, None), err
+    assert "no local model and setting meets every target here" in out and "memory" in out
+
+
+def test_recommend_with_nothing_local_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(["recommend", "--model", "nothing-here"], capsys)
+    assert_one_line_error(rc, out, err, "no local models to compare")
