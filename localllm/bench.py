@@ -31,7 +31,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from localllm.errors import LocalLLMError
+from localllm.errors import Cancelled, LocalLLMError
 
 __all__ = [
     "Sample",
@@ -257,8 +257,10 @@ def prompts_for(tokenize: Callable[[str], list[int]], n_tokens: int, count: int,
 
 
 def _run_level(send: Callable[[str], Sample], prompts: Sequence[str], concurrency: int,
-               on_done: Callable[[], None] | None = None) -> tuple[list[Sample], float]:  # fmt: skip
-    """Send `prompts` from `concurrency` client threads; returns the samples and the wall time."""
+               on_done: Callable[[], None] | None = None,
+               cancel: threading.Event | None = None) -> tuple[list[Sample], float]:  # fmt: skip
+    """Send `prompts` from `concurrency` client threads; returns the samples and the wall time.
+    A set `cancel` stops the clients before their next request (a running one finishes)."""
     lock = threading.Lock()
     todo = list(prompts)
     samples: list[Sample] = []
@@ -267,7 +269,7 @@ def _run_level(send: Callable[[str], Sample], prompts: Sequence[str], concurrenc
     def client() -> None:
         while True:
             with lock:
-                if not todo or errors:
+                if not todo or errors or (cancel is not None and cancel.is_set()):
                     return
                 prompt = todo.pop(0)
             try:
@@ -290,6 +292,8 @@ def _run_level(send: Callable[[str], Sample], prompts: Sequence[str], concurrenc
     wall = time.perf_counter() - t0
     if errors:
         raise errors[0]
+    if cancel is not None and cancel.is_set():
+        raise Cancelled("the benchmark was cancelled")
     return samples, wall
 
 
@@ -477,11 +481,13 @@ def run_bench(model: str | None, *, options: Any = None, url: str | None = None,
               api_key: str | None = None, prompt_tokens: int = 128, gen_tokens: int = 64,
               concurrency: Sequence[int] = (1,), requests: int | None = None,
               price: Price | None = None, probe: bool = True,
-              progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:  # fmt: skip
+              progress: Callable[[str, int, int], None] | None = None,
+              cancel: threading.Event | None = None) -> dict[str, Any]:  # fmt: skip
     """Benchmark `model` in this process (with `options`, a LoadOptions) or at `url`.
 
     `requests` per level (default: 2 × the level, at least 4). `progress(label, done, total)` is
-    called as requests finish. Returns the report `--json` prints."""
+    called as requests finish; a set `cancel` stops it (LocalLLMError). Returns the report
+    `--json` prints."""
     from localllm.types import LoadOptions
 
     levels = _levels(concurrency)
@@ -552,7 +558,7 @@ def run_bench(model: str | None, *, options: Any = None, url: str | None = None,
                 if progress is not None:
                     progress(f"concurrency {c}", done[0], per_level[c])
 
-            samples, wall = _run_level(send, prompts, c, tick)
+            samples, wall = _run_level(send, prompts, c, tick, cancel)
             ceiling = None
             if bandwidth is not None and ceiling_inputs is not None:
                 ceiling = decode_ceiling(bandwidth, ceiling_inputs[0], ceiling_inputs[1], c)

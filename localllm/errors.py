@@ -56,3 +56,7 @@ class BackendUnavailable(LocalLLMError):
 
 class Unsupported(LocalLLMError):
     """A request field or load option the chosen backend cannot honour (refused, never ignored)."""
+
+
+class Cancelled(LocalLLMError):
+    """The user stopped a long job (a benchmark, a comparison) before it ended."""

@@ -25,13 +25,14 @@ import hashlib
 import json
 import math
 import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from localllm.bench import default_quality_text
-from localllm.errors import LocalLLMError
+from localllm.errors import Cancelled, LocalLLMError
 
 __all__ = ["Targets", "Setting", "candidates", "recommend", "default_quality_text"]
 
@@ -133,7 +134,8 @@ def _cached(key: dict[str, Any], measure: Callable[[], dict[str, Any]]) -> tuple
 def recommend(targets: Targets, *, backend: str = "all", quality_text: str | None = None,
               quality_chars: int = 2000, prompt_tokens: int = 128, gen_tokens: int = 32,
               price: Any = None, models: Sequence[str] | None = None,
-              progress: Callable[[str], None] | None = None) -> dict[str, Any]:  # fmt: skip
+              progress: Callable[[str], None] | None = None,
+              cancel: threading.Event | None = None) -> dict[str, Any]:  # fmt: skip
     """Measure every candidate (or take its kept numbers) and rank them. Returns the report
     `--json` prints: `rows` best first, each with `meets` and `misses`."""
     from localllm import backends
@@ -175,6 +177,8 @@ def recommend(targets: Targets, *, backend: str = "all", quality_text: str | Non
     rows = []
     say = progress or (lambda _s: None)
     for i, (record, s) in enumerate(cands, 1):
+        if cancel is not None and cancel.is_set():
+            raise Cancelled("the comparison was cancelled")
         options = LoadOptions(backend=s.backend, kv_cache=s.kv_cache, ctx=ctx, parallel=1,
                               speculative=None if s.speculative == "off" else s.speculative)  # fmt: skip
         label = f"[{i}/{len(cands)}] {record.name} ({s.label()})"
@@ -194,7 +198,8 @@ def recommend(targets: Targets, *, backend: str = "all", quality_text: str | Non
         def speed(record: Any = record, options: LoadOptions = options, label: str = label) -> dict[str, Any]:
             say(f"{label}: measuring speed")
             b = run_bench(record.name, options=options, prompt_tokens=prompt_tokens,
-                          gen_tokens=gen_tokens, concurrency=(1,), requests=3, price=None)  # fmt: skip
+                          gen_tokens=gen_tokens, concurrency=(1,), requests=3, price=None,
+                          cancel=cancel)  # fmt: skip
             lv = b["levels"][0]
             return {"ttft_p95_s": lv["ttft_s"]["p95"], "ttft_p50_s": lv["ttft_s"]["p50"],
                     "tokens_per_s": lv["decode_tokens_per_s"], "prompt_tokens_per_s": lv["prompt_tokens_per_s"],
@@ -202,6 +207,8 @@ def recommend(targets: Targets, *, backend: str = "all", quality_text: str | Non
 
         try:
             sp, hit_speed = _cached(speed_key, speed)
+        except Cancelled:
+            raise
         except LocalLLMError as e:  # this setting cannot run this model here: say so, go on
             rows.append(row | {"skipped": f"cannot run: {e}"})
             continue

@@ -26,6 +26,9 @@ HELP = """\
 | Models | s        | scan the Hugging Face cache, Ollama and LM Studio |
 | Models | f        | make the selected model the default |
 | Models | c        | saved conversations |
+| Models | r        | read the store again |
+| Models | q        | quantize the selected model (type, calibration text, quality report) |
+| Models | b        | bench the selected model (latency, tokens/s, % of the decode ceiling); compare all |
 | Chat   | Enter    | send |
 | Chat   | Esc      | stop the answer (or cancel an edit) |
 | Chat   | Ctrl+R   | regenerate the last answer (a new branch beside it) |

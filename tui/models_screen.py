@@ -74,12 +74,13 @@ class ModelsScreen(Screen):
         Binding("d", "delete", "Delete"),
         Binding("s", "scan", "Scan"),
         Binding("f", "set_default", "Default"),
-        Binding("r", "refresh", "Refresh"),
+        Binding("r", "refresh", "Refresh", show=False),  # in the help: the footer is full at 120 columns
         Binding("c", "conversations", "Chats"),
         Binding("i", "import", "Import"),
         Binding("x", "cycle_ctx", "Context"),
         Binding("k", "cycle_kv", "KV type"),
         Binding("q", "quantize", "Quantize"),
+        Binding("b", "bench", "Bench"),
     ]
     CTX_CHOICES = (2048, 4096, 8192, 16384, 32768, 131072)
 
@@ -314,6 +315,15 @@ class ModelsScreen(Screen):
                 self.action_refresh()
 
         self.app.push_screen(QuantizeScreen(name), done)
+
+    def action_bench(self) -> None:
+        name = self._selected()
+        if not name:
+            self.notify("pick a local model to benchmark")
+            return
+        from localllm.tui.bench_screen import BenchScreen
+
+        self.app.push_screen(BenchScreen(name))
 
     def action_import(self) -> None:
         from localllm.tui.dialogs import Ask

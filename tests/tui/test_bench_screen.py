@@ -1,0 +1,62 @@
+"""Bench from the Models screen, driven by Textual's pilot: `b` opens it on the selected model,
+Bench fills the table with each level's numbers and the ceiling, Recommend fills it with every
+local model's setting, Escape during a run stops it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from localllm.models_registry.store import Store
+from localllm.tui.app import LocalLLMApp
+from localllm.tui.bench_screen import BenchScreen
+from localllm.tui.models_screen import ModelsScreen
+
+
+async def wait_for(pilot, cond, timeout: float = 120.0) -> None:  # noqa: ANN001
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        await pilot.pause(0.05)
+
+
+def cells(screen: BenchScreen) -> list[list[str]]:
+    table = screen.query_one("#results")
+    return [[str(c) for c in table.get_row_at(i)] for i in range(table.row_count)]
+
+
+def test_bench_and_recommend_from_the_models_screen(tiny_llama: Path) -> None:
+    Store().add_file(tiny_llama, "tiny", source="file:x")
+
+    async def go() -> None:
+        app = LocalLLMApp(loader=lambda name, options: None)
+        async with app.run_test(size=(120, 40)) as pilot:
+            assert isinstance(app.screen, ModelsScreen)
+            await pilot.press("b")
+            await wait_for(pilot, lambda: isinstance(app.screen, BenchScreen))
+            screen = app.screen
+            assert screen.model == "tiny:latest"
+            screen.start_bench()
+            await wait_for(pilot, lambda: not screen.running)
+            assert screen.report is not None, str(screen.query_one("#detail").render())
+            rows = cells(screen)
+            assert [r[0] for r in rows] == ["1", "2"]
+            assert all("% of" in r[-1] for r in rows) and float(rows[0][3]) > 0
+            screen.start_recommend()
+            await wait_for(pilot, lambda: not screen.running, timeout=300)
+            assert screen.recommendation is not None, str(screen.query_one("#detail").render())
+            rows = cells(screen)
+            assert rows and all(r[1] == "tiny:latest" for r in rows)
+            assert rows[0][0] == "1." and "best: tiny:latest" in str(screen.query_one("#detail").render())
+            # Escape while running stops it, and the next Escape closes
+            screen.start_bench()
+            await pilot.pause(0.05)
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: not screen.running)
+            assert "cancelled" in str(screen.query_one("#detail").render())
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: isinstance(app.screen, ModelsScreen))
+
+    import asyncio
+
+    asyncio.run(go())
