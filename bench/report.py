@@ -1,0 +1,424 @@
+"""BENCHMARKS.md from the results in bench/results/ (or the quick ones): every figure beside its
+anchor — what it is compared with, measured in the same run — and their ratio, the machine and
+date of each measurement, and plots where a picture reads better.
+
+    python bench/report.py [--quick] [--out BENCHMARKS.md]
+
+Each section reads one script's JSON; a missing file or figure is said, never invented."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import BENCH, machine, results_dir  # noqa: E402
+
+Row = tuple[str, Any, str, Any, Any]  # (figure, value, anchor name, anchor value, higher is better?)
+
+
+def g(d: Any, path: str, default: Any = None) -> Any:
+    """d["a"]["b"][0]... for "a/b/0" (keys hold dots: "llama.cpp"), or `default` where any step
+    is missing."""
+    for part in path.split("/"):
+        if isinstance(d, dict) and part in d:
+            d = d[part]
+        elif isinstance(d, list) and part.isdigit() and int(part) < len(d):
+            d = d[int(part)]
+        else:
+            return default
+    return d
+
+
+def fmt(v: Any) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "—"
+        a = abs(v)
+        return f"{v:.0f}" if a >= 1000 else f"{v:.1f}" if a >= 100 else f"{v:.2f}" if a >= 1 else f"{v:.3g}"
+    return str(v)
+
+
+def ratio(value: Any, anchor: Any) -> str:
+    if isinstance(value, (int, float)) and isinstance(anchor, (int, float)) and anchor and not isinstance(value, bool):
+        return f"{value / anchor:.2f}x"
+    return "—"
+
+
+# -- sections: (file name, title, what is claimed, rows, plot) ----------------------------------
+
+
+def rows_llamacpp_overhead(d: dict) -> list[Row]:
+    m = d.get("median", {})
+    return [("decode tokens/s through localllm", m.get("our_decode"), "raw llama-cpp-python", m.get("raw_decode"), True),
+            ("TTFT s, 512-token prompt", m.get("our_ttft"), "raw llama-cpp-python", m.get("raw_ttft"), False)]  # fmt: skip
+
+
+def rows_engine_batching(d: dict) -> list[Row]:
+    m = d.get("median", {})
+    out: list[Row] = [(f"{n} streams: tokens/s through the engine", m.get(f"engine_{n}"),
+                       f"llama.cpp's own batch of {n}", m.get(f"raw_{n}"), True) for n in (1, 4, 8)]  # fmt: skip
+    lp = g(d, "long_prompt/median", {})
+    out.append(("p95 TPOT beside a long prompt (s)", lp.get("p95_tpot_with_s"), "p95 TPOT alone",
+                lp.get("p95_tpot_without_s"), False))  # fmt: skip
+    return out
+
+
+def plot_engine_batching(d: dict, ax: Any) -> None:
+    m = d.get("median", {})
+    ns = [n for n in (1, 4, 8) if f"engine_{n}" in m]
+    ax.plot(ns, [m[f"raw_{n}"] for n in ns], "o--", label="llama.cpp batch (raw)")
+    ax.plot(ns, [m[f"engine_{n}"] for n in ns], "o-", label="localllm engine")
+    ax.set(xlabel="concurrent streams", ylabel="tokens/s (aggregate)", title="Continuous batching")
+
+
+def rows_torch_engine(d: dict) -> list[Row]:
+    m = g(d, "models/smollm2", {})
+    dec, pre = m.get("decode_tokens_per_s", {}), m.get("prefill_tokens_per_s", {})
+    out: list[Row] = []
+    for k, name in (("ours_auto", "default (int4 FFN on CPU)"), ("ours_f16", "f16"), ("ours_f32", "f32")):
+        out.append((f"decode tokens/s, torch engine {name}", dec.get(k), "transformers", dec.get("transformers_dynamic"), True))
+        out.append((f"decode tokens/s, torch engine {name}", dec.get(k), "llama.cpp", dec.get("llama.cpp"), True))
+    out.append(("prefill tokens/s, torch engine default", pre.get("ours_auto"), "llama.cpp", pre.get("llama.cpp"), True))
+    out.append(("prefill tokens/s, torch engine default", pre.get("ours_auto"), "transformers", pre.get("transformers"), True))
+    return out  # fmt: skip
+
+
+def plot_torch_engine(d: dict, ax: Any) -> None:
+    dec = g(d, "models/smollm2/decode_tokens_per_s", {})
+    names = [("transformers_dynamic", "transformers"), ("ours_f32", "ours f32"), ("ours_f16", "ours f16"),
+             ("ours_auto", "ours default"), ("llama.cpp", "llama.cpp")]  # fmt: skip
+    names = [(k, n) for k, n in names if k in dec]
+    ax.bar([n for _, n in names], [dec[k] for k, _ in names], color=["#999", "#48c", "#48c", "#26a", "#c84"][: len(names)])
+    ax.set(ylabel="decode tokens/s", title="Torch engine vs transformers and llama.cpp (SmolLM2)")
+
+
+def rows_kv_types(d: dict) -> list[Row]:
+    out: list[Row] = []
+    for backend in ("llama.cpp", "torch"):
+        types = g(d, f"types/{backend}", {})
+        f16 = g(types, "f16/perplexity")
+        for name, r in types.items():
+            if name == "f16" or not isinstance(r, dict):
+                continue
+            out.append((f"{backend} KV {name}: bytes/token", r.get("kv_bytes_per_token"), "f16",
+                        g(types, "f16/kv_bytes_per_token"), False))  # fmt: skip
+            out.append((f"{backend} KV {name}: perplexity (KL {fmt(r.get('kl_mean'))})", r.get("perplexity"), "f16",
+                        f16, False))  # fmt: skip
+    return out
+
+
+def plot_kv_types(d: dict, ax: Any) -> None:
+    for backend, marker in (("llama.cpp", "s"), ("torch", "o")):
+        types = {k: v for k, v in g(d, f"types/{backend}", {}).items() if isinstance(v, dict) and k != "f16"}
+        xs = [v.get("kv_bytes_per_token") for v in types.values()]
+        ys = [v.get("kl_mean") for v in types.values()]
+        ax.scatter(xs, ys, marker=marker, label=backend)
+        for (name, _), x, y in zip(types.items(), xs, ys, strict=True):
+            if x is not None and y is not None:
+                ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set(xlabel="KV bytes per token", ylabel="KL vs f16 cache (nats)", yscale="log", title="KV-cache types")
+
+
+def rows_streaming(d: dict) -> list[Row]:
+    s = d.get("streaming", {})
+    out: list[Row] = []
+    for eng in ("llama.cpp", "torch"):
+        out.append((f"{eng}: perplexity past the cache with 4 sinks", g(s, f"sinks_vs_none/{eng}/sinks_4"),
+                    "without sinks (window only)", g(s, f"sinks_vs_none/{eng}/sinks_0"), False))  # fmt: skip
+    for run in ("llamacpp_f16", "torch_f16", "torch_int4"):
+        r = g(s, f"runs/{run}", {})
+        out.append((f"{run}: ms/token, last 1,000 of {fmt(s.get('tokens'))}", r.get("ms_per_token_last_1000"),
+                    "first 1,000 after the cache filled", r.get("ms_per_token_first_1000_after_full"), False))  # fmt: skip
+        out.append((f"{run}: perplexity at the oracle's positions", r.get("ppl_at_oracle_positions"),
+                    "full-context oracle", g(s, "oracle/ppl"), False))  # fmt: skip
+    h = d.get("h2o", {})
+    out.append((f"H2O (budget {fmt(h.get('budget'))}) perplexity", g(h, "h2o/perplexity"), "full cache",
+                g(h, "full/perplexity"), False))  # fmt: skip
+    out.append(("recent-window-only perplexity at the same budget", g(h, "recent_only/perplexity"), "full cache",
+                g(h, "full/perplexity"), False))  # fmt: skip
+    return out
+
+
+def rows_speculative(d: dict) -> list[Row]:
+    out: list[Row] = []
+    for eng in ("torch", "llama.cpp", "torch_f32"):
+        for mode in ("lookup", "self"):
+            r = g(d, f"grounded/{eng}/{mode}")
+            if isinstance(r, dict):
+                out.append((f"{eng} {mode} on an input-grounded answer: tokens/s (α {fmt(r.get('acceptance'))})",
+                            r.get("tokens_per_s"), "plain decoding", g(d, f"grounded/{eng}/off/tokens_per_s"), True))  # fmt: skip
+    for eng in ("torch", "llama.cpp"):
+        m = g(d, f"chat/{eng}/lookup/speedup_mean")
+        if m is not None:
+            out.append((f"{eng} lookup on chat prompts: mean speedup", m, "plain decoding", 1.0, True))
+    lk = g(d, "self_gemma/grounded/lookup")
+    if isinstance(lk, dict):
+        out.append(("Gemma 3 lookup, grounded: tokens/s", lk.get("tokens_per_s"), "plain decoding",
+                    g(d, "self_gemma/grounded/off/tokens_per_s"), True))  # fmt: skip
+    return out
+
+
+def plot_speculative(d: dict, ax: Any) -> None:
+    labels, vals = [], []
+    for eng in ("torch", "llama.cpp"):
+        for mode in ("lookup", "self"):
+            v = g(d, f"grounded/{eng}/{mode}/speedup")
+            if v is not None:
+                labels.append(f"{eng}\n{mode}")
+                vals.append(v)
+    ax.bar(labels, vals, color="#48c")
+    ax.axhline(1.0, color="#c44", lw=1)
+    ax.set(ylabel="speedup over plain decoding", title="Speculative decoding (input-grounded answer)")
+
+
+def rows_server(d: dict) -> list[Row]:
+    ll = d.get("llamacpp_8_streams", {})
+    out: list[Row] = [
+        ("8 streams through our server (llama.cpp): tokens/s", g(ll, "ours_8/aggregate_tps"),
+         "llama.cpp's own batch of 8", g(ll, "direct_8/tokens_per_s"), True),
+        ("8 streams through our server (llama.cpp): tokens/s", g(ll, "ours_8/aggregate_tps"),
+         "llama-cpp-python's server", g(ll, "llama_cpp_python_8/aggregate_tps"), True),
+        ("8 streams: p95 TTFT (s)", g(ll, "ours_8/ttft_p95_s"), "llama-cpp-python's server",
+         g(ll, "llama_cpp_python_8/ttft_p95_s"), False),
+    ]  # fmt: skip
+    for key, name in (("torch_8_streams", "default"), ("torch_8_streams_f16", "f16")):
+        rounds = g(d, f"{key}/rounds", [])
+        if rounds:
+            eight, one = (sorted(r[k]["aggregate_tps"] for r in rounds)[len(rounds) // 2] for k in ("eight", "single"))
+            out.append((f"torch ({name}) 8 streams: tokens/s (medians of rounds)", eight, "one stream", one, True))
+    for eng in ("llama.cpp", "torch"):
+        out.append((f"{eng}: p95 TPOT during a 4,000-token prefill (s)", g(d, f"chunked_prefill/{eng}/during_prefill/tpot_p95_s"),
+                    "before it", g(d, f"chunked_prefill/{eng}/before/tpot_p95_s"), False))
+        out.append((f"{eng}: warm TTFT, shared 1,890-token system prompt (s)", g(d, f"prefix_cache/{eng}/ttft_warm_s"),
+                    "cold", g(d, f"prefix_cache/{eng}/ttft_cold_s"), False))
+        out.append((f"{eng}: json_schema tokens/s", g(d, f"structured/{eng}/json_schema"), "unconstrained",
+                    g(d, f"structured/{eng}/plain"), True))
+    return out  # fmt: skip
+
+
+def plot_server(d: dict, ax: Any) -> None:
+    ll = d.get("llamacpp_8_streams", {})
+    bars = [("llama.cpp batch\n(no server)", g(ll, "direct_8/tokens_per_s")), ("ours", g(ll, "ours_8/aggregate_tps")),
+            ("llama-cpp-python\nserver", g(ll, "llama_cpp_python_8/aggregate_tps"))]  # fmt: skip
+    bars = [(n, v) for n, v in bars if v is not None]
+    ax.bar([n for n, _ in bars], [v for _, v in bars], color=["#999", "#26a", "#c84"][: len(bars)])
+    ax.set(ylabel="tokens/s, 8 concurrent streams", title="Server throughput (SmolLM2, llama.cpp)")
+
+
+def rows_quantize(d: dict) -> list[Row]:
+    out: list[Row] = []
+    for t, r in d.get("types", {}).items():
+        out.append((f"{t}: seconds, ours (identical bytes: {fmt(r.get('identical'))})", r.get("median_localllm_s"),
+                    "llama.cpp's quantize", r.get("median_llamacpp_s"), False))  # fmt: skip
+    for t, r in (d.get("calibration") or {}).items():
+        if isinstance(r, dict) and "calibrated" in r:
+            out.append((f"{t} KL vs F32 with --calibrate", g(r, "calibrated/kl_mean"), "without",
+                        g(r, "plain/kl_mean"), False))  # fmt: skip
+    return out
+
+
+def rows_pull(d: dict) -> list[Row]:
+    return [("localllm pull MB/s (new process, sha256 checked)", d.get("pull_MBps"), "curl", d.get("curl_MBps"), True),
+            ("pull in process MB/s", d.get("pull_in_process_MBps"), "curl", d.get("curl_MBps"), True)]  # fmt: skip
+
+
+def rows_app(d: dict) -> list[Row]:
+    out: list[Row] = []
+    for name, t in (d.get("targets") or {}).items():
+        if isinstance(t, dict):
+            out.append((f"{name.replace('_', ' ')} (passes: {fmt(t.get('pass'))})", t.get("value"), "target",
+                        t.get("target"), None))  # fmt: skip
+    return out
+
+
+def rows_startup(d: dict) -> list[Row]:
+    res = d.get("results", {})
+    bare = g(res, "python -c pass/median_s")
+    return [(f"`{cmd}` seconds", r.get("median_s"), "`python -c pass`", bare, False)
+            for cmd, r in res.items() if cmd != "python -c pass" and isinstance(r, dict)]  # fmt: skip
+
+
+def rows_gguf_parse(d: dict) -> list[Row]:
+    return [(f"{name}: parse seconds, ours", r.get("localllm_s"), "gguf-py's reader", r.get("gguf_py_s"), False)
+            for name, r in (d.get("results") or {}).items()]  # fmt: skip
+
+
+def rows_agreement(d: dict) -> list[Row]:
+    out: list[Row] = []
+    for model, m in (d.get("models") or {}).items():
+        for name, r in (g(m, "vs llama.cpp batch 512") or {}).items():
+            out.append((f"{model}: {name} perplexity (top-1 {fmt(r.get('top1'))}, KL {fmt(r.get('kl'))})",
+                        r.get("ppl"), "llama.cpp batch 512", r.get("ppl_ref"), False))  # fmt: skip
+    return out
+
+
+def rows_build(d: dict) -> list[Row]:
+    m = d.get("median", {})
+    return [("portable build decode tokens/s", g(m, "portable/decode_tps"), "native build", g(m, "native/decode_tps"), True),
+            ("portable build prompt tokens/s", g(m, "portable/prompt_tps"), "native build", g(m, "native/prompt_tps"), True)]  # fmt: skip
+
+
+def rows_gemv(d: dict) -> list[Row]:
+    out: list[Row] = []
+    for threads, t in (d.get("by_threads") or {}).items():
+        dec = t.get("decode", {})
+        out.append((f"{threads} threads: Fp16Linear decode tokens/s", g(dec, "Fp16Linear/tokens_per_s"), "fp32",
+                    g(dec, "fp32/tokens_per_s"), True))  # fmt: skip
+    return out
+
+
+def rows_cuda(d: dict) -> list[Row]:
+    out: list[Row] = []
+    for k, v in d.items():
+        if isinstance(v, dict) and "tokens_per_s" in v:
+            out.append((f"{k} tokens/s", v.get("tokens_per_s"), "", None, True))
+    return out
+
+
+def rows_ceiling(d: dict) -> list[Row]:
+    out: list[Row] = []
+    for eng, r in (d.get("engines") or {}).items():
+        for lv in r.get("levels", []):
+            c = lv["concurrency"]
+            out.append((f"{eng}, {c} client{'s' * (c > 1)}: decode tokens/s", lv.get("decode_tokens_per_s"),
+                        "the bandwidth ceiling", lv.get("ceiling_tokens_per_s"), True))  # fmt: skip
+            usd = lv.get("usd_per_million_output")
+            if usd is not None:
+                out.append((f"{eng}, {c} clients: USD per million output tokens at "
+                            f"{fmt(g(r, 'price.usd_per_hour'))} USD/hour", usd, "", None, False))  # fmt: skip
+    return out
+
+
+def plot_ceiling(d: dict, ax: Any) -> None:
+    for i, (eng, r) in enumerate((d.get("engines") or {}).items()):
+        lv = r.get("levels", [])
+        cs = [x["concurrency"] for x in lv]
+        color = ["#26a", "#c84", "#4a4"][i % 3]
+        ax.plot(cs, [x["output_tokens_per_s"] for x in lv], "o-", color=color, label=f"{eng}: measured")
+        ax.plot(cs, [x.get("ceiling_tokens_per_s") for x in lv], ":", color=color, label=f"{eng}: ceiling")
+    ax.set(xlabel="concurrent clients", ylabel="output tokens/s", yscale="log",
+           title="Throughput against the memory-bandwidth ceiling")  # fmt: skip
+
+
+SECTIONS: list[tuple[str, str, str, Callable[[dict], list[Row]], Callable[[dict, Any], None] | None]] = [
+    ("llamacpp_overhead", "llama.cpp backend vs raw llama-cpp-python", "the engine adds no cost", rows_llamacpp_overhead, None),
+    ("engine_batching", "Continuous batching", "many streams run at llama.cpp's own batch rate", rows_engine_batching,
+     plot_engine_batching),
+    ("torch_engine", "Torch engine", "faster than transformers on the same weights", rows_torch_engine, plot_torch_engine),
+    ("kv_cache", "KV-cache types", "bytes per token down, perplexity held", rows_kv_types, plot_kv_types),
+    ("kv_cache#streaming", "StreamingLLM and H2O", "flat latency and perplexity past the cache", rows_streaming, None),
+    ("speculative", "Speculative decoding", "faster where drafts hit, never slower by much", rows_speculative,
+     plot_speculative),
+    ("server", "Server", "throughput and TTFT under concurrency; prefix cache; structured output", rows_server,
+     plot_server),
+    ("ceiling", "Decode ceiling and cost (`localllm bench`)", "how close to the hardware's limit, and what it costs",
+     rows_ceiling, plot_ceiling),
+    ("quantize", "Quantization", "byte-identical to llama.cpp, within 3x its time; calibration helps", rows_quantize, None),
+    ("pull_throughput", "Pull", "as fast as curl, verified", rows_pull, None),
+    ("app_latency", "Terminal app", "paints and answers keys fast", rows_app, None),
+    ("startup", "Start-up", "`--help` and `list` start fast", rows_startup, None),
+    ("gguf_parse", "GGUF reading", "hardened and fast", rows_gguf_parse, None),
+    ("llamacpp_agreement", "Agreement with llama.cpp", "the same perplexity", rows_agreement, None),
+    ("llamacpp_build", "llama.cpp build", "the portable build costs little", rows_build, None),
+    ("torch_gemv", "Matrix-vector kernels", "fp16 weights vs fp32", rows_gemv, None),
+    ("torch_cuda", "CUDA", "the torch engine on a GPU", rows_cuda, None),
+]  # fmt: skip
+
+
+def machine_line(d: dict) -> str:
+    m = d.get("machine")
+    if m is None:  # results of several parts, each with its own machine (server.json)
+        parts = {machine_line(v) for v in d.values() if isinstance(v, dict) and isinstance(v.get("machine"), dict)}
+        if parts:
+            return " / ".join(sorted(parts)) + " (per part)"
+    if isinstance(m, dict):
+        parts = [m.get("cpu"), f"{m['cores']} cores" if m.get("cores") else None, m.get("capability"), m.get("gpu")]
+        return ", ".join(str(p) for p in parts if p)
+    return str(m) if m else "a machine not recorded"
+
+
+def render(results: Path, out: Path, quick: bool = False) -> Path:
+    """Write `out` (Markdown) and its plots (beside it, in bench/results/plots or quick/plots)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots = results / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+    here = machine()
+    lines = ["# localllm benchmarks", "",
+             f"Generated by `bench/run_all.py{' --quick' if quick else ''}` on {time.strftime('%Y-%m-%d %H:%M')} "
+             f"on {machine_line({'machine': here})}, {here.get('memory_bytes', 0) / 2**30:.0f} GiB memory"
+             + (f", GPU {here['gpu']}" if here.get("gpu") else ", no GPU") + ".", "",
+             "Each figure is compared with its anchor, measured side by side in the same run; the ratio is figure ÷ "
+             "anchor (for times lower is better, for rates higher). Each section says which machine measured it: "
+             "sections not rerun keep their last measurement." + (" **Quick mode: smoke-run sizes, not "
+             "measurements to quote.**" if quick else ""), ""]  # fmt: skip
+    for name, title, claim, rows_fn, plot_fn in SECTIONS:
+        file = name.split("#")[0]
+        path = results / f"{file}.json"
+        lines += [f"## {title}", "", f"Claim: {claim}.", ""]
+        if not path.is_file():
+            lines += [f"_No result yet: run `python bench/{file}.py`._", ""]
+            continue
+        d = json.loads(path.read_text())
+        if d.get("skipped"):
+            lines += [f"_Not measured here: {d['skipped']}._", ""]
+            continue
+        when = d.get("when") or next((v["when"] for v in d.values() if isinstance(v, dict) and v.get("when")),
+                                     "(time not recorded)")  # fmt: skip
+        lines += [f"Measured {when} on {machine_line(d)} "
+                  f"(`bench/{file}.py`, `{path.relative_to(results.parent) if results.parent in path.parents else path.name}`).", ""]  # fmt: skip
+        try:
+            rows = rows_fn(d)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # a shape this report does not know
+            rows = []
+            lines += [f"_The result's shape was not understood ({type(e).__name__}: {e})._", ""]
+        if rows:
+            lines += ["| figure | value | anchor | anchor value | ratio |", "|---|---:|---|---:|---:|"]
+            for fig, v, anchor, av, _higher in rows:
+                lines.append(f"| {fig} | {fmt(v)} | {anchor or '—'} | {fmt(av)} | {ratio(v, av)} |")
+            lines.append("")
+        if plot_fn is not None:
+            fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
+            try:
+                plot_fn(d, ax)
+                if ax.get_legend_handles_labels()[0]:
+                    ax.legend(fontsize=8)
+                ax.grid(alpha=0.3)
+                fig.tight_layout()
+                png = plots / f"{name.replace('#', '_')}.png"
+                fig.savefig(png)
+                lines += [f"![{title}]({png.relative_to(out.parent) if out.parent in png.parents else png})", ""]
+            except (KeyError, TypeError, ValueError, IndexError) as e:
+                lines += [f"_No plot: the result lacks what it draws ({type(e).__name__})._", ""]
+            finally:
+                plt.close(fig)
+    out.write_text("\n".join(lines))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="from the quick results (bench/results/quick)")
+    ap.add_argument("--out", type=Path, default=None, help="default: BENCHMARKS.md at the top (quick: beside the results)")
+    a = ap.parse_args()
+    results = results_dir(a.quick)
+    out = a.out or (results / "BENCHMARKS.md" if a.quick else BENCH.parent / "BENCHMARKS.md")
+    print(render(results, out.resolve(), a.quick))
+
+
+if __name__ == "__main__":
+    main()
