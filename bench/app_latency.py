@@ -1,7 +1,7 @@
 """The terminal app against its targets, on the real binary and the real default model, in one run.
 
     .venv/bin/python bench/app_latency.py [--runs 10] [--keys 50] [--tmux-keys 30] [--rounds 3]
-                                          [--gen 256]
+                                          [--gen 256] [--quick]
 
 1. First paint (target: median ≤ 1.0 s): `localllm` started in tmux (100x30, a temp LOCALLLM_HOME
    with smollm2 registered) until `tmux capture-pane` (polled every 10 ms) shows the Models row
@@ -22,7 +22,9 @@
    column loads the model afresh each round, one model at a time. The machine may be shared:
    each sample records the cores other processes used meanwhile (`others_cores`).
 
-Writes bench/results/app_latency.json (all samples, medians, targets, pass/fail).
+Writes bench/results/app_latency.json (all samples, medians, targets, pass/fail). `--quick`
+(bench/results/quick/app_latency.json): QUICK's counts — one paint, 5 keys in each part, one
+round of 16 tokens; each part still starts the app or loads the model (about 10 in all).
 """
 
 from __future__ import annotations
@@ -43,12 +45,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).parent / "results"
+from common import save
+
 EXE = Path(sys.executable).with_name("localllm")
 ROW = "smollm2:135m-instruct-q4_1"
 LONG_PROMPT = "Write a very long story about the sea."
 SIZE = (100, 30)
 SOCK = f"localllm-bench-{os.getpid()}"  # a tmux server of our own: no one else's sessions
+QUICK = {"runs": 1, "keys": 5, "tmux_keys": 5, "pilot_samples": 1, "rounds": 1, "gen": 16}  # --quick
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -213,8 +217,8 @@ async def keys_in_process(keys: int, pilot_samples: int) -> dict[str, Any]:
 
     rec: list[Recorder] = []
 
-    def loader(name: str, **o: Any) -> Recorder:
-        rec.append(Recorder(load(name, **o), inject=None))  # pass-through: default sampling
+    def loader(name: str, options: Any = None, **o: Any) -> Recorder:  # the pool's (name, options)
+        rec.append(Recorder(load(name, options, **o), inject=None))  # pass-through: default sampling
         return rec[-1]
 
     app = LocalLLMApp(chat_model="smollm2", loader=loader)
@@ -302,7 +306,7 @@ def keys_tmux(home: Path, keys: int) -> dict[str, Any]:
         )
         tmux("send-keys", "-t", session, "-l", LONG_PROMPT)
         tmux("send-keys", "-t", session, "Enter")
-        wait_screen(session, "loaded in", 120)  # first answer: the status says so until it ends
+        wait_screen(session, "ready in", 120)  # first answer: the status says so until it ends
         time.sleep(0.5)
         cpu = Cpu()
         for n in range(1, keys + 1):
@@ -378,8 +382,8 @@ def throughput(rounds: int, gen: int, home: Path) -> dict[str, Any]:
     async def run_app() -> None:
         rec: list[Recorder] = []
 
-        def loader(name: str, **o: Any) -> Recorder:
-            rec.append(Recorder(load(name, **o), inject=sampling))
+        def loader(name: str, options: Any = None, **o: Any) -> Recorder:
+            rec.append(Recorder(load(name, options, **o), inject=sampling))
             return rec[-1]
 
         app = LocalLLMApp(chat_model="smollm2", loader=loader)
@@ -436,7 +440,10 @@ def main() -> None:
     ap.add_argument("--pilot-samples", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gen", type=int, default=256)
+    ap.add_argument("--quick", action="store_true", help="a smoke run: QUICK's counts")
     args = ap.parse_args()
+    if args.quick:
+        vars(args).update(QUICK)
     home = Path(tempfile.mkdtemp(prefix="localllm-bench-"))
     os.environ["LOCALLLM_HOME"] = str(home)
     from localllm.backends.llamacpp import default_threads
@@ -478,10 +485,8 @@ def main() -> None:
            "loadavg_at_end": os.getloadavg(), "args": vars(args), "wall_s": time.perf_counter() - t_start, "targets": targets,
            "first_paint": paint, "keypress_in_process": keys, "keypress_tmux": keys_t,
            "tokens_per_s": tput}  # fmt: skip
-    RESULTS.mkdir(exist_ok=True)
-    text = json.dumps(out, indent=2) + "\n"
-    (RESULTS / "app_latency.json").write_text(text)
-    print(text)
+    save("app_latency", out, quick=args.quick)
+    print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ def results_path(name: str, quick: bool = False) -> Path:
 def save(name: str, data: dict[str, Any], quick: bool = False) -> Path:
     """Write `data` as NAME.json (temp file, rename), with the machine and the time added where
     the script did not set them."""
-    data.setdefault("machine", machine())
+    if not isinstance(data.get("machine"), dict):  # some scripts put platform.machine() there
+        data["machine"] = machine() | ({"arch": data["machine"]} if data.get("machine") else {})
     data.setdefault("when", time.strftime("%Y-%m-%d %H:%M"))
     data["quick"] = quick
     path = results_path(name, quick)

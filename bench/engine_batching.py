@@ -1,7 +1,7 @@
 """Continuous batching: llama.cpp's own multi-sequence decode against the engine's, in one run.
 
     .venv/bin/python bench/engine_batching.py [--rounds 3] [--gen 96] [--long 4000] [--threads 2]
-        [--min-chunk N ...]
+        [--min-chunk N ...] [--quick]
 
 (a) raw: one llama.cpp context built as the backend builds it (n_seq_max = N, the same context per
     sequence, kv_unified off, flash attention, n_batch 512), driven directly through the batch API:
@@ -19,14 +19,15 @@
     prompt's TTFT beside the streams and alone (the caches are dropped before each, so it is
     evaluated afresh every round). `--min-chunk N` runs (c) again with the engine scheduler's
     smallest prefill chunk set to N (an experiment on `Model.scheduler.MIN_CHUNK`).
-Writes bench/results/engine_batching.json with every sample and the medians.
+Writes bench/results/engine_batching.json with every sample and the medians. `--quick`: one
+round, 32 tokens per stream, a 256-token long prompt after 4 baseline tokens
+(bench/results/quick/engine_batching.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import statistics
 import tempfile
@@ -35,8 +36,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import save
 
-RESULTS = Path(__file__).parent / "results"
 PROMPTS = ["Chapter 1.", "Once upon a time", "The history of the Roman Empire",
            "It was a dark and stormy night", "The old lighthouse keeper", "In the beginning",
            "Dear diary,", "The recipe calls for"]  # fmt: skip  (greedy: none stops within 160)
@@ -215,7 +216,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--min-chunk", type=int, action="append", default=[],
                     help="also run (c) with this scheduler floor (repeatable)")  # fmt: skip
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: 1 round, 32 tokens, a 256-token prompt")  # fmt: skip
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.gen, args.long, args.base = 1, 32, 256, 4
     os.environ.setdefault("LOCALLLM_HOME", tempfile.mkdtemp(prefix="localllm-bench-"))
     from localllm.engine import load
 
@@ -254,8 +259,7 @@ def main() -> None:
               f"ms while a {tp['long_prompt_tokens']:.0f}-token prompt is prefilled "
               f"(x{lp['p95_tpot_ratio']:.2f}); its TTFT {tp['ttft_beside_streams_s']:.1f} s "
               f"beside them, {lp['median_alone_ttft_s']:.1f} s alone")  # fmt: skip
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "engine_batching.json").write_text(json.dumps(out, indent=2) + "\n")
+    save("engine_batching", out, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,21 @@
 """Header parse time: localllm's hardened reader vs gguf-py's GGUFReader, same files, one run.
 
-    .venv/bin/python bench/gguf_parse.py [--runs 5]
+    .venv/bin/python bench/gguf_parse.py [--runs 5] [--quick]
 
 Both read metadata and the tensor index of the default model (49,152-token vocabulary, 272
-tensors) and of Gemma 3 270M (262,144 tokens). Writes bench/results/gguf_parse.json.
+tensors) and of Gemma 3 270M (262,144 tokens). Writes bench/results/gguf_parse.json (`--quick`:
+one run each, bench/results/quick/gguf_parse.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import statistics
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+from common import save
 
 
 def model_paths() -> dict[str, Path]:
@@ -48,7 +48,10 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="a smoke run: one run per file")
     args = ap.parse_args()
+    if args.quick:
+        args.runs = 1
     out = {}
     for name, path in model_paths().items():
         ours = best(lambda p=path: read_gguf(p), args.runs)
@@ -57,10 +60,7 @@ def main() -> None:
         print(
             f"{name:<22} localllm {ours * 1000:7.1f} ms   gguf-py {theirs * 1000:7.1f} ms   ({theirs / ours:.1f}x)"
         )
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "gguf_parse.json").write_text(
-        json.dumps({"runs": args.runs, "results": out}, indent=2) + "\n"
-    )
+    save("gguf_parse", {"runs": args.runs, "results": out}, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,10 @@ fp16 elsewhere; llama.cpp: the file's Q4_1), text `moby_dick_part.txt` from ../s
    full cache and against the same budget of recent tokens only (text positions, as H2O's), and
    StreamingLLM with 4 sinks at that budget. Goal: H2O beats recent-only.
 
-Writes bench/results/kv_cache.json (every number, the machine, timings).
+Writes bench/results/kv_cache.json (every number, the machine, timings). `--quick` (a smoke run of
+every part, bench/results/quick/kv_cache.json): QUICK's token counts, streaming through a 16-token
+cache (4 sinks + 12, the oracle at every 4th position) and the sinks comparison with 16 cells. It
+still loads an engine about 30 times (each cache type and its f16 reference, every streaming run).
 """
 
 from __future__ import annotations
@@ -39,13 +42,13 @@ import sys
 import time
 from pathlib import Path
 
-from common import log, machine
+from common import log, machine, results_path, save
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).parent / "results"
 CORPUS = Path(os.environ.get("LOCALLLM_CORPUS", ROOT.parent / "shared" / "data" / "corpus"))
 TEXT = CORPUS / "moby_dick_part.txt"
 MODEL = "smollm2"
+QUICK = {"ppl_tokens": 80, "stream_tokens": 64}  # --quick (h2o: a 16-token budget)
 
 
 def evaluate(backend: str, kv: str = "f16", *, tokens: int, streaming: str | None = None,
@@ -162,7 +165,8 @@ def streaming(tokens: int, quick: bool) -> dict:
     llm = load(MODEL, LoadOptions(backend="torch", parallel=1, ctx=64))
     ids = llm.backend.tokenize(TEXT.read_text(encoding="utf-8"), add_special=True)[:tokens]
     llm.close()
-    sinks, window, every = 4, 508, 32
+    sinks, window, every = (4, 12, 4) if quick else (4, 508, 32)
+    cells = 16 if quick else 256  # sinks matter: the cache of that comparison
     spec = f"{sinks}:{window}"
     out: dict = {"tokens": len(ids), "cache": sinks + window, "sinks": sinks}
     runs = {"torch_f16": ("torch", spec, "f16"), "torch_int4": ("torch", spec, "int4"),
@@ -194,11 +198,12 @@ def streaming(tokens: int, quick: bool) -> dict:
     short = ids[:3072]
     out["sinks_vs_none"] = {}
     for backend in ("torch", "llama.cpp"):
-        with_sinks = _stream(backend, short, "4:252")["ppl"]
-        without = _stream(backend, short, "0:256")["ppl"]
+        with_sinks = _stream(backend, short, f"4:{cells - 4}")["ppl"]
+        without = _stream(backend, short, f"0:{cells}")["ppl"]
         out["sinks_vs_none"][backend] = {"sinks_4": with_sinks, "sinks_0": without,
                                          "ratio": without / with_sinks}  # fmt: skip
-        log(f"  {backend}: 256 cells, 3,072 tokens: 4 sinks {with_sinks:.3f}, none {without:.3f}")
+        log(f"  {backend}: {cells} cells, {len(short):,} tokens: 4 sinks {with_sinks:.3f}, "
+            f"none {without:.3f}")  # fmt: skip
     out["goals"] = {
         "torch_f16_within_10pct_of_oracle": abs(got["torch_f16"]["vs_oracle"]) <= 0.10,
         "torch_int4_within_10pct_of_oracle": abs(got["torch_int4"]["vs_oracle"]) <= 0.10,
@@ -245,17 +250,19 @@ def main() -> None:
     ap.add_argument("--ppl-tokens", type=int, default=4096)
     ap.add_argument("--stream-tokens", type=int, default=16384)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--quick", action="store_true", help="512 / 2,048 tokens: a smoke run")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: 80 / 64 tokens, a 16-token streaming cache")  # fmt: skip
     a = ap.parse_args()
     if a.quick:
-        a.ppl_tokens, a.stream_tokens = 512, 2048
+        a.ppl_tokens, a.stream_tokens = QUICK["ppl_tokens"], QUICK["stream_tokens"]
     import torch
 
     torch.set_num_threads(a.threads)
     if not TEXT.is_file():
         sys.exit(f"{TEXT} is missing: set LOCALLLM_CORPUS or put shared/ beside the checkout")
-    path = RESULTS / ("kv_cache_quick.json" if a.quick else "kv_cache.json")
+    path = results_path("kv_cache", a.quick)
     out = json.loads(path.read_text()) if path.is_file() else {}
+    out.pop("machine", None), out.pop("when", None)  # save() stamps this run's
     out["machine_start"] = machine()
     out["text"] = TEXT.name
     for part in a.only.split(","):
@@ -270,9 +277,7 @@ def main() -> None:
             sys.exit(f"unknown part {part!r}")
         out.setdefault("seconds", {})[part] = round(time.perf_counter() - t, 1)
         out["machine_end"] = machine()
-        RESULTS.mkdir(exist_ok=True)
-        path.write_text(json.dumps(out, indent=1, sort_keys=True))
-    log(f"wrote {path}")
+        save("kv_cache", out, quick=a.quick)  # after each part: a later failure keeps it
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """How far llama.cpp agrees with itself, beside how far the torch engine agrees with it, in one run.
 
     .venv/bin/python bench/llamacpp_agreement.py [--models smollm2,gemma] [--tokens 2000] [--threads 2]
+        [--quick]
 
 Teacher-forced over the first --tokens tokens of alice.txt (as tests/backends/torch/test_vs_llamacpp.py),
 per model, the next-token distributions of:
@@ -10,7 +11,8 @@ per model, the next-token distributions of:
 each compared with the first: top-1 agreement, mean KL(reference || other) in nats, perplexity.
 The issue asks top-1 >= 98% of ours against llama.cpp; llama.cpp against itself is the noise floor
 that bar sits on (it quantizes activations to 8 bits per block, differently in its two paths).
-Writes bench/results/llamacpp_agreement.json.
+Writes bench/results/llamacpp_agreement.json (`--quick`: both models, 64 tokens,
+bench/results/quick/llamacpp_agreement.json; most of its time is loading Gemma's engines).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from torch_engine import CORPUS, RESULTS, model_path  # noqa: E402
+from common import save  # noqa: E402
+from torch_engine import CORPUS, model_path  # noqa: E402
 
 
 def llama_scores(path: Path, ids: list[int], n_batch: int, threads: int) -> np.ndarray:
@@ -76,8 +79,11 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2,gemma")
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(RESULTS / "llamacpp_agreement.json"))
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 64 tokens")
+    ap.add_argument("--out", help="default: bench/results/llamacpp_agreement.json (common.save)")
     args = ap.parse_args()
+    if args.quick:
+        args.tokens = 64
     import llama_cpp
     import torch
 
@@ -104,9 +110,12 @@ def main() -> None:
         for k, r in rows.items():
             print(f"  {k:26s} top-1 {r['top1']:.2%}  KL {r['kl']:.4f}  "
                   f"ppl {r['ppl']:.3f} (ref {r['ppl_ref']:.3f})")  # fmt: skip
-    os.makedirs(Path(args.out).parent, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    if args.out:
+        os.makedirs(Path(args.out).parent, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    else:
+        save("llamacpp_agreement", out, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -1,33 +1,38 @@
 """Our overhead over raw llama-cpp-python on the default model, side by side in one run.
 
-    .venv/bin/python bench/llamacpp_overhead.py [--rounds 3] [--gen 128]
+    .venv/bin/python bench/llamacpp_overhead.py [--rounds 3] [--gen 128] [--prompt-tokens 512]
+        [--quick]
 
 Decode: greedy generation of --gen tokens from the same raw prompt, (a) a raw llama-cpp-python
 loop (`Llama.generate`, tokens only) and (b) localllm's engine (`Model.submit`, worker thread,
 incremental detokenization, stop handling, Chunk stream) — tokens/s after the first token.
-TTFT: a 512-token prompt, prompt cache cleared each time: (a) `Llama.generate` until the first
+TTFT: a --prompt-tokens prompt (512), prompt cache cleared each time: (a) `Llama.generate` until the first
 token, (b) localllm submit → first chunk. Same file, same n_ctx, threads and batch size.
 Rounds alternate a/b to share machine noise. Writes bench/results/llamacpp_overhead.json.
+`--quick`: one round, 16 tokens, a 64-token prompt (bench/results/quick/llamacpp_overhead.json).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+from common import save
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=512, help="the TTFT prompt")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 16 + 64 tokens")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.gen, args.prompt_tokens = 1, 16, 64
     os.environ.setdefault("LOCALLLM_HOME", tempfile.mkdtemp(prefix="localllm-bench-"))
     import llama_cpp
 
@@ -44,7 +49,7 @@ def main() -> None:
         )
     )
     text = (corpus / "moby_dick_part.txt").read_text()[50_000:]
-    long_ids = raw.tokenize(text.encode())[:512]
+    long_ids = raw.tokenize(text.encode())[: args.prompt_tokens]
     long_prompt = raw.detokenize(long_ids).decode()
     short = "Once upon a time"
 
@@ -103,8 +108,7 @@ def main() -> None:
           f"overhead {out['decode_overhead'] * 100:+.1f}%")  # fmt: skip
     print(f"TTFT ({len(long_ids)} tokens)  raw {med['raw_ttft'] * 1000:.0f} ms   localllm "
           f"{med['our_ttft'] * 1000:.0f} ms   overhead {out['ttft_overhead'] * 100:+.1f}%")  # fmt: skip
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "llamacpp_overhead.json").write_text(json.dumps(out, indent=2) + "\n")
+    save("llamacpp_overhead", out, quick=args.quick)
     ours.close()
     raw.close()
 

@@ -1,13 +1,15 @@
 """Pull throughput: `localllm pull` (sha256 verified, registered) vs plain `curl` of the same file.
 
-    .venv/bin/python bench/pull_throughput.py [--size-mb 1024] [--rounds 3]
+    .venv/bin/python bench/pull_throughput.py [--size-mb 1024] [--rounds 3] [--quick]
 
 One GGUF of --size-mb random bytes is served by the test suite's fake hub (tests/fakehub.py) in its
 own process on loopback, with sendfile. Rounds alternate: `curl -o FILE URL` (no verification),
 then `localllm pull hf.co/bench/big-GGUF` as a fresh process into an empty store (resolve the
 commit, download, re-read and check sha256, parse the GGUF, register). Both write to the same disk.
 Reports medians of wall time and MB/s, the ratio, and the in-process time of the pull alone (without
-Python start-up). Writes bench/results/pull_throughput.json.
+Python start-up). Writes bench/results/pull_throughput.json. `--quick`: a 32 MB file, one round
+(bench/results/quick/pull_throughput.json). Without curl on the PATH its part is skipped (its
+figures null, `curl_skipped` says why) and the pull is still measured.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import save
+
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).parent / "results"
 REPO = "bench/big-GGUF"
 NAME = "big-Q8_0.gguf"
 
@@ -64,10 +67,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size-mb", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 32 MB, one round")
     ap.add_argument("--serve")
     args = ap.parse_args()
     if args.serve:
         return serve(args.serve)
+    if args.quick:
+        args.size_mb, args.rounds = 32, 1
+    curl_exe = shutil.which("curl")
 
     work = Path(tempfile.mkdtemp(prefix="pullbench-", dir=os.environ.get("BENCH_TMP")))
     try:
@@ -82,12 +89,13 @@ def main() -> None:
         env.pop("HF_HUB_OFFLINE", None)
         curl_s, pull_s, pull_inproc_s = [], [], []
         for i in range(args.rounds):
-            out = work / "curl.out"
-            t0 = time.perf_counter()
-            subprocess.run(["curl", "-sSf", "-o", str(out), file_url], check=True)
-            curl_s.append(time.perf_counter() - t0)
-            assert out.stat().st_size == size
-            out.unlink()
+            if curl_exe:
+                out = work / "curl.out"
+                t0 = time.perf_counter()
+                subprocess.run([curl_exe, "-sSf", "-o", str(out), file_url], check=True)
+                curl_s.append(time.perf_counter() - t0)
+                assert out.stat().st_size == size
+                out.unlink()
 
             home = work / f"home{i}"
             code = ("import time,sys; from localllm.models_registry.pull import pull; "
@@ -111,23 +119,25 @@ def main() -> None:
     def mbps(s: float) -> float:
         return size / 1e6 / s
 
-    curl, pulled, inproc = (statistics.median(x) for x in (curl_s, pull_s, pull_inproc_s))
+    pulled, inproc = (statistics.median(x) for x in (pull_s, pull_inproc_s))
+    curl = statistics.median(curl_s) if curl_s else None
     result = {
         "file_bytes": size,
         "rounds": args.rounds,
         "curl_s": curl_s,
         "pull_s": pull_s,
         "pull_in_process_s": pull_inproc_s,
-        "curl_MBps": round(mbps(curl), 1),
+        "curl_MBps": round(mbps(curl), 1) if curl else None,
         "pull_MBps": round(mbps(pulled), 1),
         "pull_in_process_MBps": round(mbps(inproc), 1),
-        "ratio_pull_vs_curl": round(curl / pulled, 3),
-        "ratio_in_process_vs_curl": round(curl / inproc, 3),
+        "ratio_pull_vs_curl": round(curl / pulled, 3) if curl else None,
+        "ratio_in_process_vs_curl": round(curl / inproc, 3) if curl else None,
         "what": "localllm pull (fresh process: resolve, download, sha256 re-read, GGUF parse, "
         "register) vs curl -o, same file from the fake hub on loopback",
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "pull_throughput.json").write_text(json.dumps(result, indent=2) + "\n")
+    if not curl_exe:
+        result["curl_skipped"] = "curl is not installed here: only localllm pull was measured"
+    save("pull_throughput", result, quick=args.quick)
     print(json.dumps(result, indent=2))
 
 

@@ -8,13 +8,18 @@
 - calibration (`--calibration`): Q4_K_M and Q4_0 with and without `--calibrate` on one text
   (tinyshakespeare), each measured against the F32 source on another (alice): KL mean and p99,
   top-1 agreement, perplexity — through `localllm eval --ref`'s evaluation.
+- `--quick`: one round of every type, then the calibration with 256 calibration and 128
+  evaluation tokens (the published file holds both sections; `--quick --calibration`: only that
+  part), written to bench/results/quick/quantize.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -23,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import log, machine  # noqa: E402
+from common import log, machine, results_path, save  # noqa: E402
 
-OUT = Path(__file__).resolve().parent / "results" / "quantize.json"
+QUICK_CALIBRATION = (256, 128)  # --quick: calibration and evaluation tokens
 
 
 def tensor_data(path: Path) -> dict[str, bytes]:
@@ -35,7 +40,8 @@ def tensor_data(path: Path) -> dict[str, bytes]:
         return {n: bytes(f.tensor_bytes(n)) for n in f.tensors}
 
 
-def calibration(store: Any, f32: Path, work: Path) -> dict[str, Any]:
+def calibration(store: Any, f32: Path, work: Path, cal_tokens: int = 4096,
+                eval_tokens: int = 1024) -> dict[str, Any]:  # fmt: skip
     from localllm.evaluate import evaluate, read_text
     from localllm.quant.calibrate import collect_imatrix
     from localllm.quant.writer import quantize_file
@@ -43,11 +49,11 @@ def calibration(store: Any, f32: Path, work: Path) -> dict[str, Any]:
 
     corpus = Path(os.environ.get("LOCALLLM_CORPUS", Path(__file__).resolve().parents[2] / "shared/data/corpus"))
     held_in, held_out = corpus / "tinyshakespeare.txt", corpus / "alice.txt"
-    log("calibrating on tinyshakespeare (4,096 tokens) ...")
+    log(f"calibrating on tinyshakespeare ({cal_tokens:,} tokens) ...")
     t0 = time.perf_counter()
-    imatrix = collect_imatrix(f32, read_text(held_in), tokens=4096)
+    imatrix = collect_imatrix(f32, read_text(held_in), tokens=cal_tokens)
     out: dict[str, Any] = {"calibration_text": held_in.name, "eval_text": held_out.name,
-                           "calibration_tokens": 4096, "eval_tokens": 1024,
+                           "calibration_tokens": cal_tokens, "eval_tokens": eval_tokens,
                            "calibration_s": time.perf_counter() - t0}  # fmt: skip
     store.import_file(f32, "bench-f32")
     text = read_text(held_out)
@@ -58,7 +64,8 @@ def calibration(store: Any, f32: Path, work: Path) -> dict[str, Any]:
             quantize_file(f32, dst, kind, imatrix=im)
             name = f"bench-{kind.lower()}-{label}"
             store.import_file(dst, name)
-            r = evaluate(name, text, options=LoadOptions(backend="llama.cpp"), limit=1024, ref="bench-f32")
+            r = evaluate(name, text, options=LoadOptions(backend="llama.cpp"), limit=eval_tokens,
+                         ref="bench-f32")  # fmt: skip
             row[label] = {k: r[k] for k in ("perplexity", "reference_perplexity", "kl_mean", "kl_p99",
                                             "top1_agreement")}  # fmt: skip
             log(f"{kind} {label}: {row[label]}")
@@ -71,10 +78,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", default="Q4_K_M,Q8_0,Q6_K,Q5_K_M")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="one round, one type (for the test)")
+    ap.add_argument("--quick", action="store_true", help="one round of each type (a smoke run)")
     ap.add_argument("--calibration", action="store_true", help="only the calibration benefit")
     args = ap.parse_args()
-    types = ["Q8_0"] if args.quick else args.types.split(",")
+    types = args.types.split(",")
     rounds = 1 if args.quick else args.rounds
     os.environ.setdefault("LOCALLLM_HOME", tempfile.mkdtemp(prefix="localllm-bench-quant-"))
     from localllm.models_registry.catalog import ensure_local
@@ -84,6 +91,7 @@ def main() -> None:
     store = Store()
     src = store.path_of(ensure_local("smollm2", store))
     work = Path(tempfile.mkdtemp(prefix="localllm-quant-"))
+    atexit.register(shutil.rmtree, work, True)  # the F32 file and every quantized one: ~2 GB
     f32 = work / "smollm2-f32.gguf"
     log("dequantizing the default model to F32 ...")
     made = quantize_file(src, f32, "F32", allow_requantize=True)
@@ -91,10 +99,10 @@ def main() -> None:
                                "source": {"file": src.name, "f32_bytes": made.nbytes,
                                           "params": made.n_params}, "types": {}}  # fmt: skip
     if args.calibration:
-        results = json.loads(OUT.read_text()) if OUT.exists() else results
-        results["calibration"] = calibration(store, f32, work)
-        OUT.write_text(json.dumps(results, indent=1) + "\n")
-        log(f"wrote {OUT}")
+        old = results_path("quantize", args.quick)
+        results = json.loads(old.read_text()) if old.exists() else results
+        results["calibration"] = calibration(store, f32, work, *(QUICK_CALIBRATION if args.quick else ()))
+        save("quantize", results, quick=args.quick)
         return
     for kind in types:
         times: dict[str, list[float]] = {"localllm": [], "llama.cpp": []}
@@ -118,10 +126,9 @@ def main() -> None:
             "ratio": ours / theirs, "identical": identical,
             "bytes": outs["localllm"].nbytes, "bits_per_weight": outs["localllm"].bits_per_weight,
         }  # fmt: skip
-    OUT.parent.mkdir(exist_ok=True)
-    out = OUT.with_name("quantize_quick.json") if args.quick else OUT
-    out.write_text(json.dumps(results, indent=1) + "\n")
-    log(f"wrote {out}")
+    if args.quick:  # a smoke run of both parts, as the full results hold both
+        results["calibration"] = calibration(store, f32, work, *QUICK_CALIBRATION)
+    save("quantize", results, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,8 @@ def ratio(value: Any, anchor: Any) -> str:
 def rows_llamacpp_overhead(d: dict) -> list[Row]:
     m = d.get("median", {})
     return [("decode tokens/s through localllm", m.get("our_decode"), "raw llama-cpp-python", m.get("raw_decode"), True),
-            ("TTFT s, 512-token prompt", m.get("our_ttft"), "raw llama-cpp-python", m.get("raw_ttft"), False)]  # fmt: skip
+            (f"TTFT s, {fmt(d.get('ttft_prompt_tokens'))}-token prompt", m.get("our_ttft"), "raw llama-cpp-python",
+             m.get("raw_ttft"), False)]  # fmt: skip
 
 
 def rows_engine_batching(d: dict) -> list[Row]:

@@ -1,6 +1,7 @@
 """The server under load, side by side in one run (issue 14's targets), JSON to bench/results/server.json.
 
     .venv/bin/python bench/server.py [--only llamacpp,torch,prefill,prefix,schema] [--tokens 128]
+        [--quick]
 
 - llamacpp: 8 concurrent streaming clients (decode rate: tokens while all 8 decode / that time) against our server (llama.cpp engine, --parallel 8),
   against llama-cpp-python's own server (`python -m llama_cpp.server --interrupt_requests False`,
@@ -15,6 +16,10 @@
 
 Every client streams over HTTP (httpx); TTFT is send → first content token; a stream's decode rate
 is (tokens − 1) / (last − first token time); aggregate = Σ tokens / (last token of any − first send).
+
+`--quick` (bench/results/quick/server.json): every section with QUICK's sizes — 32 tokens, one
+round and one schema repeat, 2-second prefill windows around a 512-token prompt, a 256-token
+shared system prompt. Servers listen on 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -35,9 +40,14 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import log, machine  # noqa: E402
+from common import log, machine, results_path, save  # noqa: E402
 
-OUT = Path(__file__).resolve().parent / "results" / "server.json"
+# --quick: --tokens, rounds of the torch section, the prefill section's windows, prompt and
+# context, the prefix section's system prompt and answers, the schema section's repeats
+QUICK = {"tokens": 32, "rounds": 1, "window_s": 2.0, "prefill_tokens": 512, "prefill_ctx": 1536,
+         "system_tokens": 256, "answer_tokens": 8, "schema_repeats": 1}  # fmt: skip
+FULL = {"rounds": 3, "window_s": 20.0, "prefill_tokens": 4000, "prefill_ctx": 5120,
+        "system_tokens": 2000, "answer_tokens": 24, "schema_repeats": 3}  # fmt: skip
 TOPICS = ["a dragon who bakes bread", "a lighthouse keeper", "a robot learning to paint", "a lost city",
           "a river that flows uphill", "a clockmaker's apprentice", "a ship made of glass", "a winter fox"]  # fmt: skip
 
@@ -222,6 +232,8 @@ def bench_llamacpp(tokens: int, threads: int) -> dict[str, Any]:
         p, url = their_server(2048, threads)
     except (RuntimeError, OSError) as e:
         out["llama_cpp_python_8"] = {"error": str(e)}
+        out["ours_vs_direct"] = out["ours_8"]["all_decoding_tps"] / out["direct_8"]["tokens_per_s"]
+        out["ours_vs_llama_cpp_python"] = None
         return out
     try:
         asyncio.run(load_run(url, bodies(1, 8)))
@@ -272,17 +284,19 @@ def long_prompt(n_tokens: int) -> str:
     return " ".join(words[: int(n_tokens * 0.75)])
 
 
-def bench_prefill(backend: str, window_s: float = 20.0) -> dict[str, Any]:
+def bench_prefill(backend: str, window_s: float = 20.0, prompt_tokens: int = 4000,
+                  ctx: int = 5120) -> dict[str, Any]:  # fmt: skip
     """Four streams decode; for `window_s` their token gaps are the baseline; then a 4,000-token
-    prompt arrives and for `window_s` more their gaps are measured beside its prefill (which on
-    this CPU takes minutes: the window closes before it ends, and everything is cancelled)."""
-    srv = our_server(backend, parallel=5, ctx=5120)
+    (`prompt_tokens`) prompt arrives and for `window_s` more their gaps are measured beside its
+    prefill (which on this CPU takes minutes: the window closes before it ends, and everything is
+    cancelled)."""
+    srv = our_server(backend, parallel=5, ctx=ctx)
     big = {"model": "smollm2", "stream": True, "temperature": 0, "max_tokens": 4,
-           "messages": [{"role": "user", "content": long_prompt(4000) + "\n\nSummarize the text above."}]}
+           "messages": [{"role": "user", "content": long_prompt(prompt_tokens) + "\n\nSummarize the text above."}]}
 
     try:
         asyncio.run(load_run(srv.url, bodies(1, 8)))
-        log(f"{backend}: 4 streams, then a 4,000-token prompt beside them ...")
+        log(f"{backend}: 4 streams, then a {prompt_tokens:,}-token prompt beside them ...")
         gaps_before: list[float] = []
         gaps_during: list[float] = []
         runs: list[list[float]] = []
@@ -292,7 +306,7 @@ def bench_prefill(backend: str, window_s: float = 20.0) -> dict[str, Any]:
                 for _ in range(4):
                     runs.append([])
                 tasks = [asyncio.ensure_future(one_stream(client, srv.url, b, runs[i]))
-                         for i, b in enumerate(bodies(4, 4000))]  # fmt: skip
+                         for i, b in enumerate(bodies(4, min(4000, ctx - 256)))]  # fmt: skip
                 await asyncio.sleep(window_s / 2)
                 t_base = time.perf_counter()
                 await asyncio.sleep(window_s)
@@ -323,12 +337,13 @@ def bench_prefill(backend: str, window_s: float = 20.0) -> dict[str, Any]:
     return out
 
 
-def bench_prefix(backend: str, again: bool = False) -> dict[str, Any]:
-    system = long_prompt(2000)
+def bench_prefix(backend: str, again: bool = False, system_tokens: int = 2000,
+                 answer_tokens: int = 24) -> dict[str, Any]:  # fmt: skip
+    system = long_prompt(system_tokens)
     srv = our_server(backend, parallel=2, ctx=4096)
 
     def ask(q: str) -> dict[str, Any]:
-        body = {"model": "smollm2", "temperature": 0, "max_tokens": 24,
+        body = {"model": "smollm2", "temperature": 0, "max_tokens": answer_tokens,
                 "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]}
         t0 = time.perf_counter()
         r = httpx.post(srv.url + "/v1/chat/completions", json=body | {"stream": False}, timeout=600).json()
@@ -363,7 +378,7 @@ def model_ttft(srv: Any) -> float:
     return srv.app.state.server.log[-1]["ttft_s"]
 
 
-def bench_schema(backend: str, tokens: int) -> dict[str, Any]:
+def bench_schema(backend: str, tokens: int, repeats: int = 3) -> dict[str, Any]:
     from localllm import load
 
     schema = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
@@ -375,14 +390,14 @@ def bench_schema(backend: str, tokens: int) -> dict[str, Any]:
     valid = 0
     with load("smollm2", backend=backend, parallel=1, ctx=2048) as m:
         m.chat(ask, max_tokens=8, temperature=0)
-        for _ in range(3):
+        for _ in range(repeats):
             for kind in rates:
                 r = m.chat(ask, max_tokens=tokens, temperature=0, response_format=fmt if kind != "plain" else None)
                 rates[kind].append(r.timings.tokens_per_s(r.usage.completion_tokens))
                 if kind != "plain" and r.finish_reason == "stop":
                     valid += isinstance(json.loads(r.text), dict)
     out: dict[str, Any] = {k: statistics.median(v) for k, v in rates.items()}
-    out["valid_json"] = f"{valid} of 3"
+    out["valid_json"] = f"{valid} of {repeats}"
     out["ratio"] = out["json_schema"] / out["plain"]
     log(f"{backend}: {out}")
     return out
@@ -392,35 +407,40 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="llamacpp,torch,prefill,prefix,schema")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--quick", action="store_true", help="a smoke run: QUICK's sizes")
     args = ap.parse_args()
+    q = QUICK if args.quick else {**FULL, "tokens": args.tokens}
     only = set(args.only.split(","))
     os.environ.setdefault("LOCALLLM_HOME", "/tmp/localllm-bench-home")
     from localllm.backends.llamacpp import default_threads
 
     threads = default_threads()
-    results: dict[str, Any] = json.loads(OUT.read_text()) if OUT.exists() else {}
+    old = results_path("server", args.quick)
+    results: dict[str, Any] = json.loads(old.read_text()) if old.exists() else {}
+    results.pop("machine", None), results.pop("when", None)  # save() stamps this run's
     # each section says where and when it ran (`--only` reruns some, maybe on another machine)
     here = {"machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M")}
 
     def put(key: str, value: dict[str, Any]) -> None:
         results[key] = {**value, **here}
 
+    tokens, backends = q["tokens"], ("llama.cpp", "torch")
     if "llamacpp" in only:
-        put("llamacpp_8_streams", bench_llamacpp(args.tokens, threads))
+        put("llamacpp_8_streams", bench_llamacpp(tokens, threads))
     if "torch" in only:
-        put("torch_8_streams", bench_torch(args.tokens))
-        put("torch_8_streams_f16", bench_torch(args.tokens, "f16"))  # auto is int4 on a CPU
+        put("torch_8_streams", bench_torch(tokens, rounds=q["rounds"]))
+        put("torch_8_streams_f16", bench_torch(tokens, "f16", q["rounds"]))  # auto is int4 on a CPU
     if "prefill" in only:
-        put("chunked_prefill", {b: bench_prefill(b) for b in ("llama.cpp", "torch")})
+        put("chunked_prefill", {b: bench_prefill(b, q["window_s"], q["prefill_tokens"], q["prefill_ctx"])
+                                for b in backends})  # fmt: skip
     if "prefix" in only:
-        put("prefix_cache", {b: bench_prefix(b) for b in ("llama.cpp", "torch")})
+        prefix = {"system_tokens": q["system_tokens"], "answer_tokens": q["answer_tokens"]}
+        put("prefix_cache", {b: bench_prefix(b, **prefix) for b in backends})
         # the same request twice: the second restores exactly the KV the first computed
-        put("prefix_cache_same_request", {b: bench_prefix(b, again=True) for b in ("llama.cpp", "torch")})
+        put("prefix_cache_same_request", {b: bench_prefix(b, again=True, **prefix) for b in backends})
     if "schema" in only:
-        put("structured", {b: bench_schema(b, args.tokens * 2) for b in ("llama.cpp", "torch")})
-    OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps(results, indent=1) + "\n")
-    log(f"wrote {OUT}")
+        put("structured", {b: bench_schema(b, tokens * 2, q["schema_repeats"]) for b in backends})
+    save("server", results, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Speculative decoding on the default model, side by side in one run (issue 13).
 
     .venv/bin/python bench/speculative.py [--only grounded,f32,chat,self,gemma] [--tokens 200]
-        [--threads 2]
+        [--threads 2] [--quick]
 
 SmolLM2-135M-Instruct (Q4_1), each engine's CPU default (torch: int4 feed-forward, fp16 elsewhere;
 llama.cpp: the file's types), greedy, one sequence. Every number is tokens/s over the decode
@@ -22,7 +22,8 @@ see the machine in the same state; the median of --repeats runs.
 Every speculative run also gives tokens per target pass against (1 − α^(k+1)) / (1 − α) for its
 measured α (accepted / (accepted + rejections)) and mean draft length k.
 
-Writes bench/results/speculative.json.
+Writes bench/results/speculative.json. `--quick` (bench/results/quick/speculative.json): every part
+once, QUICK's sizes: few tokens, one repeat, a tuner that tries and measures less, one curve size.
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ import statistics
 import time
 from pathlib import Path
 
-from common import log, machine
+from common import log, machine, results_path, save
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).parent / "results"
 MODEL = "smollm2"
+# --quick: args, and the knobs of the tuner (tune.tune)
+QUICK = {"tokens": 16, "repeats": 1, "curve_sizes": [2]}
+QUICK_TUNE = {"gen_tokens": 8, "max_skip": 0.2, "tries": 1, "measure": 2, "confirm": 1}
 CODE = (ROOT / "localllm" / "gguf_merge.py").read_text()[:2600]
 GROUNDED = [{"role": "user", "content": "Here is a Python module:\n\n```python\n" + CODE
              + "\n```\n\nRewrite this module with a docstring on every function. Give the whole "
@@ -219,6 +222,26 @@ def self_curve(model: str, args, results: dict, key: str) -> None:
         res["grounded"] = compare(llm, GROUNDED, ["self", "lookup"], args.tokens, args.repeats)
 
 
+def quick_tuner() -> None:
+    """--quick: the tuner with QUICK_TUNE's knobs, also where the engine tunes for `self`, its
+    result kept in this process only (a smoke run's table must not stand in the store for a real
+    one)."""
+    import functools
+
+    from localllm.backends.torch import tune
+
+    full, memo = tune.tune, {}
+
+    def cached_or_tuned(backend, *, report=None):  # noqa: ANN001, ANN202
+        key = (backend.model_path, tune.device_key(backend))
+        if key not in memo:
+            memo[key] = full(backend, report=report, **QUICK_TUNE)
+        return memo[key]
+
+    tune.tune = functools.partial(full, **QUICK_TUNE)
+    tune.cached_or_tuned = cached_or_tuned
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="grounded,f32,chat,self,gemma")
@@ -227,14 +250,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--curve-sizes", type=lambda s: [int(x) for x in s.split(",") if x],
                     default=[2, 4, 6, 8, 10, 12])  # fmt: skip
+    ap.add_argument("--quick", action="store_true", help="a smoke run: QUICK's sizes")
     args = ap.parse_args()
+    if args.quick:
+        vars(args).update(QUICK)
+        quick_tuner()
     # torch runs on the engine's one compute thread only (a second OpenMP team on this thread
     # would contend with it for the cores): --threads goes to every load instead
     os.environ.setdefault("LOCALLLM_HOME", str(Path.home() / ".local/share/localllm-bench"))
     THREADS[0] = args.threads
     only = set(args.only.split(","))
-    path = RESULTS / "speculative.json"
+    path = results_path("speculative", args.quick)
     results = json.loads(path.read_text()) if path.exists() else {}
+    results.pop("when", None)  # save() stamps this run's
     results["machine"] = machine()
     results["args"] = {"tokens": args.tokens, "repeats": args.repeats, "threads": args.threads}
     started = time.perf_counter()
@@ -259,9 +287,7 @@ def main() -> None:
             store.add_file(gguf, "gemma3-270m", source="file:bench")
         self_curve("gemma3-270m", args, results, "self_gemma")
     results["seconds"] = round(time.perf_counter() - started, 1)
-    RESULTS.mkdir(exist_ok=True)
-    path.write_text(json.dumps(results, indent=1))
-    log(f"wrote {path}")
+    save("speculative", results, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,15 @@
 """Start-up time of `localllm` commands, side by side with a bare `python -c pass` in one run.
 
-    .venv/bin/python bench/startup.py [--runs 15]
+    .venv/bin/python bench/startup.py [--runs 15] [--quick]
 
-Writes bench/results/startup.json. `--help` and `list` must stay well under a second: they import
-neither torch, llama_cpp nor textual (tests/test_cli.py checks the imports; this measures the time).
+Writes bench/results/startup.json (`--quick`: one run of each, bench/results/quick/startup.json).
+`--help` and `list` must stay well under a second: they import neither torch, llama_cpp nor textual
+(tests/test_cli.py checks the imports; this measures the time).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -17,9 +17,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+from common import save
 
 
 def timed(cmd: list[str], env: dict[str, str], runs: int) -> dict[str, float]:
@@ -34,7 +33,10 @@ def timed(cmd: list[str], env: dict[str, str], runs: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=15)
+    ap.add_argument("--quick", action="store_true", help="a smoke run: one run of each command")
     args = ap.parse_args()
+    if args.quick:
+        args.runs = 1
     home = tempfile.mkdtemp(prefix="localllm-bench-")
     env = os.environ | {"LOCALLLM_HOME": home}
     cli = [sys.executable, "-m", "localllm"]
@@ -55,10 +57,9 @@ def main() -> None:
         print(
             f"{name:<24} median {r['median_s'] * 1000:7.1f} ms   (+{r['over_bare_python_s'] * 1000:6.1f} ms over bare python)"
         )
-    RESULTS.mkdir(exist_ok=True)
     out = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
            "runs": args.runs, "results": results}  # fmt: skip
-    (RESULTS / "startup.json").write_text(json.dumps(out, indent=2) + "\n")
+    save("startup", out, quick=args.quick)
 
 
 if __name__ == "__main__":

