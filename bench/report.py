@@ -20,7 +20,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import BENCH, machine, results_dir  # noqa: E402
 
-Row = tuple[str, Any, str, Any, Any]  # (figure, value, anchor name, anchor value, higher is better?)
+# (figure, value, anchor name, anchor value, higher is better?[, target]): a target reads
+# "≥ 0.95x" / "≤ 3x" (on the ratio) or "≤ 1 s" / "≥ 60 %" (on the value)
+Row = tuple[Any, ...]
 
 
 def g(d: Any, path: str, default: Any = None) -> Any:
@@ -49,6 +51,23 @@ def fmt(v: Any) -> str:
     return str(v)
 
 
+def passes(target: str | None, value: Any, anchor: Any) -> bool | None:
+    """Whether `value` (or its ratio to `anchor`, for an "x" target) meets `target`."""
+    if not target:
+        return None
+    op, _, rest = target.partition(" ")
+    number, _, unit = rest.partition(" ")
+    if unit.startswith("x") or number.endswith("x"):
+        if not (isinstance(value, (int, float)) and isinstance(anchor, (int, float)) and anchor):
+            return None
+        v, limit = value / anchor, float(number.rstrip("x"))
+    else:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return None
+        v, limit = float(value), float(number)
+    return v >= limit if op == "≥" else v <= limit
+
+
 def ratio(value: Any, anchor: Any) -> str:
     if isinstance(value, (int, float)) and isinstance(anchor, (int, float)) and anchor and not isinstance(value, bool):
         return f"{value / anchor:.2f}x"
@@ -60,18 +79,19 @@ def ratio(value: Any, anchor: Any) -> str:
 
 def rows_llamacpp_overhead(d: dict) -> list[Row]:
     m = d.get("median", {})
-    return [("decode tokens/s through localllm", m.get("our_decode"), "raw llama-cpp-python", m.get("raw_decode"), True),
+    return [("decode tokens/s through localllm", m.get("our_decode"), "raw llama-cpp-python", m.get("raw_decode"), True,
+             "≥ 0.95x"),
             (f"TTFT s, {fmt(d.get('ttft_prompt_tokens'))}-token prompt", m.get("our_ttft"), "raw llama-cpp-python",
-             m.get("raw_ttft"), False)]  # fmt: skip
+             m.get("raw_ttft"), False, "≤ 1.05x")]  # fmt: skip
 
 
 def rows_engine_batching(d: dict) -> list[Row]:
     m = d.get("median", {})
     out: list[Row] = [(f"{n} streams: tokens/s through the engine", m.get(f"engine_{n}"),
-                       f"llama.cpp's own batch of {n}", m.get(f"raw_{n}"), True) for n in (1, 4, 8)]  # fmt: skip
+                       f"llama.cpp's own batch of {n}", m.get(f"raw_{n}"), True, "≥ 0.95x") for n in (1, 4, 8)]  # fmt: skip
     lp = g(d, "long_prompt/median", {})
-    out.append(("p95 TPOT beside a long prompt (s)", lp.get("p95_tpot_with_s"), "p95 TPOT alone",
-                lp.get("p95_tpot_without_s"), False))  # fmt: skip
+    out.append((f"p95 TPOT beside a {fmt(lp.get('long_prompt_tokens'))}-token prompt (s)", lp.get("p95_tpot_with_s"),
+                "p95 TPOT alone", lp.get("p95_tpot_without_s"), False, "≤ 3x"))  # fmt: skip
     return out
 
 
@@ -90,8 +110,21 @@ def rows_torch_engine(d: dict) -> list[Row]:
     for k, name in (("ours_auto", "default (int4 FFN on CPU)"), ("ours_f16", "f16"), ("ours_f32", "f32")):
         out.append((f"decode tokens/s, torch engine {name}", dec.get(k), "transformers", dec.get("transformers_dynamic"), True))
         out.append((f"decode tokens/s, torch engine {name}", dec.get(k), "llama.cpp", dec.get("llama.cpp"), True))
+    out[0] = (*out[0], "≥ 2.5x")
+    out[1] = (*out[1], "≥ 0.5x")
     out.append(("prefill tokens/s, torch engine default", pre.get("ours_auto"), "llama.cpp", pre.get("llama.cpp"), True))
     out.append(("prefill tokens/s, torch engine default", pre.get("ours_auto"), "transformers", pre.get("transformers"), True))
+    out.append(("fp32 decode tokens/s", dec.get("ours_f32"), "the weight-streaming floor (fused matrices)",
+                g(m, "floor/fused/tokens_per_s"), True, "≥ 0.85x"))
+    rss = m.get("load_and_rss", {})
+    for k, name in (("ours:auto", "default"), ("ours:f32", "f32")):
+        out.append((f"load seconds, torch engine {name}", g(rss, f"{k}/load_s"), "transformers",
+                    g(rss, "transformers/load_s"), False))
+        out.append((f"peak RSS MB, torch engine {name}", g(rss, f"{k}/peak_rss_mb"), "transformers",
+                    g(rss, "transformers/peak_rss_mb"), False))
+    c = m.get("concurrent", {})
+    out.append(("8 streams in the engine: tokens/s", c.get("tokens_per_s_8"), "one stream", c.get("tokens_per_s_1"),
+                True, "≥ 3x"))
     return out  # fmt: skip
 
 
@@ -112,10 +145,14 @@ def rows_kv_types(d: dict) -> list[Row]:
         for name, r in types.items():
             if name == "f16" or not isinstance(r, dict):
                 continue
+            target = {"int8": "≤ 0.527x", "int4": "≤ 0.286x", "int2": "≤ 0.167x"}.get(name) if backend == "torch" else None
             out.append((f"{backend} KV {name}: bytes/token", r.get("kv_bytes_per_token"), "f16",
-                        g(types, "f16/kv_bytes_per_token"), False))  # fmt: skip
-            out.append((f"{backend} KV {name}: perplexity (KL {fmt(r.get('kl_mean'))})", r.get("perplexity"), "f16",
-                        f16, False))  # fmt: skip
+                        g(types, "f16/kv_bytes_per_token"), False, target))  # fmt: skip
+            target = {"int8": "≤ 1.005x", "int4": "≤ 1.03x"}.get(name) if backend == "torch" else None
+            out.append((f"{backend} KV {name}: perplexity (KL mean {fmt(r.get('kl_mean'))}, p99 {fmt(r.get('kl_p99'))}, "
+                        f"top-1 {fmt(r.get('top1_agreement'))})", r.get("perplexity"), "f16", f16, False, target))  # fmt: skip
+    out.append(("torch int4 cache: perplexity cost", g(d, "types/torch/int4/ppl_cost"), "llama.cpp q4_0's",
+                g(d, "types/llama.cpp/q4_0/ppl_cost"), False, "≤ 0.5x"))  # fmt: skip
     return out
 
 
@@ -140,14 +177,19 @@ def rows_streaming(d: dict) -> list[Row]:
     for run in ("llamacpp_f16", "torch_f16", "torch_int4"):
         r = g(s, f"runs/{run}", {})
         out.append((f"{run}: ms/token, last 1,000 of {fmt(s.get('tokens'))}", r.get("ms_per_token_last_1000"),
-                    "first 1,000 after the cache filled", r.get("ms_per_token_first_1000_after_full"), False))  # fmt: skip
+                    "first 1,000 after the cache filled", r.get("ms_per_token_first_1000_after_full"), False,
+                    "≤ 1.1x" if run.startswith("torch") else None))  # fmt: skip (the torch engine's claim)
         out.append((f"{run}: perplexity at the oracle's positions", r.get("ppl_at_oracle_positions"),
-                    "full-context oracle", g(s, "oracle/ppl"), False))  # fmt: skip
+                    "full-context oracle", g(s, "oracle/ppl"), False, "≤ 1.1x"))  # fmt: skip
+    out.append(("torch StreamingLLM perplexity", g(s, "runs/torch_f16/ppl"), "llama.cpp's context shift",
+                g(s, "runs/llamacpp_f16/ppl"), False, "≤ 1.05x"))  # fmt: skip
     h = d.get("h2o", {})
     out.append((f"H2O (budget {fmt(h.get('budget'))}) perplexity", g(h, "h2o/perplexity"), "full cache",
                 g(h, "full/perplexity"), False))  # fmt: skip
     out.append(("recent-window-only perplexity at the same budget", g(h, "recent_only/perplexity"), "full cache",
-                g(h, "full/perplexity"), False))  # fmt: skip
+                g(h, "full/perplexity"), False))
+    out.append(("H2O perplexity", g(h, "h2o/perplexity"), "recent window only, same budget",
+                g(h, "recent_only/perplexity"), False, "≤ 1x"))  # fmt: skip
     return out
 
 
@@ -157,12 +199,23 @@ def rows_speculative(d: dict) -> list[Row]:
         for mode in ("lookup", "self"):
             r = g(d, f"grounded/{eng}/{mode}")
             if isinstance(r, dict):
-                out.append((f"{eng} {mode} on an input-grounded answer: tokens/s (α {fmt(r.get('acceptance'))})",
-                            r.get("tokens_per_s"), "plain decoding", g(d, f"grounded/{eng}/off/tokens_per_s"), True))  # fmt: skip
+                same = r.get("same_greedy_text")
+                out.append((f"{eng} {mode} on an input-grounded answer: tokens/s (α {fmt(r.get('acceptance'))}, "
+                            f"{fmt(r.get('tokens_per_pass'))} tokens a pass, same greedy text: {fmt(same)}"
+                            + ("" if same is not False else f" to token {fmt(r.get('first_difference_at'))}") + ")",
+                            r.get("tokens_per_s"), "plain decoding", g(d, f"grounded/{eng}/off/tokens_per_s"), True,
+                            "≥ 1.8x" if (eng, mode) == ("torch", "lookup") else None))  # fmt: skip
     for eng in ("torch", "llama.cpp"):
-        m = g(d, f"chat/{eng}/lookup/speedup_mean")
-        if m is not None:
-            out.append((f"{eng} lookup on chat prompts: mean speedup", m, "plain decoding", 1.0, True))
+        for mode in ("lookup", "self"):
+            m = g(d, f"chat/{eng}/{mode}")
+            if isinstance(m, dict) and "speedup_min" in m:
+                out.append((f"{eng} {mode} on chat prompts: slowest prompt's speedup (mean {fmt(m.get('speedup_mean'))})",
+                            m.get("speedup_min"), "plain decoding", 1.0, True, "≥ 0.95x"))  # fmt: skip
+    for key, model in (("self", "SmolLM2"), ("self_gemma", "Gemma 3")):
+        t = g(d, f"{key}/tuned")
+        if isinstance(t, dict):
+            out.append((f"{model} self: tuned skip set {t.get('skip')} (k {t.get('k')}, pays: {fmt(t.get('pays'))}) speedup",
+                        t.get("speedup"), "plain decoding", 1.0, True, "≥ 1.2x"))  # fmt: skip
     lk = g(d, "self_gemma/grounded/lookup")
     if isinstance(lk, dict):
         out.append(("Gemma 3 lookup, grounded: tokens/s", lk.get("tokens_per_s"), "plain decoding",
@@ -186,25 +239,28 @@ def plot_speculative(d: dict, ax: Any) -> None:
 def rows_server(d: dict) -> list[Row]:
     ll = d.get("llamacpp_8_streams", {})
     out: list[Row] = [
-        ("8 streams through our server (llama.cpp): tokens/s", g(ll, "ours_8/aggregate_tps"),
-         "llama.cpp's own batch of 8", g(ll, "direct_8/tokens_per_s"), True),
-        ("8 streams through our server (llama.cpp): tokens/s", g(ll, "ours_8/aggregate_tps"),
-         "llama-cpp-python's server", g(ll, "llama_cpp_python_8/aggregate_tps"), True),
+        (f"8 streams through our server (llama.cpp), while all decode: tokens/s ({fmt(g(ll, 'ours_8/complete'))} of "
+         f"{fmt(g(ll, 'ours_8/of'))} complete)", g(ll, "ours_8/all_decoding_tps"),
+         "llama.cpp's own batch of 8", g(ll, "direct_8/tokens_per_s"), True, "≥ 0.8x"),
+        ("8 streams through our server (llama.cpp): tokens/s, first send to last token", g(ll, "ours_8/aggregate_tps"),
+         "llama-cpp-python's server", g(ll, "llama_cpp_python_8/aggregate_tps"), True, "≥ 1.8x"),
         ("8 streams: p95 TTFT (s)", g(ll, "ours_8/ttft_p95_s"), "llama-cpp-python's server",
-         g(ll, "llama_cpp_python_8/ttft_p95_s"), False),
+         g(ll, "llama_cpp_python_8/ttft_p95_s"), False, "≤ 1x"),
     ]  # fmt: skip
     for key, name in (("torch_8_streams", "default"), ("torch_8_streams_f16", "f16")):
         rounds = g(d, f"{key}/rounds", [])
         if rounds:
             eight, one = (sorted(r[k]["aggregate_tps"] for r in rounds)[len(rounds) // 2] for k in ("eight", "single"))
-            out.append((f"torch ({name}) 8 streams: tokens/s (medians of rounds)", eight, "one stream", one, True))
+            out.append((f"torch ({name}) 8 streams: tokens/s (medians of rounds)", eight, "one stream", one, True,
+                        "≥ 3x"))
     for eng in ("llama.cpp", "torch"):
-        out.append((f"{eng}: p95 TPOT during a 4,000-token prefill (s)", g(d, f"chunked_prefill/{eng}/during_prefill/tpot_p95_s"),
-                    "before it", g(d, f"chunked_prefill/{eng}/before/tpot_p95_s"), False))
-        out.append((f"{eng}: warm TTFT, shared 1,890-token system prompt (s)", g(d, f"prefix_cache/{eng}/ttft_warm_s"),
-                    "cold", g(d, f"prefix_cache/{eng}/ttft_cold_s"), False))
-        out.append((f"{eng}: json_schema tokens/s", g(d, f"structured/{eng}/json_schema"), "unconstrained",
-                    g(d, f"structured/{eng}/plain"), True))
+        out.append((f"{eng}: p95 TPOT during a long prompt's prefill (s)", g(d, f"chunked_prefill/{eng}/during_prefill/tpot_p95_s"),
+                    "before it", g(d, f"chunked_prefill/{eng}/before/tpot_p95_s"), False, "≤ 3x"))
+        pc = g(d, f"prefix_cache/{eng}", {})
+        out.append((f"{eng}: warm TTFT, shared {fmt(pc.get('prompt_tokens'))}-token system prompt (s; identical answer: "
+                    f"{fmt(pc.get('identical'))})", pc.get("ttft_warm_s"), "cold", pc.get("ttft_cold_s"), False, "≤ 0.15x"))
+        out.append((f"{eng}: json_schema tokens/s (valid: {fmt(g(d, f'structured/{eng}/valid_json'))})",
+                    g(d, f"structured/{eng}/json_schema"), "unconstrained", g(d, f"structured/{eng}/plain"), True, "≥ 0.8x"))
     return out  # fmt: skip
 
 
@@ -221,16 +277,19 @@ def rows_quantize(d: dict) -> list[Row]:
     out: list[Row] = []
     for t, r in d.get("types", {}).items():
         out.append((f"{t}: seconds, ours (identical bytes: {fmt(r.get('identical'))})", r.get("median_localllm_s"),
-                    "llama.cpp's quantize", r.get("median_llamacpp_s"), False))  # fmt: skip
+                    "llama.cpp's quantize", r.get("median_llamacpp_s"), False, "≤ 3x" if t == "Q4_K_M" else None))  # fmt: skip
     for t, r in (d.get("calibration") or {}).items():
         if isinstance(r, dict) and "calibrated" in r:
-            out.append((f"{t} KL vs F32 with --calibrate", g(r, "calibrated/kl_mean"), "without",
-                        g(r, "plain/kl_mean"), False))  # fmt: skip
+            cal = d.get("calibration") or {}
+            out.append((f"{t} KL vs F32 with --calibrate (on {cal.get('calibration_text')}, measured on "
+                        f"{cal.get('eval_text')})", g(r, "calibrated/kl_mean"), "without", g(r, "plain/kl_mean"), False,
+                        "≤ 1x"))  # fmt: skip
     return out
 
 
 def rows_pull(d: dict) -> list[Row]:
-    return [("localllm pull MB/s (new process, sha256 checked)", d.get("pull_MBps"), "curl", d.get("curl_MBps"), True),
+    return [("localllm pull MB/s (new process, sha256 checked)", d.get("pull_MBps"), "curl", d.get("curl_MBps"), True,
+             "≥ 0.8x"),
             ("pull in process MB/s", d.get("pull_in_process_MBps"), "curl", d.get("curl_MBps"), True)]  # fmt: skip
 
 
@@ -238,8 +297,9 @@ def rows_app(d: dict) -> list[Row]:
     out: list[Row] = []
     for name, t in (d.get("targets") or {}).items():
         if isinstance(t, dict):
-            out.append((f"{name.replace('_', ' ')} (passes: {fmt(t.get('pass'))})", t.get("value"), "target",
-                        t.get("target"), None))  # fmt: skip
+            op = "≥" if "tokens_per_s" in name else "≤"
+            out.append((name.replace("_", " "), t.get("value"), "target", t.get("target"), None,
+                        f"{op} 1x"))  # fmt: skip
     return out
 
 
@@ -281,23 +341,30 @@ def rows_gemv(d: dict) -> list[Row]:
 
 def rows_cuda(d: dict) -> list[Row]:
     out: list[Row] = []
-    for k, v in d.items():
-        if isinstance(v, dict) and "tokens_per_s" in v:
-            out.append((f"{k} tokens/s", v.get("tokens_per_s"), "", None, True))
+    for model, m in (d.get("models") or {}).items():
+        for mode, r in (m.get("modes") or {}).items():
+            if isinstance(r, dict):
+                out.append((f"{model} {mode}: decode tokens/s", r.get("tokens_per_s"), "", None, True))
+                out.append((f"{model} {mode}: % of the HBM ceiling", r.get("pct_of_hbm_ceiling"), "", None, True))
     return out
 
 
 def rows_ceiling(d: dict) -> list[Row]:
     out: list[Row] = []
+    pct = lambda x: f"{1000 * x['p50']:.0f} / {1000 * x['p95']:.0f} / {1000 * x['p99']:.0f}"  # noqa: E731
     for eng, r in (d.get("engines") or {}).items():
         for lv in r.get("levels", []):
             c = lv["concurrency"]
-            out.append((f"{eng}, {c} client{'s' * (c > 1)}: decode tokens/s", lv.get("decode_tokens_per_s"),
+            who = f"{eng}, {c} client{'s' * (c > 1)}"
+            out.append((f"{who}: decode tokens/s (TTFT ms p50/95/99 {pct(lv['ttft_s'])}; TPOT {pct(lv['tpot_s'])}; "
+                        f"prompt {fmt(lv.get('prompt_tokens_per_s'))} tok/s)", lv.get("decode_tokens_per_s"),
                         "the bandwidth ceiling", lv.get("ceiling_tokens_per_s"), True))  # fmt: skip
-            usd = lv.get("usd_per_million_output")
+            out.append((f"{who}: output tokens/s, first send to last token", lv.get("output_tokens_per_s"),
+                        "one client" if c > 1 else "", r["levels"][0].get("output_tokens_per_s") if c > 1 else None, True))
+            usd, usd_in = lv.get("usd_per_million_output"), lv.get("usd_per_million_input")
             if usd is not None:
-                out.append((f"{eng}, {c} clients: USD per million output tokens at "
-                            f"{fmt(g(r, 'price.usd_per_hour'))} USD/hour", usd, "", None, False))  # fmt: skip
+                out.append((f"{who}: USD per million output tokens (input: {fmt(usd_in)}) at "
+                            f"{fmt(g(r, 'price/usd_per_hour'))} USD/hour", usd, "", None, False))  # fmt: skip
     return out
 
 
@@ -338,7 +405,7 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict], list[Row]], Callable[[dict,
 
 
 def machine_line(d: dict) -> str:
-    m = d.get("machine")
+    m = d.get("machine") or d.get("machine_start")
     if m is None:  # results of several parts, each with its own machine (server.json)
         parts = {machine_line(v) for v in d.values() if isinstance(v, dict) and isinstance(v.get("machine"), dict)}
         if parts:
@@ -372,7 +439,8 @@ def render(results: Path, out: Path, quick: bool = False) -> Path:
         path = results / f"{file}.json"
         lines += [f"## {title}", "", f"Claim: {claim}.", ""]
         if not path.is_file():
-            lines += [f"_No result yet: run `python bench/{file}.py`._", ""]
+            why = " (it needs a CUDA device; none was lent to the sessions that ran the suite)" if file == "torch_cuda" else ""
+            lines += [f"_No result yet: run `python bench/{file}.py`{why}._", ""]
             continue
         d = json.loads(path.read_text())
         if d.get("skipped"):
@@ -388,9 +456,14 @@ def render(results: Path, out: Path, quick: bool = False) -> Path:
             rows = []
             lines += [f"_The result's shape was not understood ({type(e).__name__}: {e})._", ""]
         if rows:
-            lines += ["| figure | value | anchor | anchor value | ratio |", "|---|---:|---|---:|---:|"]
-            for fig, v, anchor, av, _higher in rows:
-                lines.append(f"| {fig} | {fmt(v)} | {anchor or '—'} | {fmt(av)} | {ratio(v, av)} |")
+            lines += ["| figure | value | anchor | anchor value | ratio | target |", "|---|---:|---|---:|---:|---|"]
+            for row in rows:
+                fig, v, anchor, av = row[:4]
+                target = row[5] if len(row) > 5 else None
+                ok = passes(target, v, av)
+                mark = "" if ok is None else (" ✓" if ok else " **✗ missed**")
+                lines.append(f"| {fig} | {fmt(v)} | {anchor or '—'} | {fmt(av)} | {ratio(v, av)} | "
+                             f"{target or ''}{mark} |")
             lines.append("")
         if plot_fn is not None:
             fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)

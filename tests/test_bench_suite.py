@@ -39,7 +39,7 @@ def test_every_bench_script_runs_quick_and_the_report_has_each(tmp_path: Path, d
     assert "No result yet" not in report and "was not understood" not in report and "No plot" not in report
     for _, title, *_ in SECTIONS:
         assert f"## {title}" in report
-    assert report.count("| figure | value | anchor |") >= len(SECTIONS) - 3  # torch_cuda, llamacpp_build: skipped
+    assert report.count("| figure | value | anchor | anchor value | ratio | target |") >= len(SECTIONS) - 3  # torch_cuda, llamacpp_build: skipped
     for png in (quick / "plots").glob("*.png"):
         assert png.stat().st_size > 5000, png
         assert f"plots/{png.name}" in report
