@@ -74,29 +74,32 @@ def main() -> None:
         assert r.usage.completion_tokens == args.gen, r.finish_reason
         return r.timings.tokens_per_s(r.usage.completion_tokens)
 
-    def raw_ttft() -> float:
+    # each TTFT prompt starts with its own number: the engine's prefix cache must not answer
+    # a round from the one before (it would, warm, in a few ms), nor llama.cpp's own KV reuse
+    def raw_ttft(i: int) -> float:
         raw.reset()
         t0 = time.perf_counter()
-        next(iter(raw.generate(raw.tokenize(long_prompt.encode()), temp=0)))
+        next(iter(raw.generate(raw.tokenize(f"{i}. {long_prompt}".encode()), temp=0)))
         return time.perf_counter() - t0
 
-    def our_ttft() -> float:
+    def our_ttft(i: int) -> float:
         ours.backend.llm.reset()
         s = ours.submit(
-            Request(prompt=long_prompt, sampling=SamplingParams(temperature=0, max_tokens=1))
+            Request(prompt=f"{i}. {long_prompt}", sampling=SamplingParams(temperature=0, max_tokens=1))
         )
         r = s.wait()
+        assert r.usage.cached_tokens == 0, f"{r.usage.cached_tokens} prompt tokens came from a cache"
         return r.timings.ttft_s
 
     samples: dict[str, list[float]] = {
         k: [] for k in ("raw_decode", "our_decode", "raw_ttft", "our_ttft")
     }
     raw_decode(), our_decode()  # warm up
-    for _ in range(args.rounds):
+    for i in range(args.rounds):
         samples["raw_decode"].append(raw_decode())
         samples["our_decode"].append(our_decode())
-        samples["raw_ttft"].append(raw_ttft())
-        samples["our_ttft"].append(our_ttft())
+        samples["raw_ttft"].append(raw_ttft(i))
+        samples["our_ttft"].append(our_ttft(i))
     med = {k: statistics.median(v) for k, v in samples.items()}
     out = {
         "model": "smollm2:135m-instruct-q4_1", "threads": default_threads(), "gen_tokens": args.gen,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -128,6 +129,11 @@ def main() -> None:
         }  # fmt: skip
     if args.quick:  # a smoke run of both parts, as the full results hold both
         results["calibration"] = calibration(store, f32, work, *QUICK_CALIBRATION)
+    else:  # the timing run keeps the last calibration measurement (`--calibration` remeasures it)
+        old = results_path("quantize", False)
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            if "calibration" in (prev := json.loads(old.read_text())):
+                results["calibration"] = prev["calibration"]
     save("quantize", results, quick=args.quick)
 
 

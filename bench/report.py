@@ -373,10 +373,13 @@ def plot_ceiling(d: dict, ax: Any) -> None:
         lv = r.get("levels", [])
         cs = [x["concurrency"] for x in lv]
         color = ["#26a", "#c84", "#4a4"][i % 3]
-        ax.plot(cs, [x["output_tokens_per_s"] for x in lv], "o-", color=color, label=f"{eng}: measured")
+        ax.plot(cs, [x["decode_tokens_per_s"] for x in lv], "o-", color=color, label=f"{eng}: decode")
+        ax.plot(cs, [x["output_tokens_per_s"] for x in lv], "x--", color=color, alpha=0.6,
+                label=f"{eng}: with prefill (first send to last token)")  # fmt: skip
         ax.plot(cs, [x.get("ceiling_tokens_per_s") for x in lv], ":", color=color, label=f"{eng}: ceiling")
-    ax.set(xlabel="concurrent clients", ylabel="output tokens/s", yscale="log",
-           title="Throughput against the memory-bandwidth ceiling")  # fmt: skip
+    ax.set(xlabel="concurrent clients", ylabel="tokens/s", yscale="log", ylim=(20, None),
+           title="Decode against the memory-bandwidth ceiling")  # fmt: skip
+    ax.legend(fontsize=6.5, loc="lower right", ncol=2)
 
 
 SECTIONS: list[tuple[str, str, str, Callable[[dict], list[Row]], Callable[[dict, Any], None] | None]] = [
@@ -469,7 +472,7 @@ def render(results: Path, out: Path, quick: bool = False) -> Path:
             fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
             try:
                 plot_fn(d, ax)
-                if ax.get_legend_handles_labels()[0]:
+                if ax.get_legend_handles_labels()[0] and ax.get_legend() is None:
                     ax.legend(fontsize=8)
                 ax.grid(alpha=0.3)
                 fig.tight_layout()
