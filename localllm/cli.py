@@ -32,6 +32,12 @@ app = typer.Typer(
 )
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print stable JSON instead of text.")]
+# what an hour of this machine costs (bench, recommend): a price, or power at a price per kWh
+GpuCostOption = Annotated[
+    float | None, typer.Option("--gpu-cost-per-hour", help="USD an hour of this machine costs.")
+]
+WattsOption = Annotated[float | None, typer.Option("--watts", help="Power drawn (with --kwh-price).")]
+KwhPriceOption = Annotated[float | None, typer.Option("--kwh-price", help="USD per kWh.")]
 # every --backend flag names what the registry knows (importing it imports no backend)
 BACKEND_HELP = f"Backend: {', '.join(backends.names())} (auto: the first that runs here)."
 
@@ -771,11 +777,9 @@ def bench(
     speculative: Annotated[
         str | None, typer.Option("--speculative", help="off, lookup, self or draft:MODEL.")
     ] = None,
-    gpu_cost_per_hour: Annotated[
-        float | None, typer.Option("--gpu-cost-per-hour", help="USD an hour of this machine costs.")
-    ] = None,
-    watts: Annotated[float | None, typer.Option("--watts", help="Power drawn (with --kwh-price).")] = None,
-    kwh_price: Annotated[float | None, typer.Option("--kwh-price", help="USD per kWh.")] = None,
+    gpu_cost_per_hour: GpuCostOption = None,
+    watts: WattsOption = None,
+    kwh_price: KwhPriceOption = None,
     json_out: JsonFlag = False,
 ) -> None:
     """TTFT, TPOT and latency percentiles, throughput at each concurrency, cost per million
@@ -862,11 +866,9 @@ def recommend(
     backend: Annotated[str, typer.Option("--backend", help="all (every one here), or one backend.")] = "all",
     prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Speed: tokens per prompt.")] = 128,
     gen_tokens: Annotated[int, typer.Option("--gen-tokens", help="Speed: tokens generated.")] = 32,
-    gpu_cost_per_hour: Annotated[
-        float | None, typer.Option("--gpu-cost-per-hour", help="USD an hour of this machine costs.")
-    ] = None,
-    watts: Annotated[float | None, typer.Option("--watts", help="Power drawn (with --kwh-price).")] = None,
-    kwh_price: Annotated[float | None, typer.Option("--kwh-price", help="USD per kWh.")] = None,
+    gpu_cost_per_hour: GpuCostOption = None,
+    watts: WattsOption = None,
+    kwh_price: KwhPriceOption = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Which local model and settings meet the targets here: measured (speed, quality, memory),
