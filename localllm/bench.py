@@ -10,7 +10,8 @@ What is reported, per level:
 - TTFT (submit → first token), TPOT (time per output token after the first: decode time ÷
   (tokens − 1)) and end-to-end latency, as p50 / p95 / p99 and mean;
 - aggregate output tokens/s (all completion tokens ÷ the level's wall time), input tokens/s
-  alike, and prompt processing tokens/s (prompt tokens ÷ TTFT, median over requests);
+  alike, and prompt processing tokens/s (prompt tokens ÷ the time from getting a slot to the
+  first token — the TTFT against a server, which does not say — median over requests);
 - with a price (USD per hour of the machine, or watts × price per kWh): USD per million output
   tokens at that throughput, and per million input tokens at the prompt processing rate;
 - the decode ceiling: a decode step must read every weight once (whatever the batch) and each
@@ -78,6 +79,9 @@ class Sample:
     e2e_s: float  # submit → last byte
     prompt_tokens: int
     completion_tokens: int
+    # slot → first token: prompt processing without the wait for a slot (the engine says it;
+    # a server does not, so there it is the TTFT)
+    prompt_s: float | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -134,7 +138,7 @@ def level_report(concurrency: int, samples: Sequence[Sample], wall_s: float,
     out_tokens = sum(s.completion_tokens for s in samples)
     in_tokens = sum(s.prompt_tokens for s in samples)
     tpots = [t for s in samples if (t := s.tpot_s) is not None]
-    prefill = [s.prompt_tokens / s.ttft_s for s in samples if s.ttft_s > 0 and s.prompt_tokens]
+    prefill = [s.prompt_tokens / t for s in samples if (t := s.prompt_s or s.ttft_s) > 0 and s.prompt_tokens]
     agg = out_tokens / wall_s if wall_s > 0 else 0.0
     # the decode rate while streams decode together: streams / TPOT (prefill pauses included)
     decode_rate = min(concurrency, len(samples)) / percentile(tpots, 50) if tpots else 0.0
@@ -308,7 +312,7 @@ def engine_sender(llm: Any, gen_tokens: int) -> Callable[[str], Sample]:
         if result.finish_reason == "error":
             raise LocalLLMError(f"a request failed: {result.error or 'error'}")
         t, u = result.timings, result.usage
-        return Sample(t.ttft_s, t.decode_s, t.total_s, u.prompt_tokens, u.completion_tokens)
+        return Sample(t.ttft_s, t.decode_s, t.total_s, u.prompt_tokens, u.completion_tokens, t.prompt_s or None)
 
     return send
 

@@ -54,6 +54,9 @@ def test_level_report_on_synthetic_timings() -> None:
     # 3.6 USD an hour = 0.001 USD a second: 5.5 tokens/s → 0.001 / 5.5 × 1e6 USD per million
     assert r["usd_per_million_output"] == pytest.approx(1e3 / 5.5)
     assert r["ceiling_fraction"] == pytest.approx(8 / 50)
+    # the engine says how long the prompt took once it had a slot: that, not the TTFT (queueing)
+    queued = [Sample(ttft_s=2.0, decode_s=1.0, e2e_s=3.0, prompt_tokens=100, completion_tokens=11, prompt_s=0.5)]
+    assert level_report(1, queued, 3.0)["prompt_tokens_per_s"] == pytest.approx(200)
     one = level_report(1, [Sample(0.5, 0.0, 0.5, 10, 1)], 0.5)
     assert math.isnan(one["tpot_s"]["p50"]) and one["decode_tokens_per_s"] == 0.0
 
