@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from localllm.bench import default_quality_text
-from localllm.errors import Cancelled, LocalLLMError
+from localllm.errors import Cancelled, LocalLLMError, ModelNotFound
 
 __all__ = ["Targets", "Setting", "candidates", "recommend", "default_quality_text"]
 
@@ -145,17 +145,14 @@ def recommend(targets: Targets, *, backend: str = "all", quality_text: str | Non
     from localllm.types import LoadOptions
 
     store = Store()
-    records = store.list()
+    wanted = set()
     if models:
-        from localllm.errors import ModelNotFound
         from localllm.models_registry.catalog import ensure_local
 
-        wanted = set()
         for m in models:  # catalog names too (`smollm2`), registered from a package if need be
             with contextlib.suppress(ModelNotFound):
                 wanted.add(ensure_local(m, store).name)
-        records = store.list()
-        records = [r for r in records if r.name in wanted]
+    records = [r for r in store.list() if not models or r.name in wanted]
     if not records:
         raise LocalLLMError("no local models to compare: pull or import one first (`localllm list`)")
     names = list(backends.AUTO_ORDER) if backend == "all" else [backends.describe(backend).name]

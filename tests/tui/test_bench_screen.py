@@ -4,20 +4,14 @@ local model's setting, Escape during a run stops it."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
+
+from test_app import wait_for
 
 from localllm.models_registry.store import Store
 from localllm.tui.app import LocalLLMApp
 from localllm.tui.bench_screen import BenchScreen
 from localllm.tui.models_screen import ModelsScreen
-
-
-async def wait_for(pilot, cond, timeout: float = 120.0) -> None:  # noqa: ANN001
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        await pilot.pause(0.05)
 
 
 def cells(screen: BenchScreen) -> list[list[str]]:
@@ -33,11 +27,11 @@ def test_bench_and_recommend_from_the_models_screen(tiny_llama: Path) -> None:
         async with app.run_test(size=(120, 40)) as pilot:
             assert isinstance(app.screen, ModelsScreen)
             await pilot.press("b")
-            await wait_for(pilot, lambda: isinstance(app.screen, BenchScreen))
+            await wait_for(pilot, lambda: isinstance(app.screen, BenchScreen), timeout=60)
             screen = app.screen
             assert screen.model == "tiny:latest"
             screen.start_bench()
-            await wait_for(pilot, lambda: not screen.running)
+            await wait_for(pilot, lambda: not screen.running, timeout=120)
             assert screen.report is not None, str(screen.query_one("#detail").render())
             rows = cells(screen)
             assert [r[0] for r in rows] == ["1", "2"]
@@ -52,10 +46,10 @@ def test_bench_and_recommend_from_the_models_screen(tiny_llama: Path) -> None:
             screen.start_bench()
             await pilot.pause(0.05)
             await pilot.press("escape")
-            await wait_for(pilot, lambda: not screen.running)
+            await wait_for(pilot, lambda: not screen.running, timeout=120)
             assert "cancelled" in str(screen.query_one("#detail").render())
             await pilot.press("escape")
-            await wait_for(pilot, lambda: isinstance(app.screen, ModelsScreen))
+            await wait_for(pilot, lambda: isinstance(app.screen, ModelsScreen), timeout=60)
 
     import asyncio
 
