@@ -357,7 +357,8 @@ def rows_ceiling(d: dict) -> list[Row]:
             c = lv["concurrency"]
             who = f"{eng}, {c} client{'s' * (c > 1)}"
             out.append((f"{who}: decode tokens/s (TTFT ms p50/95/99 {pct(lv['ttft_s'])}; TPOT {pct(lv['tpot_s'])}; "
-                        f"prompt {fmt(lv.get('prompt_tokens_per_s'))} tok/s)", lv.get("decode_tokens_per_s"),
+                        f"prompt {fmt(lv.get('prompt_tokens_per_s'))} tok/s a request, "
+                        f"{fmt(lv.get('prefill_tokens_per_s'))} tok/s the machine's prefill)", lv.get("decode_tokens_per_s"),
                         "the bandwidth ceiling", lv.get("ceiling_tokens_per_s"), True))  # fmt: skip
             out.append((f"{who}: output tokens/s, first send to last token", lv.get("output_tokens_per_s"),
                         "one client" if c > 1 else "", r["levels"][0].get("output_tokens_per_s") if c > 1 else None, True))

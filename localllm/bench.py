@@ -12,8 +12,13 @@ What is reported, per level:
 - aggregate output tokens/s (all completion tokens ÷ the level's wall time), input tokens/s
   alike, and prompt processing tokens/s (prompt tokens ÷ the time from getting a slot to the
   first token — the TTFT against a server, which does not say — median over requests);
+- the aggregate prefill rate: all prompt tokens ÷ the time during which at least one request
+  was processing its prompt (the union of the requests' slot → first token intervals). Under
+  concurrency a request's own prompt rate shrinks as its prefill shares the machine with other
+  streams; the machine's does not, so this, not the per-request rate, prices input;
 - with a price (USD per hour of the machine, or watts × price per kWh): USD per million output
-  tokens at that throughput, and per million input tokens at the prompt processing rate;
+  tokens at the aggregate output rate, and per million input tokens at the aggregate prefill
+  rate (each as if the machine's time went to that work alone, as such prices are quoted);
 - the decode ceiling: a decode step must read every weight once (whatever the batch) and each
   sequence's KV cache, so c streams cannot pass c · bandwidth / (weights + c · KV bytes), with
   the bandwidth measured by a probe here; the level's decode rate as a % of it.
@@ -27,7 +32,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -82,6 +87,7 @@ class Sample:
     # slot → first token: prompt processing without the wait for a slot (the engine says it;
     # a server does not, so there it is the TTFT)
     prompt_s: float | None = None
+    start_s: float | None = None  # when it was sent (time.perf_counter), to overlay requests
 
     @property
     def tpot_s(self) -> float | None:
@@ -132,6 +138,24 @@ def decode_ceiling(bandwidth: float, weight_bytes: float, kv_bytes_per_seq: floa
     return streams * bandwidth / per_step if per_step > 0 else math.inf
 
 
+def prefill_busy_s(samples: Sequence[Sample]) -> float | None:
+    """Seconds during which at least one request was processing its prompt: the union of the
+    intervals (sent + TTFT − prompt time, sent + TTFT). None when a sample lacks its send time."""
+    spans = []
+    for s in samples:
+        if s.start_s is None:
+            return None
+        end = s.start_s + s.ttft_s
+        spans.append((end - (s.prompt_s or s.ttft_s), end))
+    busy, reach = 0.0, -math.inf
+    for lo, hi in sorted(spans):
+        lo = max(lo, reach)
+        if hi > lo:
+            busy += hi - lo
+            reach = hi
+    return busy
+
+
 def level_report(concurrency: int, samples: Sequence[Sample], wall_s: float,
                  price: Price | None = None, ceiling: float | None = None) -> dict[str, Any]:  # fmt: skip
     """The numbers of one concurrency level (see the module's docstring)."""
@@ -140,6 +164,9 @@ def level_report(concurrency: int, samples: Sequence[Sample], wall_s: float,
     tpots = [t for s in samples if (t := s.tpot_s) is not None]
     prefill = [s.prompt_tokens / t for s in samples if (t := s.prompt_s or s.ttft_s) > 0 and s.prompt_tokens]
     agg = out_tokens / wall_s if wall_s > 0 else 0.0
+    busy = prefill_busy_s(samples)
+    prefill_rate = (in_tokens / busy if busy else 0.0) if busy is not None else (
+        percentile(prefill, 50) if prefill else 0.0)  # fmt: skip
     # the decode rate while streams decode together: streams / TPOT (prefill pauses included)
     decode_rate = min(concurrency, len(samples)) / percentile(tpots, 50) if tpots else 0.0
     r: dict[str, Any] = {
@@ -154,11 +181,12 @@ def level_report(concurrency: int, samples: Sequence[Sample], wall_s: float,
         "output_tokens_per_s": agg,
         "input_tokens_per_s": in_tokens / wall_s if wall_s > 0 else 0.0,
         "prompt_tokens_per_s": percentile(prefill, 50) if prefill else 0.0,
+        "prefill_tokens_per_s": prefill_rate,
         "decode_tokens_per_s": decode_rate,
     }
     if price is not None:
         r["usd_per_million_output"] = price.per_million(agg)
-        r["usd_per_million_input"] = price.per_million(r["prompt_tokens_per_s"])
+        r["usd_per_million_input"] = price.per_million(prefill_rate)
     if ceiling is not None:
         r["ceiling_tokens_per_s"] = ceiling
         r["ceiling_fraction"] = decode_rate / ceiling if ceiling > 0 else None
@@ -277,7 +305,10 @@ def _run_level(send: Callable[[str], Sample], prompts: Sequence[str], concurrenc
                     return
                 prompt = todo.pop(0)
             try:
+                sent = time.perf_counter()
                 s = send(prompt)
+                if s.start_s is None:
+                    s = replace(s, start_s=sent)
             except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
                 with lock:
                     errors.append(e)

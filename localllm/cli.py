@@ -824,7 +824,7 @@ def _print_bench(r: dict[str, Any]) -> None:
     ms = lambda d: f"{1000 * d['p50']:.0f} / {1000 * d['p95']:.0f} / {1000 * d['p99']:.0f}"  # noqa: E731
     table = Table(title=None, show_lines=False)
     for col in ("clients", "TTFT ms p50/95/99", "TPOT ms p50/95/99", "e2e s p50/99", "out tok/s",
-                "prompt tok/s", "decode tok/s"):  # fmt: skip
+                "prompt tok/s", "prefill tok/s", "decode tok/s"):  # fmt: skip
         table.add_column(col, justify="right")
     has_ceiling = any("ceiling_tokens_per_s" in lv for lv in r["levels"])
     has_price = r.get("price") is not None
@@ -836,15 +836,18 @@ def _print_bench(r: dict[str, Any]) -> None:
     for lv in r["levels"]:
         row = [str(lv["concurrency"]), ms(lv["ttft_s"]), ms(lv["tpot_s"]),
                f"{lv['e2e_s']['p50']:.2f} / {lv['e2e_s']['p99']:.2f}", f"{lv['output_tokens_per_s']:.1f}",
-               f"{lv['prompt_tokens_per_s']:.0f}", f"{lv['decode_tokens_per_s']:.1f}"]  # fmt: skip
+               f"{lv['prompt_tokens_per_s']:.0f}", f"{lv['prefill_tokens_per_s']:.0f}",
+               f"{lv['decode_tokens_per_s']:.1f}"]  # fmt: skip
         if has_ceiling:
             row.append(f"{100 * lv['ceiling_fraction']:.0f}% of {lv['ceiling_tokens_per_s']:.0f}")
         if has_price:
             row += [_usd(lv.get("usd_per_million_output")), _usd(lv.get("usd_per_million_input"))]
         table.add_row(*row)
     Console(width=None if sys.stdout.isatty() else 200).print(table)  # a pipe gets whole lines
+    print("prompt tok/s: one request's, from its slot to its first token (median); prefill tok/s: "
+          "the machine's, all prompt tokens over the time any prompt was being processed")
     if has_price:
-        print(f"price: {r['price']['basis']}")
+        print(f"price: {r['price']['basis']}; input is priced at the prefill rate")
 
 
 @app.command()

@@ -57,6 +57,17 @@ def test_level_report_on_synthetic_timings() -> None:
     # the engine says how long the prompt took once it had a slot: that, not the TTFT (queueing)
     queued = [Sample(ttft_s=2.0, decode_s=1.0, e2e_s=3.0, prompt_tokens=100, completion_tokens=11, prompt_s=0.5)]
     assert level_report(1, queued, 3.0)["prompt_tokens_per_s"] == pytest.approx(200)
+    # input is priced at the machine's prefill rate: prompt tokens over the time any request was
+    # in prefill (the union of sent + TTFT − prompt time … sent + TTFT), not one request's rate
+    overlaid = [Sample(1.0, 1.0, 2.0, 100, 11, prompt_s=1.0, start_s=0.0),  # prefill 0 … 1
+                Sample(1.5, 1.0, 2.5, 100, 11, prompt_s=1.0, start_s=0.0),  # 0.5 … 1.5 (waited 0.5)
+                Sample(0.5, 1.0, 1.5, 100, 11, prompt_s=0.5, start_s=3.0)]  # 3 … 3.5, apart
+    r = level_report(2, overlaid, 4.5, price=Price(3.6, "test"))
+    assert r["prefill_tokens_per_s"] == pytest.approx(300 / 2.0)
+    assert r["prompt_tokens_per_s"] == pytest.approx(100)  # each request's own: 100, 100, 200
+    assert r["usd_per_million_input"] == pytest.approx(1e3 / 150)
+    # without send times (a caller's samples), the per-request median stands in
+    assert level_report(1, queued, 3.0)["prefill_tokens_per_s"] == pytest.approx(200)
     one = level_report(1, [Sample(0.5, 0.0, 0.5, 10, 1)], 0.5)
     assert math.isnan(one["tpot_s"]["p50"]) and one["decode_tokens_per_s"] == 0.0
 
