@@ -199,7 +199,8 @@ def long_prompt(load, long_ids: int, text: str, args, min_chunk: int | None) -> 
         model.backend.drop_caches()
         r = model.submit(Request(prompt=f"Alone {i}. {long}", sampling=SamplingParams(temperature=0, max_tokens=1)))
         res = r.wait()
-        assert res.usage.cached_tokens == 0, f"{res.usage.cached_tokens} prompt tokens came from a cache"
+        # ("Alone 0." and "Alone 1." share their first tokens: a few may match, a warm answer would be thousands)
+        assert res.usage.cached_tokens < 8, f"{res.usage.cached_tokens} prompt tokens came from a cache"
         alone.append(res.timings.ttft_s)
         print(f"long prompt (min chunk {model.scheduler.MIN_CHUNK}): {rounds[-1]}, "
               f"alone TTFT {alone[-1]:.2f} s", flush=True)  # fmt: skip

@@ -5,7 +5,7 @@
 
 - llamacpp: 8 concurrent streaming clients (decode rate: tokens while all 8 decode / that time) against our server (llama.cpp engine, --parallel 8),
   against llama-cpp-python's own server (`python -m llama_cpp.server --interrupt_requests False`,
-  its best setting; needs `pip install 'llama-cpp-python[server]'`), and llama.cpp's own
+  its best setting; needs `pip install -e '.[bench]'`, llama-cpp-python's server extra's parts), and llama.cpp's own
   multi-sequence decode rate for 8 sequences, driven here through its low-level batch API.
 - torch: the torch engine's single-stream rate, then 8 concurrent streams through the server.
 - prefill: p95 time per output token of 4 running streams while a 4,000-token prompt arrives,
