@@ -90,6 +90,11 @@ class Sample:
     start_s: float | None = None  # when it was sent (time.perf_counter), to overlay requests
 
     @property
+    def prefill_s(self) -> float:
+        """How long its prompt took: the engine's prompt time, else (a server) the TTFT."""
+        return self.prompt_s or self.ttft_s
+
+    @property
     def tpot_s(self) -> float | None:
         """Time per output token after the first (None with fewer than two tokens)."""
         n = self.completion_tokens
@@ -146,7 +151,7 @@ def prefill_busy_s(samples: Sequence[Sample]) -> float | None:
         if s.start_s is None:
             return None
         end = s.start_s + s.ttft_s
-        spans.append((end - (s.prompt_s or s.ttft_s), end))
+        spans.append((end - s.prefill_s, end))
     busy, reach = 0.0, -math.inf
     for lo, hi in sorted(spans):
         lo = max(lo, reach)
@@ -162,11 +167,11 @@ def level_report(concurrency: int, samples: Sequence[Sample], wall_s: float,
     out_tokens = sum(s.completion_tokens for s in samples)
     in_tokens = sum(s.prompt_tokens for s in samples)
     tpots = [t for s in samples if (t := s.tpot_s) is not None]
-    prefill = [s.prompt_tokens / t for s in samples if (t := s.prompt_s or s.ttft_s) > 0 and s.prompt_tokens]
+    prefill = [s.prompt_tokens / s.prefill_s for s in samples if s.prefill_s > 0 and s.prompt_tokens]
+    per_request = percentile(prefill, 50) if prefill else 0.0
     agg = out_tokens / wall_s if wall_s > 0 else 0.0
-    busy = prefill_busy_s(samples)
-    prefill_rate = (in_tokens / busy if busy else 0.0) if busy is not None else (
-        percentile(prefill, 50) if prefill else 0.0)  # fmt: skip
+    busy = prefill_busy_s(samples)  # None without send times: the per-request rate stands in
+    prefill_rate = per_request if busy is None else (in_tokens / busy if busy > 0 else 0.0)
     # the decode rate while streams decode together: streams / TPOT (prefill pauses included)
     decode_rate = min(concurrency, len(samples)) / percentile(tpots, 50) if tpots else 0.0
     r: dict[str, Any] = {
@@ -180,7 +185,7 @@ def level_report(concurrency: int, samples: Sequence[Sample], wall_s: float,
         "e2e_s": summarize([s.e2e_s for s in samples]),
         "output_tokens_per_s": agg,
         "input_tokens_per_s": in_tokens / wall_s if wall_s > 0 else 0.0,
-        "prompt_tokens_per_s": percentile(prefill, 50) if prefill else 0.0,
+        "prompt_tokens_per_s": per_request,
         "prefill_tokens_per_s": prefill_rate,
         "decode_tokens_per_s": decode_rate,
     }
