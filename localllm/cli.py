@@ -26,7 +26,7 @@ from localllm.errors import LocalLLMError
 app = typer.Typer(
     name="localllm",
     help="Run language models on your own machine.",
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion: bash, zsh, fish (Typer's)
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -42,9 +42,40 @@ KwhPriceOption = Annotated[float | None, typer.Option("--kwh-price", help="USD p
 BACKEND_HELP = f"Backend: {', '.join(backends.names())} (auto: the first that runs here)."
 
 
+def version_lines() -> list[str]:
+    """localllm's version, then the engines' as installed (package metadata: nothing imported,
+    so a llama.cpp build that would crash this CPU cannot) and llama.cpp's build recipe."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    from localllm.backends.llamacpp_guard import build_recipe
+
+    def installed(dist: str) -> str | None:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return None
+
+    lines = [f"localllm {__version__} (Python {platform.python_version()})"]
+    llama = installed("llama-cpp-python")
+    if llama is None:
+        lines.append("llama-cpp-python: not installed (pip install 'localllm[llamacpp]')")
+    else:
+        flavour, args = build_recipe()
+        if flavour == "unknown":
+            lines.append(f"llama-cpp-python {llama} (llama.cpp build: pip's own, llama.cpp's default -march=native)")
+        else:
+            lines.append(f"llama-cpp-python {llama} (llama.cpp build: {flavour}, by scripts/llamacpp-build)")
+            if args:
+                lines.append(f"  CMake: {args}")
+    torch = installed("torch")
+    lines.append(f"torch {torch}" if torch else "torch: not installed (pip install 'localllm[torch]')")
+    return lines
+
+
 def _version(value: bool) -> None:
     if value:
-        print(f"localllm {__version__}")
+        print("\n".join(version_lines()))
         raise typer.Exit()
 
 

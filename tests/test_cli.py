@@ -51,10 +51,32 @@ def test_light_start_imports_nothing_heavy(args: list[str], tiny_llama: Path) ->
     assert "HEAVY []" in p.stdout, p.stdout[-500:]
 
 
-def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+def test_version_names_the_engines_and_the_llama_cpp_recipe(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.metadata
+    import platform
+
     from localllm import __version__
 
-    assert run(["--version"], capsys) == (0, f"localllm {__version__}\n", "")
+    rc, out, err = run(["--version"], capsys)
+    assert (rc, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0] == f"localllm {__version__} (Python {platform.python_version()})"
+    llama = importlib.metadata.version("llama-cpp-python")  # the dev install has both engines
+    assert f"torch {importlib.metadata.version('torch')}" in lines
+    # the recipe scripts/llamacpp-build wrote beside this venv (scripts/setup builds it)
+    marker = (Path(sys.prefix) / "localllm-llamacpp-build").read_text().split(maxsplit=2)
+    assert lines[1] == f"llama-cpp-python {llama} (llama.cpp build: {marker[1]}, by scripts/llamacpp-build)"
+    if len(marker) > 2:
+        assert lines[2] == f"  CMake: {marker[2].strip()}"
+    # a llama-cpp-python pip built on its own: no marker
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    assert f"llama-cpp-python {llama} (llama.cpp build: pip's own, llama.cpp's default -march=native)" in (
+        run(["--version"], capsys)[1].splitlines())
+    # an empty or garbled marker is the same as none
+    (tmp_path / "localllm-llamacpp-build").write_text("")
+    assert "pip's own" in run(["--version"], capsys)[1]
 
 
 def test_list_empty_and_json(capsys: pytest.CaptureFixture[str], tiny_llama: Path) -> None:

@@ -359,18 +359,20 @@ def build_info(timeout: float = 60.0) -> dict[str, Any] | None:
             info.update(json.loads(done.out.strip().splitlines()[-1]))
     else:
         info["error"] = _judge(done, timeout, what="reporting its build").reason
-    info["build"] = _build_flavour()
+    info["build"] = build_recipe()[0]
     return info
 
 
-def _build_flavour() -> str:
-    """portable or native when scripts/llamacpp-build installed it, else unknown."""
+def build_recipe() -> tuple[str, str]:
+    """How the installed llama-cpp-python was built: (flavour, CMake arguments). The flavour is
+    portable or native when scripts/llamacpp-build installed it (its marker under sys.prefix), else
+    unknown (pip's own build: llama.cpp's default, -march=native)."""
     marker = Path(sys.prefix) / "localllm-llamacpp-build"
-    with contextlib.suppress(OSError):
-        text = marker.read_text(encoding="utf-8").split()
-        if len(text) >= 2:
-            return text[1]
-    return "unknown"
+    with contextlib.suppress(OSError, ValueError):
+        _key, *rest = marker.read_text(encoding="utf-8").split(maxsplit=2)
+        if rest:
+            return rest[0], rest[1].strip() if len(rest) > 1 else ""
+    return "unknown", ""
 
 
 # -- a tiny model, written without any dependency ------------------------------------------------
