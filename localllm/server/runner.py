@@ -3,6 +3,8 @@
 The socket is bound here, before uvicorn starts, so a port in use is one line (not a log record
 and an exit from inside uvicorn), and port 0 picks a free port whose URL is then known. A running
 server leaves `server.json` in the localllm home (its URL and pid) for `localllm ps` to find.
+SIGTERM (what `systemctl stop` and `launchctl bootout` send) stops it as cleanly as Ctrl-C, with
+exit status 0: a service manager that restarts on failure leaves it stopped.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -137,22 +140,48 @@ def serve_forever(config: ServerConfig, *, announce: Any = print) -> None:
     served = Served(config)
     pool = served.pool
     try:
-        served.start()
-        app = create_app(config, served)
-        url = f"http://{config.host}:{sock.getsockname()[1]}"
-        names = ", ".join(config.models) or f"{served.default} (on first request)"
-        announce(f"localllm {url} — models: {names}; parallel {config.options.parallel}, queue {config.queue}"
-                 + ("; API key required" if config.api_key else ""))  # fmt: skip
-        _write_state(url)
-        try:
-            uvicorn.Server(_uvicorn_config(app)).run(sockets=[sock])
-        finally:
-            _clear_state(url)
+        with _sigterm_stops():
+            served.start()
+            app = create_app(config, served)
+            url = f"http://{config.host}:{sock.getsockname()[1]}"
+            names = ", ".join(config.models) or f"{served.default} (on first request)"
+            announce(f"localllm {url} — models: {names}; parallel {config.options.parallel}, queue {config.queue}"
+                     + ("; API key required" if config.api_key else ""))  # fmt: skip
+            _write_state(url)
+            try:
+                uvicorn.Server(_uvicorn_config(app)).run(sockets=[sock])
+            finally:
+                _clear_state(url)
+    except _Terminated:
+        announce("localllm stopped (SIGTERM)")
     finally:
         with contextlib.suppress(OSError):
             sock.close()
         served.close()
         pool.close()
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived: unwinds like KeyboardInterrupt (every finally runs), then a clean exit."""
+
+
+@contextlib.contextmanager
+def _sigterm_stops() -> Any:
+    """SIGTERM raises _Terminated. uvicorn captures SIGTERM while it serves, shuts down gracefully,
+    and then raises the signal again into this handler; left at its default, that second raise
+    killed the process before the cleanup (exit 143, a stale server.json, models not closed)."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _uvicorn_config(app: Any) -> Any:
