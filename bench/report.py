@@ -87,8 +87,10 @@ def rows_llamacpp_overhead(d: dict) -> list[Row]:
 
 def rows_engine_batching(d: dict) -> list[Row]:
     m = d.get("median", {})
+    # issue 10's goals: one stream at most 5% below raw; 4 and 8 streams at least 80% of raw
     out: list[Row] = [(f"{n} streams: tokens/s through the engine", m.get(f"engine_{n}"),
-                       f"llama.cpp's own batch of {n}", m.get(f"raw_{n}"), True, "≥ 0.95x") for n in (1, 4, 8)]  # fmt: skip
+                       f"llama.cpp's own batch of {n}", m.get(f"raw_{n}"), True, "≥ 0.95x" if n == 1 else "≥ 0.8x")
+                      for n in (1, 4, 8)]  # fmt: skip
     lp = g(d, "long_prompt/median", {})
     out.append((f"p95 TPOT beside a {fmt(lp.get('long_prompt_tokens'))}-token prompt (s)", lp.get("p95_tpot_with_s"),
                 "p95 TPOT alone", lp.get("p95_tpot_without_s"), False, "≤ 3x"))  # fmt: skip
