@@ -27,7 +27,7 @@ CHECK = ROOT / "packaging" / "check_wheel.py"
 RENDER = ROOT / "packaging" / "homebrew" / "render.py"
 # what `git ls-files` would hand a release build (a copy: the build leaves build/ and egg-info behind)
 SOURCES = ("pyproject.toml", "README.md", "CHANGELOG.md", "MANIFEST.in", "localllm", "tui", "quant",
-           "models_registry", "packaging")  # fmt: skip
+           "models_registry", "packaging", "scripts")  # fmt: skip
 
 
 def check(wheel: Path) -> subprocess.CompletedProcess[str]:
@@ -113,7 +113,8 @@ def test_the_sdist_carries_the_code_the_changelog_and_the_service_files(dist: di
     for rel in ("pyproject.toml", "README.md", "CHANGELOG.md", "tui/app.py", "quant/__init__.py",
                 "models_registry/catalog.toml", "localllm/data/quality.txt",
                 "packaging/systemd/localllm.service", "packaging/launchd/dev.localllm.serve.plist",
-                "packaging/homebrew/localllm.rb.in", "packaging/pyinstaller/localllm.spec"):  # fmt: skip
+                "packaging/homebrew/localllm.rb.in", "packaging/pyinstaller/localllm.spec",
+                "scripts/llamacpp-build"):  # fmt: skip
         assert f"{top}/{rel}" in names, rel
     assert not any("__pycache__" in n or n.startswith(f"{top}/tests/") for n in names)
 
