@@ -48,7 +48,7 @@ def version_lines() -> list[str]:
     import platform
     from importlib.metadata import PackageNotFoundError, version
 
-    from localllm.backends.llamacpp_guard import build_recipe
+    from localllm.backends.llamacpp_guard import build_recipe, llamacpp_version
 
     def installed(dist: str) -> str | None:
         try:
@@ -62,6 +62,8 @@ def version_lines() -> list[str]:
         lines.append("llama-cpp-python: not installed (pip install 'localllm[llamacpp]')")
     else:
         flavour, args = build_recipe()
+        source = llamacpp_version()
+        llama += f", llama.cpp {source}" if source else ""
         if flavour == "unknown":
             lines.append(f"llama-cpp-python {llama} (llama.cpp build: pip's own, llama.cpp's default -march=native)")
         else:

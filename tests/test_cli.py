@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,11 +68,17 @@ def test_version_names_the_engines_and_the_llama_cpp_recipe(
     assert f"torch {importlib.metadata.version('torch')}" in lines
     # the recipe scripts/llamacpp-build wrote beside this venv (scripts/setup builds it)
     marker = (Path(sys.prefix) / "localllm-llamacpp-build").read_text().split(maxsplit=2)
-    assert lines[1] == f"llama-cpp-python {llama} (llama.cpp build: {marker[1]}, by scripts/llamacpp-build)"
+    # the llama.cpp it vendors, as its CMake package file says (installed beside the package)
+    [config] = Path(sys.prefix).glob("lib/python3*/site-packages/lib/cmake/llama/llama-config.cmake")
+    cmake = dict(re.findall(r"set\((LLAMA_VERSION|LLAMA_BUILD_COMMIT)\s+(\S+?)\)", config.read_text()))
+    source = f"llama.cpp {cmake['LLAMA_VERSION']}, commit {cmake['LLAMA_BUILD_COMMIT']}"
+    assert lines[1] == (f"llama-cpp-python {llama}, {source} "
+                        f"(llama.cpp build: {marker[1]}, by scripts/llamacpp-build)")  # fmt: skip
     if len(marker) > 2:
         assert lines[2] == f"  CMake: {marker[2].strip()}"
-    # a llama-cpp-python pip built on its own: no marker
+    # a llama-cpp-python pip built on its own: no marker; a layout without the CMake file
     monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    monkeypatch.setattr(importlib.metadata, "files", lambda dist: [])
     assert f"llama-cpp-python {llama} (llama.cpp build: pip's own, llama.cpp's default -march=native)" in (
         run(["--version"], capsys)[1].splitlines())
     # an empty or garbled marker is the same as none

@@ -29,6 +29,7 @@ import math
 import os
 import platform
 import random
+import re
 import resource
 import signal
 import struct
@@ -373,6 +374,24 @@ def build_recipe() -> tuple[str, str]:
         if rest:
             return rest[0], rest[1].strip() if len(rest) > 1 else ""
     return "unknown", ""
+
+
+def llamacpp_version() -> str | None:
+    """The llama.cpp that llama-cpp-python was built from: its version and commit, as the
+    installed llama-config.cmake records them ("0.5.0-dev, commit 0c1e570"). Read from the
+    package's file list, nothing imported; None when absent (not installed, or another layout)."""
+    try:
+        files = importlib.metadata.files("llama-cpp-python") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if f.name == "llama-config.cmake":
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                found = dict(re.findall(r"set\((LLAMA_VERSION|LLAMA_BUILD_COMMIT)\s+([^\s)]+)\)", f.read_text()))
+                if "LLAMA_VERSION" in found:
+                    commit = found.get("LLAMA_BUILD_COMMIT")
+                    return found["LLAMA_VERSION"] + (f", commit {commit}" if commit else "")
+    return None
 
 
 # -- a tiny model, written without any dependency ------------------------------------------------
