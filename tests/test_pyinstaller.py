@@ -49,8 +49,10 @@ def test_the_binary_reports_lists_and_checks(binary: Path, tmp_path: Path) -> No
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     assert lines[0].startswith(f"localllm {__version__} (Python ")
-    marker = (Path(sys.prefix) / "localllm-llamacpp-build").read_text().split()
-    assert lines[1].startswith("llama-cpp-python ") and f"(llama.cpp build: {marker[1]}," in lines[1]
+    # the same llama-cpp-python, llama.cpp and build recipe as the venv it was built from
+    installed = subprocess.run([str(Path(sys.executable).with_name("localllm")), "--version"], capture_output=True,
+                               text=True, timeout=60).stdout.splitlines()  # fmt: skip
+    assert lines[1:-1] == installed[1:-1] and ", llama.cpp " in lines[1]
     assert "torch: not installed" in p.stdout  # left out unless LOCALLLM_FREEZE_TORCH=1
     p = run(binary, "list", home=home)
     assert p.returncode == 0 and "No local models" in p.stdout, p.stderr
