@@ -1053,7 +1053,12 @@ def _json_schema_format(path: Path) -> dict[str, Any]:
 
 
 def _repl(llm: Any, history: list[dict[str, str]], ask: Any, raw: bool) -> None:
-    """Read prompts until EOF or /bye; Ctrl-C stops the current answer, not the REPL."""
+    """Read prompts until EOF or /bye; Ctrl-C stops the current answer, not the REPL.
+
+    A Ctrl-C can land anywhere in a turn — while the line is read, in the instant between the
+    answer's end and the next prompt (the history update) — so each whole turn is inside one
+    `try`: wherever the KeyboardInterrupt is raised, the next prompt comes back (it had escaped
+    from the gap after an answer and ended the REPL with exit 130)."""
     import contextlib
 
     with contextlib.suppress(ImportError):
@@ -1062,29 +1067,36 @@ def _repl(llm: Any, history: list[dict[str, str]], ask: Any, raw: bool) -> None:
           file=sys.stderr)  # fmt: skip
     while True:
         try:
-            text = input(">>> ")
-        except EOFError:
-            print(file=sys.stderr)
-            return
+            if not _repl_turn(history, ask, raw):
+                return
         except KeyboardInterrupt:
             print(file=sys.stderr)
-            continue
-        if text.strip() in ("/bye", "/exit", "/quit"):
-            return
-        if not text.strip():
-            continue
-        try:
-            result = ask(text)
-        except KeyboardInterrupt:
-            continue
-        except LocalLLMError as e:
-            print(f"error: {e}", file=sys.stderr)
-            continue
-        if not raw:
-            history += [
-                {"role": "user", "content": text},
-                {"role": "assistant", "content": result.text},
-            ]
+
+
+def _repl_turn(history: list[dict[str, str]], ask: Any, raw: bool) -> bool:
+    """One prompt and its answer; False to leave."""
+    try:
+        text = input(">>> ")
+    except EOFError:
+        print(file=sys.stderr)
+        return False
+    if text.strip() in ("/bye", "/exit", "/quit"):
+        return False
+    if not text.strip():
+        return True
+    try:
+        result = ask(text)
+    except KeyboardInterrupt:
+        return True  # the answer was stopped and its line ended
+    except LocalLLMError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return True
+    if not raw:
+        history += [
+            {"role": "user", "content": text},
+            {"role": "assistant", "content": result.text},
+        ]
+    return True
 
 
 @app.command()
