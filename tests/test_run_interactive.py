@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 
 def _default_sigint() -> None:
     """In the child: Ctrl-C's default disposition, whatever the test runner inherited (a runner
@@ -114,7 +116,10 @@ def test_a_ctrl_c_between_an_answer_and_the_next_prompt_keeps_the_repl(monkeypat
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     asked: list[str] = []
     history = InterruptedOnce()
-    _repl(SimpleNamespace(name="m", n_ctx=8), history, lambda text: asked.append(text) or SimpleNamespace(text="ok"),
-          raw=False)  # fmt: skip
+    try:
+        _repl(SimpleNamespace(name="m", n_ctx=8), history,
+              lambda text: asked.append(text) or SimpleNamespace(text="ok"), raw=False)  # fmt: skip
+    except KeyboardInterrupt:  # uncaught, it would stop the whole test session
+        pytest.fail("the Ctrl-C escaped the REPL (the command would exit 130)")
     assert asked == ["hi", "again"] and InterruptedOnce.hit
     assert [m["content"] for m in history] == ["again", "ok"]
