@@ -1,5 +1,5 @@
 """What every bench script shares: a log line on stderr, the machine a result was measured on,
-and where results go.
+where results go, and the corpus texts they read.
 
 Results: `bench/results/NAME.json`, or `bench/results/quick/NAME.json` for a `--quick` smoke run
 (so a smoke run never overwrites a measurement); `LOCALLLM_BENCH_RESULTS` moves both (the test
@@ -16,6 +16,15 @@ from pathlib import Path
 from typing import Any
 
 BENCH = Path(__file__).resolve().parent
+
+
+def corpus_dir() -> Path:
+    """The repository's public-domain texts (`tests/data/corpus`, the folder the tests read;
+    `LOCALLLM_CORPUS` names another), or exit with one line saying where they were looked for."""
+    path = Path(os.environ.get("LOCALLLM_CORPUS") or BENCH.parent / "tests" / "data" / "corpus")
+    if not (path / "tinyshakespeare.txt").is_file():
+        sys.exit(f"corpus not found at {path}: unset LOCALLLM_CORPUS to use tests/data/corpus")
+    return path
 
 
 def log(*a: object) -> None:

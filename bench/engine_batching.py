@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import save
+from common import corpus_dir, save
 
 PROMPTS = ["Chapter 1.", "Once upon a time", "The history of the Roman Empire",
            "It was a dark and stormy night", "The old lighthouse keeper", "In the beginning",
@@ -242,9 +242,7 @@ def main() -> None:
         print(f"{n} streams: raw {statistics.median(samples[f'raw_{n}']):.1f} tok/s, engine "
               f"{statistics.median(samples[f'engine_{n}']):.1f} tok/s", flush=True)  # fmt: skip
 
-    corpus = Path(os.environ.get("LOCALLLM_CORPUS",
-                                 Path(__file__).resolve().parents[2] / "shared/data/corpus"))  # fmt: skip
-    text = (corpus / "moby_dick_part.txt").read_text()[: 6 * args.long]
+    text = (corpus_dir() / "moby_dick_part.txt").read_text()[: 6 * args.long]
     longs = [long_prompt(load, args.long, text, args, floor) for floor in [None, *args.min_chunk]]
 
     med = {k: statistics.median(v) for k, v in samples.items()}

@@ -4,7 +4,7 @@
         [--stream-tokens 16384] [--threads 2] [--quick]
 
 SmolLM2-135M (the default model), weights in each engine's CPU default (torch: int4 feed-forward,
-fp16 elsewhere; llama.cpp: the file's Q4_1), text `moby_dick_part.txt` from ../shared/data/corpus.
+fp16 elsewhere; llama.cpp: the file's Q4_1), text `moby_dick_part.txt` from tests/data/corpus.
 
 1. types: perplexity over the first --ppl-tokens tokens with every cache type, each evaluated as
    generation runs (`localllm.evaluate`: token by token where a type quantizes late), against the
@@ -42,12 +42,10 @@ import sys
 import time
 from pathlib import Path
 
-from common import log, machine, results_path, save
+from common import corpus_dir, log, machine, results_path, save
 
-ROOT = Path(__file__).resolve().parents[1]
-CORPUS = Path(os.environ.get("LOCALLLM_CORPUS", ROOT.parent / "shared" / "data" / "corpus"))
-TEXT = CORPUS / "moby_dick_part.txt"
 MODEL = "smollm2"
+TEXT = "moby_dick_part.txt"  # in the corpus folder (common.corpus_dir)
 QUICK = {"ppl_tokens": 80, "stream_tokens": 64}  # --quick (h2o: a 16-token budget)
 
 
@@ -58,7 +56,7 @@ def evaluate(backend: str, kv: str = "f16", *, tokens: int, streaming: str | Non
 
     opts = LoadOptions(backend=backend, kv_cache=kv, streaming=streaming, evict=evict, parallel=1)
     t = time.perf_counter()
-    r = run(MODEL, TEXT.read_text(encoding="utf-8"), options=opts, limit=tokens, ref_kv=ref_kv)
+    r = run(MODEL, (corpus_dir() / TEXT).read_text(encoding="utf-8"), options=opts, limit=tokens, ref_kv=ref_kv)
     log(f"  {backend:9} {kv:14} {streaming or '':8} {evict or '':9} PPL {r['perplexity']:.4f} "
         f"KL {r.get('kl_mean', float('nan')):.5f} top1 {r.get('top1_agreement', float('nan')):.4f} "
         f"{r['kv_bytes_per_token']:.0f} B/token  {time.perf_counter() - t:.0f} s")  # fmt: skip
@@ -163,7 +161,7 @@ def streaming(tokens: int, quick: bool) -> dict:
 
     log("streaming")
     llm = load(MODEL, LoadOptions(backend="torch", parallel=1, ctx=64))
-    ids = llm.backend.tokenize(TEXT.read_text(encoding="utf-8"), add_special=True)[:tokens]
+    ids = llm.backend.tokenize((corpus_dir() / TEXT).read_text(encoding="utf-8"), add_special=True)[:tokens]
     llm.close()
     sinks, window, every = (4, 12, 4) if quick else (4, 508, 32)
     cells = 16 if quick else 256  # sinks matter: the cache of that comparison
@@ -230,7 +228,7 @@ def h2o(tokens: int) -> dict:
     # recent only, with text positions as H2O's: its cache with every slot given to recent tokens
     llm = load(MODEL, LoadOptions(backend="torch", evict=f"h2o:{budget}", parallel=1, ctx=tokens))
     try:
-        ids = llm.backend.tokenize(TEXT.read_text(encoding="utf-8"), add_special=True)[:tokens]
+        ids = llm.backend.tokenize((corpus_dir() / TEXT).read_text(encoding="utf-8"), add_special=True)[:tokens]
         scorer = llm.backend.scorer(None)
         for c in scorer.caches:
             c.recent = budget - 1
@@ -258,13 +256,11 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(a.threads)
-    if not TEXT.is_file():
-        sys.exit(f"{TEXT} is missing: set LOCALLLM_CORPUS or put shared/ beside the checkout")
     path = results_path("kv_cache", a.quick)
     out = json.loads(path.read_text()) if path.is_file() else {}
     out.pop("machine", None), out.pop("when", None)  # save() stamps this run's
     out["machine_start"] = machine()
-    out["text"] = TEXT.name
+    out["text"] = TEXT
     for part in a.only.split(","):
         t = time.perf_counter()
         if part == "types":

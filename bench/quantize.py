@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import log, machine, results_path, save  # noqa: E402
+from common import corpus_dir, log, machine, results_path, save  # noqa: E402
 
 QUICK_CALIBRATION = (256, 128)  # --quick: calibration and evaluation tokens
 
@@ -48,7 +48,7 @@ def calibration(store: Any, f32: Path, work: Path, cal_tokens: int = 4096,
     from localllm.quant.writer import quantize_file
     from localllm.types import LoadOptions
 
-    corpus = Path(os.environ.get("LOCALLLM_CORPUS", Path(__file__).resolve().parents[2] / "shared/data/corpus"))
+    corpus = corpus_dir()
     held_in, held_out = corpus / "tinyshakespeare.txt", corpus / "alice.txt"
     log(f"calibrating on tinyshakespeare ({cal_tokens:,} tokens) ...")
     t0 = time.perf_counter()

@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import log, machine, results_path, save  # noqa: E402
+from common import corpus_dir, log, machine, results_path, save  # noqa: E402
 
 # --quick: --tokens, rounds of the torch section, the prefill section's windows, prompt and
 # context, the prefix section's system prompt and answers, the schema section's repeats
@@ -278,8 +278,7 @@ def bench_torch(tokens: int, dtype: str = "auto", rounds: int = 3) -> dict[str, 
 
 
 def long_prompt(n_tokens: int) -> str:
-    corpus = Path(os.environ.get("LOCALLLM_CORPUS", Path(__file__).resolve().parents[2] / "shared/data/corpus"))
-    text = " ".join(p.read_text(errors="replace") for p in sorted(corpus.glob("*.txt")))
+    text = " ".join(p.read_text(errors="replace") for p in sorted(corpus_dir().glob("*.txt")))
     words = text.split()
     return " ".join(words[: int(n_tokens * 0.75)])
 

@@ -58,10 +58,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import save
+from common import corpus_dir, save
 
-CORPUS = Path(os.environ.get("LOCALLLM_CORPUS",
-                             Path(__file__).resolve().parents[2] / "shared/data/corpus"))  # fmt: skip
 PROMPT = "Once upon a time"
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # the file's matrices that run on the same input, fused as our models hold them (models/base.py)
@@ -478,9 +476,10 @@ def measure(name: str, path: Path, args: argparse.Namespace) -> dict:
         sys.exit(f"{name}: the f32 backend did not load: {res.get('errors')}")
     ref = backends["f32"]
     ids = ref.tokenize(PROMPT)
-    text = (CORPUS / "moby_dick_part.txt").read_text()[50_000:]
+    corpus = corpus_dir()
+    text = (corpus / "moby_dick_part.txt").read_text()[50_000:]
     long_ids = ref.tokenize(text[: 8 * args.prefill])[: args.prefill]
-    kl_ids = ref.tokenize((CORPUS / "alice.txt").read_text()[:4000])[: args.kl_tokens]
+    kl_ids = ref.tokenize((corpus / "alice.txt").read_text()[:4000])[: args.kl_tokens]
 
     hf = llm = None
     try:

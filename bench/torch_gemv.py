@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import save
+from common import corpus_dir, save
 
 # (out, in) of one layer's projections as the models build them (q, k, v fused into wqkv; gate
 # and up into w13), and the output head. SmolLM2-135M: dim 576, 9 heads of 64, 3 kv heads,
@@ -365,10 +365,7 @@ def bench_accuracy(n_tokens: int) -> dict:
     from localllm.gguf_file import GGUFFile
 
     path = model_paths()["smollm2"]
-    corpus = Path(os.environ.get("LOCALLLM_CORPUS", Path(__file__).parents[2] / "shared" / "data" / "corpus"))
-    corpus = corpus / "alice.txt"
-    if not corpus.is_file():
-        corpus = Path("/work/shared/data/corpus/alice.txt")
+    corpus = corpus_dir() / "alice.txt"
     text = corpus.read_text(encoding="utf-8")[5000:15000]
     vocab = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
     ids = torch.tensor([vocab.tokenize(text.encode())[:n_tokens]])

@@ -15,6 +15,8 @@ import pytest
 from ggufs import tokenizer_metadata, write_small, write_tiny_llama
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The public-domain texts the tests read; bench/common.py names the same folder.
+CORPUS = Path(__file__).resolve().parent / "data" / "corpus"
 
 # Python that dies by SIGILL, as a build using instructions the CPU traps does. It resets the
 # signal's disposition first: the result must not depend on what the test runner inherited.
@@ -91,14 +93,11 @@ def small_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def corpus_dir() -> Path:
-    """The public-domain texts beside the checkout (`../shared/data/corpus`)."""
-    default = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "corpus"
-    path = Path(os.environ.get("LOCALLLM_CORPUS", default))
+    """The public-domain texts in the repository (`tests/data/corpus`; `LOCALLLM_CORPUS` overrides)."""
+    path = Path(os.environ.get("LOCALLLM_CORPUS") or CORPUS)
     if not (path / "tinyshakespeare.txt").is_file():
-        pytest.fail(
-            f"corpus not found at {path}: set LOCALLLM_CORPUS or put shared/ beside the checkout",
-            pytrace=False,
-        )
+        pytest.fail(f"corpus not found at {path}: LOCALLLM_CORPUS names a folder without tinyshakespeare.txt "
+                    "(unset it to use tests/data/corpus)", pytrace=False)  # fmt: skip
     return path
 
 

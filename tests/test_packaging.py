@@ -25,9 +25,11 @@ from conftest import need
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "packaging" / "check_wheel.py"
 RENDER = ROOT / "packaging" / "homebrew" / "render.py"
-# what `git ls-files` would hand a release build (a copy: the build leaves build/ and egg-info behind)
+# what `git ls-files` would hand a release build (a copy: the build leaves build/ and egg-info behind);
+# tests/ too, with the corpus, which neither the sdist nor the wheel may carry
 SOURCES = ("pyproject.toml", "README.md", "CHANGELOG.md", "MANIFEST.in", "localllm", "tui", "quant",
-           "models_registry", "packaging", "scripts")  # fmt: skip
+           "models_registry", "packaging", "scripts", "tests")  # fmt: skip
+CORPUS_TEXTS = ("tinyshakespeare.txt", "alice.txt", "moby_dick_part.txt")
 
 
 def check(wheel: Path) -> subprocess.CompletedProcess[str]:
@@ -70,6 +72,7 @@ def test_every_package_folder_and_module_is_in_the_wheel(wheel: Path) -> None:
         assert f"{package}/__init__.py" in names
     assert "localllm/models_registry/catalog.toml" in names
     assert not any(n.startswith(("tui/", "quant/", "models_registry/", "tests/")) for n in names)
+    assert not any(n.endswith(CORPUS_TEXTS) for n in names)
 
 
 def test_check_wheel_catches_a_dropped_subpackage(wheel: Path, tmp_path: Path) -> None:
@@ -117,6 +120,7 @@ def test_the_sdist_carries_the_code_the_changelog_and_the_service_files(dist: di
                 "scripts/llamacpp-build"):  # fmt: skip
         assert f"{top}/{rel}" in names, rel
     assert not any("__pycache__" in n or n.startswith(f"{top}/tests/") for n in names)
+    assert not any(n.endswith(CORPUS_TEXTS) for n in names)
 
 
 def test_the_changelog_has_the_version_being_built() -> None:

@@ -15,7 +15,8 @@ peak is one tensor's temporaries on top of the weights already loaded.
 
 The arithmetic follows ggml's `dequantize_row_*` (ggml-quants.c) in float32 in the same order as
 the `gguf` package's numpy reference, so results match it bit for bit; other dtypes are rounded
-once from float32. Block layouts: /work/shared/REFERENCE.md "GGUF block formats".
+once from float32. Block layouts: ggml's `ggml-common.h` (`block_q4_0`, `block_q4_K`, ...), whose
+sizes `GGML_QUANT_SIZES` of the `gguf` package repeats.
 """
 
 from __future__ import annotations
