@@ -33,7 +33,6 @@ import statistics
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 from common import corpus_dir, save

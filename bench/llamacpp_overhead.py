@@ -19,7 +19,6 @@ import os
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 from common import corpus_dir, save
 

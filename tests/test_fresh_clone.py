@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_corpus_is_in_the_repository(corpus_dir: Path) -> None:
     """Without LOCALLLM_CORPUS the fixture is the repository's own folder, and the texts are whole."""
     if os.environ.get("LOCALLLM_CORPUS"):
-        pytest.skip("LOCALLLM_CORPUS names another folder for this run; the clone test below unsets it")
+        pytest.skip(
+            "LOCALLLM_CORPUS names another folder for this run; the clone test below unsets it"
+        )
     assert corpus_dir == CORPUS and corpus_dir.is_relative_to(ROOT)
     sizes = {p.name: p.stat().st_size for p in corpus_dir.glob("*.txt")}
     assert sizes.keys() == {"tinyshakespeare.txt", "alice.txt", "moby_dick_part.txt"}
