@@ -44,6 +44,10 @@ from common import corpus_dir, log, machine, results_path, save
 
 MODEL = "smollm2"
 TEXT = "moby_dick_part.txt"  # in the corpus folder (common.corpus_dir)
+
+
+def text() -> str:
+    return (corpus_dir() / TEXT).read_text(encoding="utf-8")
 QUICK = {"ppl_tokens": 80, "stream_tokens": 64}  # --quick (h2o: a 16-token budget)
 
 
@@ -54,13 +58,7 @@ def evaluate(backend: str, kv: str = "f16", *, tokens: int, streaming: str | Non
 
     opts = LoadOptions(backend=backend, kv_cache=kv, streaming=streaming, evict=evict, parallel=1)
     t = time.perf_counter()
-    r = run(
-        MODEL,
-        (corpus_dir() / TEXT).read_text(encoding="utf-8"),
-        options=opts,
-        limit=tokens,
-        ref_kv=ref_kv,
-    )
+    r = run(MODEL, text(), options=opts, limit=tokens, ref_kv=ref_kv)
     log(f"  {backend:9} {kv:14} {streaming or '':8} {evict or '':9} PPL {r['perplexity']:.4f} "
         f"KL {r.get('kl_mean', float('nan')):.5f} top1 {r.get('top1_agreement', float('nan')):.4f} "
         f"{r['kv_bytes_per_token']:.0f} B/token  {time.perf_counter() - t:.0f} s")  # fmt: skip
@@ -165,9 +163,7 @@ def streaming(tokens: int, quick: bool) -> dict:
 
     log("streaming")
     llm = load(MODEL, LoadOptions(backend="torch", parallel=1, ctx=64))
-    ids = llm.backend.tokenize((corpus_dir() / TEXT).read_text(encoding="utf-8"), add_special=True)[
-        :tokens
-    ]
+    ids = llm.backend.tokenize(text(), add_special=True)[:tokens]
     llm.close()
     sinks, window, every = (4, 12, 4) if quick else (4, 508, 32)
     cells = 16 if quick else 256  # sinks matter: the cache of that comparison
@@ -234,17 +230,13 @@ def h2o(tokens: int) -> dict:
     # recent only, with text positions as H2O's: its cache with every slot given to recent tokens
     llm = load(MODEL, LoadOptions(backend="torch", evict=f"h2o:{budget}", parallel=1, ctx=tokens))
     try:
-        ids = llm.backend.tokenize(
-            (corpus_dir() / TEXT).read_text(encoding="utf-8"), add_special=True
-        )[:tokens]
+        ids = llm.backend.tokenize(text(), add_special=True)[:tokens]
         scorer = llm.backend.scorer(None)
         for c in scorer.caches:
             c.recent = budget - 1
         t = time.perf_counter()
         recent = _score(ids, scorer, None, None)
-        log(
-            f"  recent-only {budget}: PPL {recent['perplexity']:.4f} ({time.perf_counter() - t:.0f} s)"
-        )
+        log(f"  recent-only {budget}: PPL {recent['perplexity']:.4f} ({time.perf_counter() - t:.0f} s)")
     finally:
         llm.close()
     return {"budget": budget, "tokens": tokens, "full": full, "h2o": heavy, "recent_only": recent,

@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import save  # noqa: E402
-from torch_engine import CORPUS, model_path  # noqa: E402
+from common import corpus_dir, save  # noqa: E402
+from torch_engine import model_path  # noqa: E402
 
 
 def llama_scores(path: Path, ids: list[int], n_batch: int, threads: int) -> np.ndarray:
@@ -88,7 +88,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    text = (CORPUS / "alice.txt").read_text(encoding="utf-8")
+    text = (corpus_dir() / "alice.txt").read_text(encoding="utf-8")
     out: dict = {"machine": {"cpu": platform.processor() or platform.machine(),
                              "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                              "torch": torch.__version__, "llama_cpp": llama_cpp.__version__},
