@@ -198,7 +198,7 @@ def unregister(name: str) -> None:
 register(BackendSpec(
     name="llama.cpp",
     capabilities=LLAMACPP,
-    factory="localllm.backends.llamacpp:open_backend",
+    factory="localllm.backends.llamacpp:open_runner",
     available=_llamacpp_available,
     estimate=_llamacpp_estimate,
     summary="llama.cpp through llama-cpp-python: GGUF, every quant, CPU/CUDA/Metal",
