@@ -207,7 +207,7 @@ register(BackendSpec(
 register(BackendSpec(
     name="torch",
     capabilities=TORCH,
-    factory="localllm.backends.torch.backend:open_backend",
+    factory="localllm.backends.torch.runner:open_runner",
     available=_torch_available,
     estimate=_torch_estimate,
     summary="localllm's own PyTorch engine: Llama, Qwen 2/3, Gemma 3 on GGUF weights; CPU/CUDA/Metal",
