@@ -2,10 +2,10 @@
 cache costs and, against a reference (another cache type, or another model), how far the
 next-token distributions move.
 
-Each backend gives a scorer (`backend.scorer(policy)`): `feed(tokens)` returns the logits after
-each token, evaluated through one sequence's cache exactly as decoding would fill it — one token
-at a time whenever a policy quantizes late (KIVI's residual) or forgets (StreamingLLM, H2O),
-whole chunks only where that is the same computation (`scorer.token_by_token` says which).
+The engine's scorer (`localllm.engine.scoring.Scorer`, through the runner's `forward`) returns
+the logits after each token, evaluated through one slot's cache exactly as decoding would fill it
+— one token at a time whenever a policy quantizes late (KIVI's residual) or forgets (StreamingLLM,
+H2O), whole chunks only where that is the same computation (`scorer.token_by_token` says which).
 
     perplexity      exp(mean negative log-likelihood of tokens 2..N given what precedes them)
     kl_mean, kl_p99 KL(reference ‖ this) per position, in nats: mean and 99th percentile
@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from localllm.engine.scoring import Scorer
 from localllm.errors import LocalLLMError
 from localllm.types import LoadOptions, speculative_mode
 
@@ -60,15 +61,16 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
 def _kv_stats(llm: Any, scorer: Any) -> dict[str, float]:
     """What the cache costs: measured by the torch engine's caches, computed from the model's
     shape for llama.cpp (which allocates every cell when the context is made)."""
-    if hasattr(scorer, "kv_stats"):
-        return scorer.kv_stats()
+    stats = scorer.kv_stats()
+    if stats:
+        return stats
     from localllm.memory import kv_bytes_per_token, parse_kv_cache
     from localllm.model_info import read_model_info
 
-    info = read_model_info(llm.backend.model_path)
+    info = read_model_info(llm.runner.model_path)
     per = kv_bytes_per_token(info, *parse_kv_cache(llm.options.kv_cache))
     return {"kv_bytes_per_token": per, "kv_residual_bytes": 0,
-            "kv_peak_bytes": int(per * llm.backend.n_ctx), "kv_step_bytes": 0}  # fmt: skip
+            "kv_peak_bytes": int(per * llm.runner.n_ctx), "kv_step_bytes": 0}  # fmt: skip
 
 
 def evaluate(model: str, text: str, *, options: LoadOptions, limit: int | None = None,
@@ -97,32 +99,33 @@ def evaluate(model: str, text: str, *, options: LoadOptions, limit: int | None =
     llm = load(model, options.replace(parallel=1, ctx=ctx))
     reference = None
     try:
-        ids = llm.backend.tokenize(text, add_special=True)
+        ids = llm.runner.tokenize(text, add_special=True)
         ids = ids[:limit] if limit else ids
         n = len(ids)
         if n < 2:
             raise LocalLLMError("the text has fewer than 2 tokens: nothing to predict")
-        if not policy.enabled and n > llm.backend.n_ctx:
+        if not policy.enabled and n > llm.runner.n_ctx:
             raise LocalLLMError(f"the text has {n} tokens but the context holds "
-                                f"{llm.backend.n_ctx}; use --limit or --streaming SINKS:WINDOW")  # fmt: skip
-        scorer = llm.backend.scorer(policy)
+                                f"{llm.runner.n_ctx}; use --limit or --streaming SINKS:WINDOW")  # fmt: skip
         ref_scorer = None
         if ref or ref_kv:
             ref_opts = options.replace(parallel=1, ctx=n, streaming=None, evict=None,
                                        kv_cache=ref_kv or options.kv_cache)  # fmt: skip
             reference = load(ref or model, ref_opts)
-            if reference.backend.tokenize(text, add_special=True)[:n] != ids:
+            if reference.runner.tokenize(text, add_special=True)[:n] != ids:
                 raise LocalLLMError(f"{reference.name} tokenizes the text differently from "
                                     f"{llm.name}: no position-by-position comparison")  # fmt: skip
-            ref_scorer = reference.backend.scorer(None)
-        result = _score(ids, scorer, ref_scorer, progress)
+            ref_scorer = Scorer(reference.runner)
+        scorer = Scorer(llm.runner, policy)
+        result = llm.run_here(lambda: _score(ids, scorer, ref_scorer, progress))
         spec = speculative_mode(options.speculative)
         if spec != "off":
-            result["speculative"] = _acceptance(llm.backend, spec, ids, result.pop("_argmax"))
+            result["speculative"] = _acceptance(llm, spec, ids, result.pop("_argmax"))
         result.pop("_argmax", None)
         result.update(_kv_stats(llm, scorer))
+        scorer.close()
         result.update({
-            "model": llm.name, "backend": llm.backend.name, "kv_cache": llm.options.kv_cache,
+            "model": llm.name, "backend": llm.runner.name, "kv_cache": llm.options.kv_cache,
             "streaming": options.streaming, "evict": options.evict,
             "evaluated": "token by token" if scorer.token_by_token else f"chunks of {scorer.chunk}",
             "reference": (None if ref_scorer is None else
@@ -180,9 +183,9 @@ def _score(ids: list[int], scorer: Any, ref: Any,
     return out
 
 
-def _acceptance(backend: Any, mode: str, ids: list[int], target: np.ndarray) -> dict[str, Any]:
+def _acceptance(llm: Any, mode: str, ids: list[int], target: np.ndarray) -> dict[str, Any]:
     """How often the drafter's next token is the model's argmax (`target[i]`: after ids[:i+1])."""
-    from localllm.backends.torch.speculative import Lookup
+    from localllm.engine.speculative import DRAFT_K, LOOKUP_K, Lookup
 
     total = len(target)
     if mode == "lookup":
@@ -192,17 +195,17 @@ def _acceptance(backend: Any, mode: str, ids: list[int], target: np.ndarray) -> 
             got = lookup.lookup(ids[: i + 1], 1)
             if got:
                 guess[i] = got[0]
-        k = 10
+        k = LOOKUP_K
     else:
-        if not hasattr(backend, "draft_argmax"):
-            raise LocalLLMError(f"the {backend.name} backend cannot measure speculative mode {mode!r}")
-        drafted = backend.draft_argmax(mode, ids[:total])
+        if mode not in llm.capabilities.speculative:
+            raise LocalLLMError(f"the {llm.runner.name} backend cannot measure speculative mode {mode!r}")
+        drafted = llm.draft_argmax(mode, ids[:total])
         if drafted is None:
             return {"mode": mode, "proposed": 0, "coverage": 0.0, "acceptance": 0.0,
                     "tokens_per_pass": 1.0, "k": 0,
                     "note": "self does not pay on this model and device (tuned): it decodes plainly"}  # fmt: skip
         guess = np.asarray(drafted)
-        k = backend.self_config().k if mode == "self" else 8
+        k = llm.self_config().k if mode == "self" else DRAFT_K
     proposed = guess >= 0
     n = int(proposed.sum())
     alpha = float((guess[proposed] == target[proposed]).mean()) if n else 0.0

@@ -3,16 +3,16 @@ RadixAttention), so a request that shares a prefix with an earlier one — a sys
 history of a multi-turn chat — reuses its KV instead of evaluating it again.
 
 The tree lives in the engine (so the CLI, the app and the server gain it alike); the KV itself is
-the backend's, held in opaque handles it makes and restores:
+the runner's (`localllm.backends.base.Runner`), held in opaque handles it makes and restores:
 
-    backend.prefix_kind                 "edge": a handle holds the KV of its node's own tokens and a
+    runner.prefix_kind                  "edge": a handle holds the KV of its node's own tokens and a
                                         prefix is restored from every handle on its path (torch:
                                         tensor blocks); "full": a handle holds its whole prefix from
                                         position 0 and one suffices (llama.cpp: a sequence state)
-    backend.prefix_save(seq, start, end) -> handle | None   the KV of positions [start, end)
-                                        ("full": [0, end)) of a sequence that is finishing
-    backend.prefix_split(handle, k)     ("edge") the handle cut after its first k tokens
-    backend.prefix_restore(seq, pieces) put [(handle, tokens used)] into `seq`'s slot
+    runner.save(slot, start, end) -> handle | None   the KV of positions [start, end)
+                                        ("full": [0, end)) of a slot whose sequence is finishing
+    runner.split(handle, k)             ("edge") the handle cut after its first k tokens
+    runner.restore(slot, pieces)        put [(handle, tokens used)] into the slot
     handle.nbytes                       what it holds
 
 Every node counts the running sequences restored from it (`refs`); a node in use is never evicted.
@@ -58,9 +58,9 @@ NO_HIT = Hit(0)
 
 
 class RadixCache:
-    def __init__(self, backend: Any, budget: int) -> None:
-        self.backend = backend
-        self.kind = backend.prefix_kind
+    def __init__(self, runner: Any, budget: int) -> None:
+        self.runner = runner
+        self.kind = runner.prefix_kind
         self.budget = max(0, int(budget))
         self.root = Node((), 0)
         self._held: dict[int, list[Any]] = {}  # id(handle) -> [handle, nodes holding it]
@@ -146,7 +146,7 @@ class RadixCache:
         """Cut `node` after its first k tokens; returns the new upper part."""
         assert node.parent is not None
         if self.kind == "edge":
-            head_h, tail_h = self.backend.prefix_split(node.handle, k)
+            head_h, tail_h = self.runner.split(node.handle, k)
             self._drop(node.handle, node)
         else:
             head_h = tail_h = node.handle

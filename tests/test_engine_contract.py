@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fakebackend import FakeBatch, FakeSimple
+from fakebackend import FakeRunner
 
 from localllm.engine import Model, load
 from localllm.errors import ContextOverflow, LocalLLMError, Unsupported
@@ -40,12 +40,12 @@ def torch_engine(default_model_path: Path, tmp_path_factory: pytest.TempPathFact
     m.close()
 
 
-@pytest.fixture(params=["batch", "simple", "llama.cpp", "torch"])
+@pytest.fixture(params=["fake", "llama.cpp", "torch"])
 def model(request: pytest.FixtureRequest) -> Iterator[Model]:
     if request.param in ("llama.cpp", "torch"):
         yield request.getfixturevalue("llamacpp" if request.param == "llama.cpp" else "torch_engine")
         return
-    backend = FakeBatch(n_ctx=256) if request.param == "batch" else FakeSimple(n_ctx=256)
+    backend = FakeRunner(n_ctx=256)
     m = Model(backend, "fake")
     yield m
     m.close()
@@ -97,20 +97,20 @@ def test_stop_string_across_chunk_borders(model: Model) -> None:
 
 
 def _watch_steps(m: Model, *, pause: float = 0.0, fail_after: int | None = None) -> dict[str, int]:
-    """Count the backend's steps (slowed by `pause` so a consumer keeps up with a fake); with
-    `fail_after`, the step after that many raises once and the backend's own step comes back."""
-    inner = m.backend.step
+    """Count the runner's forward passes (slowed by `pause` so a consumer keeps up with a fake);
+    with `fail_after`, the pass after that many raises once and the runner's own comes back."""
+    inner = m.runner.forward
     count = {"n": 0}
 
-    def step(plan):  # noqa: ANN001, ANN202
+    def forward(pieces, **kw):  # noqa: ANN001, ANN003, ANN202
         count["n"] += 1
         if fail_after is not None and count["n"] == fail_after + 1:
-            del m.backend.step  # the class's own step again
+            del m.runner.forward  # the class's own forward again
             raise RuntimeError("the device went away")
         time.sleep(pause)
-        return inner(plan)
+        return inner(pieces, **kw)
 
-    m.backend.step = step  # type: ignore[method-assign]
+    m.runner.forward = forward  # type: ignore[method-assign]
     return count
 
 
@@ -131,7 +131,7 @@ def test_cancel_takes_effect_within_one_step(model: Model) -> None:
         assert steps["n"] <= at_cancel + 1  # at most the step already under way
         assert rest[-1].result is result
     finally:
-        del model.backend.step
+        del model.runner.forward
 
 
 def test_overflow_is_refused_with_the_numbers(model: Model) -> None:
@@ -165,8 +165,8 @@ def test_fields_the_backend_lacks_are_refused(model: Model) -> None:
 
 def test_failure_mid_stream_gives_finish_error_and_the_model_lives(model: Model) -> None:
     before = model.submit(ask(model, "say:abcdefghij", max_tokens=8)).wait()
-    if is_fake(model) and isinstance(getattr(model.backend, "inner", None), FakeSimple):
-        request = ask(model, "FAIL@4 say:abcdefghij", max_tokens=8)  # the generator raises
+    if is_fake(model):
+        request = ask(model, "FAIL@4 say:abcdefghij", max_tokens=8)  # the runner raises
         said = "scripted failure"
     else:
         # prefill is one step for a short prompt; fail three decode steps later
@@ -192,7 +192,7 @@ def test_failure_before_the_first_token_is_raised(model: Model) -> None:
 
 
 def test_concurrent_requests_each_get_their_own_answer() -> None:
-    backend = FakeBatch(n_ctx=512, n_slots=4, max_batch=32)
+    backend = FakeRunner(n_ctx=512, n_slots=4, max_batch=32)
     with Model(backend, "fake") as m:
         answers = [f"answer number {i} " * (i + 1) for i in range(8)]
         streams = [m.submit(Request(prompt=f"q{i} say:{a}", sampling=SamplingParams(temperature=0)))
@@ -201,11 +201,11 @@ def test_concurrent_requests_each_get_their_own_answer() -> None:
     assert [r.text for r in results] == answers
     assert all(len(p) <= 4 for p in backend.plans)
     assert max(len(p) for p in backend.plans) == 4  # they really ran side by side
-    assert not backend.busy and len(backend.released) == 8
+    assert not any(s.busy for s in m.slots.all)
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_beside_running_decodes() -> None:
-    backend = FakeBatch(n_ctx=8192, n_slots=4, max_batch=64, step_s=0.002)
+    backend = FakeRunner(n_ctx=8192, n_slots=4, max_batch=64, step_s=0.002)
     with Model(backend, "fake") as m:
         sampling = SamplingParams(temperature=0)
         running = [m.submit(Request(prompt=f"r{i} say:" + "y" * 300, sampling=sampling))
@@ -218,14 +218,15 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_running_decodes() -> None:
             s.cancel()
             s.wait()
     slot = next(iter({*range(4)} - {0, 1, 2}))
-    prefill = [p for p in backend.plans if p.get(slot, 0) > 0]
+    prefill = [i for i, p in enumerate(backend.plans) if p.get(slot, 0) > 1]
     assert len(prefill) > 4000 // 64  # in chunks, never more than max_batch at once
-    # every prefill step still decoded the three running sequences
-    assert all(sum(1 for s, n in p.items() if n == 0 and s != slot) == 3 for p in prefill)
+    # every prefill step still decoded the three running sequences (the pass after its chunk)
+    assert all(sum(1 for s, n in backend.plans[i + 1].items() if n == 0 and s != slot) == 3
+               for i in prefill)  # fmt: skip
 
 
 def test_cancelled_requests_free_their_slots_for_waiting_ones() -> None:
-    backend = FakeBatch(n_ctx=1024, n_slots=4, max_batch=32, step_s=0.001)
+    backend = FakeRunner(n_ctx=1024, n_slots=4, max_batch=32, step_s=0.001)
     with Model(backend, "fake") as m:
         sampling = SamplingParams(temperature=0)
         long = [m.submit(Request(prompt=f"l{i} say:" + "z" * 500, sampling=sampling))
@@ -239,11 +240,11 @@ def test_cancelled_requests_free_their_slots_for_waiting_ones() -> None:
         assert all(s.wait().finish_reason == "cancelled" for s in long[:3])
         long[3].cancel()
         long[3].wait()
-    assert not backend.busy
+    assert not any(s.busy for s in m.slots.all)
 
 
 def test_a_request_cancelled_while_waiting_ends_without_a_slot() -> None:
-    backend = FakeBatch(n_ctx=1024, n_slots=1, step_s=0.001)
+    backend = FakeRunner(n_ctx=1024, n_slots=1, step_s=0.001)
     with Model(backend, "fake") as m:
         sampling = SamplingParams(temperature=0)
         busy = m.submit(Request(prompt="say:" + "a" * 800, sampling=sampling))
@@ -252,13 +253,13 @@ def test_a_request_cancelled_while_waiting_ends_without_a_slot() -> None:
         waiting.cancel()
         result = waiting.wait()  # while the only slot is still busy
         assert result.finish_reason == "cancelled" and result.usage.completion_tokens == 0
-        assert len(backend.busy) == 1 and backend.released == []
+        assert [s.busy for s in m.slots.all] == [True]
         busy.cancel()
         busy.wait()
 
 
 def test_closing_the_model_ends_running_and_waiting_requests() -> None:
-    backend = FakeBatch(n_ctx=1024, n_slots=1, step_s=0.001)
+    backend = FakeRunner(n_ctx=1024, n_slots=1, step_s=0.001)
     m = Model(backend, "fake")
     sampling = SamplingParams(temperature=0)
     a = m.submit(Request(prompt="say:" + "a" * 800, sampling=sampling))

@@ -185,7 +185,7 @@ class SettingsScreen(ModalScreen[Result | None]):
 
     def values(self) -> Result:
         """The form's values, checked the way the engine will check them."""
-        from localllm.engine import check_options
+        from localllm.backends import check_options
         from localllm.types import SamplingParams
 
         f = self._read_form()

@@ -9,7 +9,7 @@ it, and a new backend is one more spec here. Importing this module imports no ba
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -233,9 +233,42 @@ def specs() -> tuple[BackendSpec, ...]:
     return tuple(_SPECS.values())
 
 
+def check_options(options: LoadOptions, caps: Capabilities, backend: str) -> None:
+    """Every load option the backend lacks is one `Unsupported` line, before anything loads."""
+    from localllm.errors import Unsupported
+    from localllm.memory import parse_kv_cache
+    from localllm.types import speculative_mode
+
+    def no(what: str, has: Sequence[str] | None = None,
+           elsewhere: Callable[[Capabilities], bool] | None = None) -> Unsupported:  # fmt: skip
+        tail = f" (it has: {', '.join(has)})" if has else ""
+        others = [s.name for s in specs()
+                  if elsewhere is not None and s.name != backend and elsewhere(s.capabilities)]  # fmt: skip
+        if others:
+            tail += f"; the {others[0]} backend has it (--backend {others[0]})"
+        return Unsupported(f"the {backend} backend has no {what}{tail}")
+
+    for t in dict.fromkeys(parse_kv_cache(options.kv_cache)):
+        if t not in caps.kv_cache_types:
+            raise no(f"{t} KV cache", caps.kv_cache_types, lambda c, t=t: t in c.kv_cache_types)  # type: ignore[misc]
+    if options.streaming and not caps.streaming:
+        raise no("context shift (--streaming)", None, lambda c: c.streaming)
+    if options.evict:
+        kind = options.evict.partition(":")[0]
+        if kind not in caps.eviction:
+            raise no(f"{kind} eviction (--evict)", caps.eviction or ("none",),
+                     lambda c: kind in c.eviction)  # fmt: skip
+    mode = speculative_mode(options.speculative)
+    if mode not in caps.speculative:
+        raise no(f"speculative mode {mode!r}", caps.speculative, lambda c: mode in c.speculative)
+    if options.device not in ("auto", *caps.devices):
+        raise no(f"{options.device} device", caps.devices)
+    if options.dtype not in ("auto", *caps.dtypes):
+        raise no(f"{options.dtype} working dtype", caps.dtypes)
+
+
 def _refuses(spec: BackendSpec, options: Any) -> str | None:
     """Why `spec` cannot honour load `options` (a KV type, --streaming, --evict, ...), or None."""
-    from localllm.engine import check_options
     from localllm.errors import Unsupported
 
     try:

@@ -1,32 +1,47 @@
-"""What a backend is: the model step the engine drives, sequence by sequence, slot by slot.
+"""What a backend is: a `Runner`, the model's forward pass over slots of KV cache.
 
-The engine (`localllm.engine`) owns the loop: which sequences run, how much of a new prompt is
-evaluated per step, when a sequence stops, what text it becomes. A backend provides the step:
+The engine (`localllm.engine`) owns decoding: which sequences run, how much of a prompt goes into
+a step, which slot a prompt takes, sampling, speculative drafts and their verification, grammar
+masks, stop strings, the prefix cache. A runner owns the weights, the tokenizer and the caches,
+and evaluates tokens:
 
-    admit(seq) -> cached        take a free slot for `seq`; prompt tokens reused from its cache
-    step(plan) -> {seq: [Step]} one model evaluation for every planned sequence: `plan[seq]` prompt
-                                tokens to evaluate (a prefill chunk), or 0 to decode. A sequence
-                                whose prompt is complete samples; one *or more* tokens may come back
-                                per sequence (speculative decoding). A decoding sequence that gets
-                                no token cannot go on (its context is full).
-    release(seq, keep)          free the slot; `keep` leaves its cache for the next prompt's prefix
+    forward([Piece(slot, tokens, logits)])   every piece's tokens at its slot's next positions,
+        -> Forward(logits, shifted)          in one call (the runner batches them as it can); the
+                                             logits of each piece's last `logits` tokens, in piece
+                                             order, as one numpy float32 array (rows, n_vocab) on
+                                             the host; `shifted[slot]`: positions a StreamingLLM
+                                             policy made the slot forget before its piece
+    held(slot)                               positions the slot's cache holds
+    clear(slot, policy)                      empty the slot's cache; `policy` is the context policy
+                                             its next tokens follow (StreamingLLM: the runner
+                                             shifts the cache itself, and says so in `shifted`)
+    trim(slot, n, exact=, skip=)             forget the slot's last n positions (a rejected draft);
+                                             exact: only if what stays is what a fresh evaluation
+                                             gives (else the slot is cleared and False returned)
+    save/restore/split                       prefix-cache handles (`localllm.prefix_cache`)
+    embed(texts)                             pooled, normalised vectors (a context of its own)
 
-A backend with one sequence at a time implements `steps()` (a generator of `Step`s, prefill
-included) and is driven through `OneSlot`, so simple backends stay simple.
+`forward` either evaluates every piece or raises with every slot's cache as it was. Slots hold
+positions only: which tokens they are, and whether they are still exactly a prompt's prefix, the
+engine knows (`localllm.engine.slots`).
+
+Every attribute and method the engine, eval, bench, tune or the server reads is declared here
+(`RUNNER_MEMBERS`); tests/test_runner_contract.py fails on any other access.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from threading import Event
-from typing import Any, Protocol
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
 
 from localllm.backends import Capabilities
 from localllm.chat import ChatTemplate
-from localllm.types import ContextPolicy, SamplingParams
+from localllm.types import ContextPolicy
 
-__all__ = ["Backend", "Capabilities", "OneSlot", "Seq", "SimpleBackend", "Step", "common_prefix"]
+__all__ = ["RUNNER_MEMBERS", "Capabilities", "Forward", "Piece", "Runner", "common_prefix"]
 
 
 def common_prefix(cached: Sequence[int], ids: Sequence[int], limit: int) -> int:
@@ -37,113 +52,74 @@ def common_prefix(cached: Sequence[int], ids: Sequence[int], limit: int) -> int:
     return n
 
 
-class Seq:
-    """One sequence, as the engine hands it to a backend. `state` is the backend's to use."""
+class Piece(NamedTuple):
+    """Tokens for one slot in a forward pass, and how many of the last ones need logits."""
 
-    __slots__ = ("constraint", "ids", "policy", "prefix", "sampling", "speculative", "state")
-
-    def __init__(self, ids: Sequence[int], sampling: SamplingParams,
-                 policy: ContextPolicy | None = None, speculative: str | None = None,
-                 constraint: Any = None) -> None:  # fmt: skip
-        self.ids = list(ids)
-        self.sampling = sampling
-        self.policy = policy or ContextPolicy()
-        self.speculative = speculative
-        # `structured.Constraint` or None: mask the logits with `mask_numpy`/`mask_torch` before
-        # sampling, `consume(token)` after (a constrained sequence is never speculative)
-        self.constraint = constraint
-        # a `prefix_cache.Hit` for the backend to restore in `admit` when it beats what the slot
-        # holds; the backend sets it to None when it does not use it
-        self.prefix: Any = None
-        self.state: Any = None
+    slot: int
+    tokens: Sequence[int]
+    logits: int = 1  # 0: none (mid-prompt), 1: the last token's, len(tokens): all (verification)
 
 
-@dataclass(frozen=True)
-class Step:
-    """One sampled token, with what happened to get it."""
+@dataclass
+class Forward:
+    """What a forward pass gives back."""
 
-    token: int
-    cached: int = 0  # (simple backends) on the first step: prompt tokens reused from the cache
-    shifted: tuple[int, ...] = ()  # tokens discarded by context shifts since the last step
-    logprob: float | None = None
-    top: tuple[tuple[int, float], ...] = ()
-    # speculative decoding, on the first Step of each decode pass: target passes it took (1), the
-    # tokens drafted and accepted in it; `spec_off` says why speculation switched itself off
-    passes: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    spec_off: str = ""
+    logits: np.ndarray  # (sum of the pieces' `logits`, n_vocab) float32, in piece order
+    shifted: dict[int, int] = field(default_factory=dict)  # slot -> positions forgotten (shifts)
 
 
-class _Tokens(Protocol):
+class Runner(Protocol):
+    """A model on one device with `n_slots` caches: everything a backend is."""
+
     name: str
     capabilities: Capabilities
-    n_ctx: int  # per sequence
+    model_path: str
+    device: str  # "cpu", "cuda", "cuda:1", "mps"
+    device_name: str  # what the user would call it ("CPU", "NVIDIA H200")
+    dtype: str  # working precision ("auto" where the file's)
+    n_threads: int
+    n_layers: int
+    n_slots: int  # caches it holds at once
+    n_ctx: int  # positions per slot
+    max_batch: int  # tokens one forward may evaluate
+    n_vocab: int
+    scoring_chunk: int  # tokens per forward when scoring a text (1: token by token)
     chat_template: ChatTemplate
     has_template: bool
+    prefix_kind: str  # "edge" (a handle per tree edge) or "full" (a handle holds its whole prefix)
+    prefix_budget: int  # bytes of handles the engine may keep (0: no prefix cache)
 
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]: ...
     def token_bytes(self, token: int) -> bytes: ...
     def detokenize(self, tokens: Sequence[int]) -> str: ...
     def is_end(self, token: int) -> bool: ...
     def bos_text(self) -> str: ...
+
+    def forward(self, pieces: Sequence[Piece], *, skip: frozenset[int] = frozenset()) -> Forward:
+        """Evaluate the pieces (one per slot at most). `skip`: layers left out (a layer-skip
+        draft; only where `capabilities.speculative` has "self"): only the kept layers' caches
+        grow, and `trim(..., skip=skip)` undoes it."""
+        ...
+
+    def held(self, slot: int) -> int: ...
+    def clear(self, slot: int, policy: ContextPolicy | None = None) -> None: ...
+    def trim(self, slot: int, n: int, *, exact: bool = False,
+             skip: frozenset[int] = frozenset()) -> bool: ...  # fmt: skip
+
+    def save(self, slot: int, start: int, end: int) -> Any: ...
+    def restore(self, slot: int, pieces: Sequence[tuple[Any, int]]) -> bool: ...
+    def split(self, handle: Any, k: int) -> tuple[Any, Any]: ...
+
     def embed(self, texts: Sequence[str]) -> list[list[float]]: ...
+    def kv_bytes(self) -> int: ...
+    def kv_stats(self, slot: int) -> dict[str, float]: ...
     def close(self) -> None: ...
 
 
-class Backend(_Tokens, Protocol):
-    """A backend with slots: what the engine's scheduler drives."""
-
-    n_slots: int  # sequences it can hold at once
-    max_batch: int  # tokens one step may evaluate
-
-    def admit(self, seq: Seq) -> int: ...
-    def step(self, plan: Mapping[Seq, int]) -> dict[Seq, list[Step]]: ...
-    def release(self, seq: Seq, keep: bool = True) -> None: ...
+def _members() -> frozenset[str]:
+    names = set(Runner.__annotations__)
+    names.update(n for n in vars(Runner) if not n.startswith("_"))
+    return frozenset(names)
 
 
-class SimpleBackend(_Tokens, Protocol):
-    """One sequence at a time: evaluate the prompt, then yield tokens until told to stop."""
-
-    def steps(self, ids: Sequence[int], sampling: SamplingParams, policy: ContextPolicy,
-              cancel: Event) -> Iterator[Step]: ...  # fmt: skip
-
-
-class OneSlot:
-    """Drives a `SimpleBackend` as a one-slot `Backend` (its prefill is one step, whatever the plan)."""
-
-    n_slots = 1
-
-    def __init__(self, backend: SimpleBackend) -> None:
-        self.inner = backend
-        self.max_batch = max(1, int(getattr(backend, "max_batch", 1 << 30)))
-        self._gen: dict[Seq, Iterator[Step]] = {}
-
-    def __getattr__(self, name: str) -> Any:  # tokens, template, capabilities, n_ctx, embed
-        return getattr(self.inner, name)
-
-    def admit(self, seq: Seq) -> int:
-        if self._gen:
-            raise RuntimeError("OneSlot holds one sequence at a time")
-        self._gen[seq] = self.inner.steps(seq.ids, seq.sampling, seq.policy, Event())
-        return 0  # the first Step says what was reused
-
-    def step(self, plan: Mapping[Seq, int]) -> dict[Seq, list[Step]]:
-        out: dict[Seq, list[Step]] = {}
-        for seq in plan:
-            gen = self._gen[seq]
-            try:
-                out[seq] = [next(gen)]
-            except StopIteration:
-                out[seq] = []
-        return out
-
-    def release(self, seq: Seq, keep: bool = True) -> None:
-        gen = self._gen.pop(seq, None)
-        if gen is not None:
-            gen.close()  # type: ignore[attr-defined]
-
-    def close(self) -> None:
-        for seq in list(self._gen):
-            self.release(seq)
-        self.inner.close()
+RUNNER_MEMBERS = _members()

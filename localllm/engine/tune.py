@@ -30,8 +30,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 __all__ = ["SelfConfig", "cached_or_tuned", "tune"]
 
 # A public-domain opening (Jane Austen, Pride and Prejudice) for the model to continue.
@@ -60,24 +58,18 @@ class SelfConfig:
     grown: list[dict[str, Any]] = field(default_factory=list)  # the skip sets grown, with agreement
 
 
-def device_key(backend: Any) -> str:
-    dev = backend.device
-    if dev.type == "cuda":
-        name = torch.cuda.get_device_name(dev)
-    elif dev.type == "cpu":  # the same file may move between CPUs (AVX2, AVX-512 ...)
-        name = f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
-    else:
-        name = dev.type
-    from localllm.backends.torch.backend import on_compute_thread
-
-    # the engine's threads are set on its compute thread; another thread has its own count
-    return f"{name}/{backend.dtype}/{on_compute_thread(torch.get_num_threads)()}t"
+def device_key(llm: Any) -> str:
+    """Which device a result was measured on: its name (on the CPU, with its vector extensions:
+    the same file may move between CPUs), the working precision and the threads."""
+    r = llm.runner
+    return f"{r.device_name}/{r.dtype}/{r.n_threads}t"
 
 
-def cached_or_tuned(backend: Any, *, report: Callable[[str], None] | None = None) -> SelfConfig:
-    """The stored result for this model and device, else a search (stored when it can be)."""
-    path: Path | None = backend.tuned_path
-    key = device_key(backend)
+def cached_or_tuned(llm: Any, *, report: Callable[[str], None] | None = None) -> SelfConfig:
+    """The stored result for this model (an engine `Model`) and device, else a search (stored
+    when it can be)."""
+    path: Path | None = llm.tuned_path
+    key = device_key(llm)
     stored = _read(path).get(key) if path else None
     if isinstance(stored, dict) and stored.get("version") == VERSION:
         try:
@@ -85,7 +77,7 @@ def cached_or_tuned(backend: Any, *, report: Callable[[str], None] | None = None
                                  if k != "version"})  # fmt: skip
         except TypeError:
             pass  # written by another layout: search again
-    config = tune(backend, report=report)
+    config = tune(llm, report=report)
     if path is not None:
         save(path, key, config)
     return config
@@ -112,15 +104,15 @@ def save(path: Path, key: str, config: SelfConfig) -> None:
         pass  # an unwritable store tunes again next time; the answer is the same
 
 
-@torch.inference_mode()
-def _argmax(model: Any, ids: Sequence[int], skip: Sequence[int], device: torch.device) -> torch.Tensor:
+def _argmax(llm: Any, ids: Sequence[int], skip: Sequence[int]) -> Any:
     """Teacher-forced argmax after every token of `ids` with `skip` left out: (len(ids),)."""
-    caches = model.make_caches(len(ids) + 1)
-    h = model(torch.tensor([list(ids)], dtype=torch.long, device=device), [caches], skip=skip)
-    return model.logits(h[0]).argmax(-1)
+    from localllm.engine.scoring import teacher_argmax
+
+    with llm.slot_for_work() as sid:
+        return teacher_argmax(llm.runner, ids, skip=frozenset(skip), slot=sid)
 
 
-def tune(backend: Any, *, report: Callable[[str], None] | None = None, gen_tokens: int = 48,
+def tune(llm: Any, *, report: Callable[[str], None] | None = None, gen_tokens: int = 48,
          max_skip: float = 0.6, tries: int = 3, measure: int = 6, confirm: int = 2) -> SelfConfig:  # fmt: skip
     """Search the skip set and draft length that maximise measured tokens/s (see the module).
 
@@ -131,28 +123,25 @@ def tune(backend: Any, *, report: Callable[[str], None] | None = None, gen_token
         measure: (skip set, k) pairs generated for real, each beside a plain generation.
         confirm: further side-by-side measurements of the fastest; the median decides.
     """
-    from localllm.backends.torch.backend import on_compute_thread
-
-    return on_compute_thread(_tune)(backend, report or (lambda _line: None), gen_tokens, max_skip,
-                                    tries, measure, confirm)  # fmt: skip
+    return _tune(llm, report or (lambda _line: None), gen_tokens, max_skip, tries, measure, confirm)
 
 
 def _tune(b: Any, say: Callable[[str], None], gen_tokens: int, max_skip: float, tries: int,
           measure: int, confirm: int) -> SelfConfig:  # fmt: skip
-    from localllm.backends.torch.speculative import LayerSkip, Pace
+    from localllm.engine.speculative import LayerSkip, Pace
 
-    model, n_layers = b.model, len(b.model.layers)
+    n_layers = b.runner.n_layers
     prompt = b.tokenize(CALIBRATION_PROMPT)
     plain_ids, plain_s = _generate(b, prompt, gen_tokens)
     text = prompt + plain_ids
     t0 = time.perf_counter()
-    full = _argmax(model, text, (), b.device)
+    full = _argmax(b, text, ())
     forward_s = time.perf_counter() - t0
     span = slice(len(prompt) - 1, len(text) - 1)  # positions whose next token was generated
 
     def agreement(skip: Sequence[int]) -> float:
-        got = _argmax(model, text, skip, b.device)
-        return float((got[span] == full[span]).float().mean())
+        got = _argmax(b, text, skip)
+        return float((got[span] == full[span]).mean())
 
     say(f"calibration: {len(prompt)} prompt + {len(plain_ids)} generated tokens; plain decoding "
         f"{len(plain_ids) / plain_s:.1f} tokens/s; {n_layers} layers, one pass over the text "
@@ -190,7 +179,7 @@ def _tune(b: Any, say: Callable[[str], None], gen_tokens: int, max_skip: float, 
         measurement is noise."""
         plain_out, plain_s = _generate(b, prompt, gen_tokens)
         pace = Pace(k, k)
-        ids, secs = _generate(b, prompt, gen_tokens, drafter=LayerSkip(model, skip, device=b.device),
+        ids, secs = _generate(b, prompt, gen_tokens, drafter=LayerSkip(b.runner, skip),
                               pace=pace)  # fmt: skip
         best_case = 0.0
         if pace.rounds:
@@ -231,23 +220,6 @@ def _tune(b: Any, say: Callable[[str], None], gen_tokens: int, max_skip: float, 
 
 def _generate(b: Any, prompt: Sequence[int], n: int, *, drafter: Any = None,
               pace: Any = None) -> tuple[list[int], float]:  # fmt: skip
-    """Greedy tokens after `prompt` through slot machinery, and the seconds the decode took
-    (after the first token), with `drafter` and `pace` when given."""
-    from localllm.backends.base import Seq
-    from localllm.types import SamplingParams
-
-    seq = Seq(prompt, SamplingParams(temperature=0, max_tokens=n), speculative="off")
-    b.admit(seq)
-    try:
-        slot = seq.state
-        slot.drafter, slot.pace = drafter, pace
-        out = [s.token for s in b.step({seq: 0})[seq]]
-        t0 = time.perf_counter()
-        while len(out) < n:
-            steps = b.step({seq: 0})[seq]
-            if not steps:
-                break
-            out.extend(s.token for s in steps)
-        return out[:n], time.perf_counter() - t0
-    finally:
-        b.release(seq)
+    """Greedy tokens after `prompt` through the engine's own steps (`Model.generate_here`), and
+    the seconds the decode took (after the first token), with `drafter` and `pace` when given."""
+    return b.generate_here(prompt, n, drafter=drafter, pace=pace)

@@ -1,0 +1,942 @@
+"""The engine: sequences in slots, one scheduler thread per loaded model, one output assembler.
+
+    front doors ──submit(Request)──▶ queue ──▶ scheduler thread ──▶ runner.forward(pieces)
+          ◀──── Chunk … Chunk(result=Result) ◀── Assembler (UTF-8, stop strings, limits, tools)
+
+Front doors only submit and consume. The scheduler admits waiting requests into free slots between
+steps (`slots`: which slot, what of its cache is reused; the prefix cache), evaluates new prompts in
+bounded chunks beside the decode steps of running sequences (`scheduler`), and checks every
+sequence's cancel flag before each step. Decoding is the engine's, once for every runner: the
+sampler (`sampling`), the grammar mask, speculative drafts and their verification
+(`speculative`), context checks, UTF-8-safe incremental text, stop strings, finish reasons and
+timings (`output`). A runner (`localllm.backends.base.Runner`) only evaluates tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from localllm.backends import Capabilities, check_options
+from localllm.backends.base import Piece, Runner
+from localllm.engine.output import Assembler, Step
+from localllm.engine.sampling import Sampler, logprobs
+from localllm.engine.scheduler import Scheduler
+from localllm.engine.slots import Slot, Slots
+from localllm.engine.speculative import (
+    DRAFT_K,
+    LOOKUP_K,
+    Draft,
+    DraftModel,
+    LayerSkip,
+    Lookup,
+    Pace,
+    accept,
+    check_speculative,
+)
+from localllm.errors import ContextOverflow, LocalLLMError, Unsupported
+from localllm.prefix_cache import RadixCache
+from localllm.types import (
+    Chunk,
+    ContextPolicy,
+    LoadOptions,
+    Message,
+    Request,
+    Result,
+    SamplingParams,
+    speculative_mode,
+)
+
+# -- refuse, never ignore ------------------------------------------------------------------------
+
+
+def check_supported(request: Request, caps: Capabilities, backend: str) -> None:
+    """Every request field the backend lacks is one `Unsupported` line, never silently ignored."""
+    rf = request.response_format
+    if rf is not None:
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise Unsupported(f"response_format type {kind!r} is not one of text, json_object, json_schema")
+        if kind != "text" and not caps.grammar:
+            raise Unsupported(
+                f"the {backend} backend has no constrained decoding, so no response_format {kind}"
+            )
+    tc = request.tool_choice
+    if tc not in (None, "auto", "none"):
+        if tc != "required" and not (isinstance(tc, dict) and tc.get("type") == "function"):
+            raise Unsupported(f"tool_choice {tc!r} is not auto, none, required or a function")
+        if not caps.grammar:
+            raise Unsupported(
+                f"the {backend} backend has no constrained decoding, so tool_choice can only be "
+                "auto or none"
+            )
+        if not request.tools:
+            raise Unsupported("tool_choice names tools but the request has none")
+    mode = speculative_mode(request.speculative)
+    if mode not in caps.speculative:
+        raise Unsupported(
+            f"the {backend} backend has no speculative mode {mode!r} (it has: {', '.join(caps.speculative)})"
+        )
+    if request.context.enabled and not caps.streaming:
+        raise Unsupported(f"the {backend} backend cannot shift its context (--streaming)")
+
+
+
+
+# -- prompts and context -------------------------------------------------------------------------
+
+
+def prompt_ids(backend: Runner, request: Request) -> list[int]:
+    """Render (chat) or take (raw) the prompt and tokenize it."""
+    if request.messages is not None:
+        text = backend.chat_template.render(request.messages, tools=request.tools)
+        bos = backend.bos_text()
+        add_special = not (bos and text.startswith(bos))  # the template wrote BOS itself
+    else:
+        text, add_special = request.prompt or "", True
+    ids = backend.tokenize(text, add_special=add_special)
+    if not ids:
+        raise LocalLLMError("the prompt is empty")
+    return ids
+
+
+def check_context(
+    n_prompt: int, n_ctx: int, sampling: SamplingParams, policy: ContextPolicy
+) -> None:
+    """Never truncate silently: refuse with the numbers unless a shifting policy was chosen."""
+    hint = "use a larger --ctx, a shorter prompt, or --streaming SINKS:WINDOW to shift the context"
+    if policy.enabled:
+        if (policy.sinks or 0) + 1 >= n_ctx:
+            raise ContextOverflow(
+                f"--streaming keeps {policy.sinks} sink tokens but the context holds {n_ctx}"
+            )
+        return
+    if n_prompt >= n_ctx:
+        raise ContextOverflow(
+            f"the prompt has {n_prompt} tokens but the context holds {n_ctx}; {hint}"
+        )
+    if sampling.max_tokens and n_prompt + sampling.max_tokens > n_ctx:
+        raise ContextOverflow(
+            f"prompt ({n_prompt} tokens) + max_tokens ({sampling.max_tokens}) = "
+            f"{n_prompt + sampling.max_tokens} exceeds the context of {n_ctx}; {hint}"
+        )
+
+
+
+
+_END = object()
+PREFIX_MIN = 16  # finished sequences shorter than this are not worth a place in the prefix cache
+
+
+class _AsyncOut:
+    """A job's output for a consumer on an event loop: the scheduler thread puts, the loop awaits."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: asyncio.Queue[Any] = asyncio.Queue()
+
+    def put(self, item: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is listening
+            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
+
+    async def get_async(self) -> Any:
+        return await self.items.get()
+
+
+@dataclass(eq=False)
+class _Job:
+    request: Request
+    submitted: float
+    ids: list[int]  # the prompt's tokens
+    constraint: Any = None  # structured.Constraint: the grammar its output follows
+    cancel: threading.Event = field(default_factory=threading.Event)
+    out: queue.Queue | _AsyncOut = field(default_factory=queue.Queue)
+
+
+
+
+@dataclass(eq=False)
+class _Live:
+    """A job holding a slot: its prompt's progress, its sampler and its speculation."""
+
+    job: _Job
+    asm: Assembler
+    slot: Slot
+    ids: list[int]
+    left: int  # prompt tokens not yet evaluated
+    sampler: Sampler
+    history: list[int]  # prompt + generated (penalties, prompt lookup)
+    policy: ContextPolicy = field(default_factory=ContextPolicy)
+    constraint: Any = None  # structured.Constraint: masks the logits, then consumes the token
+    drafter: Any = None  # speculative decoding: what proposes drafts (None: off)
+    pace: Pace | None = None
+    last: int | None = None  # sampled, not yet evaluated
+    cached: int = 0  # prompt tokens reused from a cache
+    shifted: list[int] = field(default_factory=list)  # discards not yet reported in a Step
+    hit: Any = None  # prefix_cache.Hit its KV was restored from (held until it ends)
+
+    @property
+    def fed(self) -> int:
+        return len(self.ids) - self.left
+
+
+class Model:
+    """A loaded model: one runner, one scheduler thread, a queue. The Python API's `llm`."""
+
+    def __init__(self, runner: Runner | Any, name: str, *, load_s: float = 0.0,
+                 options: LoadOptions | None = None,
+                 sampling_defaults: Mapping[str, Any] | None = None,
+                 backend_why: str = "", draft: Runner | None = None,
+                 draft_name: str | None = None, tuned: Any = None) -> None:  # fmt: skip
+        self.runner = runner
+        self.name = name
+        self.load_s = load_s
+        self.backend_why = backend_why  # how the registry chose it ("auto: llama.cpp runs here ...")
+        self.options = options or LoadOptions()
+        self.context = self.options.context
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.parallel = max(1, min(self.options.parallel, int(runner.n_slots)))
+        self.slots = Slots(int(runner.n_slots))
+        self.scheduler = Scheduler(int(runner.max_batch))
+        self.draft, self.draft_name = draft, draft_name  # a draft model's runner (`draft:NAME`)
+        self._draft_model: DraftModel | None = None
+        self.tuned_path = tuned  # where the `self` drafter's tuned skip set is kept
+        self._self_config: Any = None
+        spec = self.options.speculative
+        self.speculative = spec if speculative_mode(spec) != "off" else None
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name=f"localllm:{name}", daemon=True)
+        self._closed = False
+        self._first = True
+        self._busy = threading.RLock()  # the scheduler's steps and work here, one at a time
+        budget = int(runner.prefix_budget or 0)
+        self.prefix_cache = RadixCache(runner, budget) if budget else None
+        self.running = 0  # sequences holding a slot, as of the last step (for metrics and `ps`)
+        self.waiting = 0  # submitted requests waiting for a slot
+        self._thread.start()
+
+    @property
+    def backend(self) -> Runner:
+        """The runner (its older name, for front doors that show `llm.backend.name`)."""
+        return self.runner
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.runner.capabilities
+
+    def kv_bytes(self) -> int | None:
+        """Bytes the runner's KV caches hold now, where it can say (None: it cannot)."""
+        held = self.runner.kv_bytes()
+        return held if held else None
+
+    @property
+    def n_ctx(self) -> int:
+        return self.runner.n_ctx
+
+    def run_here(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` (which uses the runner's slots directly: scoring, tuning) while no sequence
+        is generating: between the scheduler's steps, with every slot free."""
+        with self._busy:
+            if any(s.busy for s in self.slots.all):
+                raise LocalLLMError("the model is generating; try again when it is idle")
+            self.drop_caches()
+            return fn()
+
+    @contextlib.contextmanager
+    def slot_for_work(self) -> Iterator[int]:
+        """A free slot for work beside the scheduler's (teacher-forced passes while tuning),
+        held while the block runs and cleared after."""
+        with self._busy:
+            free = self.slots.free
+            if not free:
+                raise LocalLLMError("every slot is in use; try again when the model is idle")
+            slot = free[-1]
+            self.slots.take(slot)
+            try:
+                yield slot.sid
+            finally:
+                slot.busy = False
+                self.runner.clear(slot.sid)
+                slot.tokens, slot.exact, slot.policy = [], True, ContextPolicy()
+
+    def generate_here(self, ids: Sequence[int], n: int, *, drafter: Any = None,
+                      pace: Any = None) -> tuple[list[int], float]:  # fmt: skip
+        """Up to n greedy tokens after `ids`, stepped in this thread through the engine's own
+        loop (with `drafter` and `pace` when given), and the seconds the decode took after the
+        first token: what `tune` measures."""
+        request = Request(prompt="", sampling=SamplingParams(temperature=0, max_tokens=n,
+                                                             ignore_eos=True))  # fmt: skip
+        job = _Job(request, time.perf_counter(), list(ids))
+        with self._busy:
+            live = self._admit(job)
+            if live is None:
+                raise job.out.get()  # type: ignore[union-attr]
+            live.drafter, live.pace = drafter, pace
+            running, t0 = [live], 0.0
+            while running:
+                self._step(running)
+                if not t0 and live.asm.out:
+                    t0 = time.perf_counter()
+            seconds = time.perf_counter() - t0
+        while True:
+            item = job.out.get()  # type: ignore[union-attr]
+            if item is _END:
+                break
+            if isinstance(item, BaseException):
+                raise item
+        return list(live.asm.out[:n]), seconds
+
+    def drop_caches(self) -> None:
+        """Forget what every free slot's cache holds: the next prompts are evaluated afresh."""
+        for slot in self.slots.free:
+            self.runner.clear(slot.sid)
+            slot.tokens, slot.exact, slot.policy = [], True, ContextPolicy()
+            if self._draft_model is not None:
+                self._draft_model.held[slot.sid] = []
+                self._draft_model.runner.clear(slot.sid)
+
+    # -- speculation -----------------------------------------------------------------------------
+
+    def self_config(self) -> Any:
+        """The `self` drafter's skip set and draft length for this model and device: tuned once
+        (`localllm.engine.tune`) and kept beside the store's models (`tuned_path`)."""
+        if self._self_config is None:
+            from localllm.engine import tune
+
+            self._self_config = tune.cached_or_tuned(self)
+        return self._self_config
+
+    def _drafter(self, spec: str | None, policy: ContextPolicy) -> tuple[Any, Pace | None]:
+        """(drafter, pace) for a sequence's speculative mode; (None, None) when off."""
+        mode = speculative_mode(spec)
+        if mode == "off":
+            return None, None
+        check_speculative(spec, policy=policy, evict=bool(self.options.evict),
+                          draft_name=self.draft_name)  # fmt: skip
+        if mode not in self.capabilities.speculative:
+            raise Unsupported(f"the {self.runner.name} backend has no speculative mode {mode!r} "
+                              f"(it has: {', '.join(self.capabilities.speculative)})")  # fmt: skip
+        if mode == "lookup":
+            return Lookup(), Pace(LOOKUP_K, LOOKUP_K // 2, give_up=False)
+        if mode == "draft":
+            if self._draft_model is None:
+                self._draft_model = DraftModel(self.draft)
+            return self._draft_model, Pace(DRAFT_K, DRAFT_K // 2)
+        config = self.self_config()
+        drafter = LayerSkip(self.runner, config.skip, confidence=config.confidence)
+        return drafter, Pace(max(1, config.k), on=config.pays)
+
+    def _draft_room(self, live: _Live) -> int:
+        """Tokens a speculating sequence may draft now: what its pace wants, within its
+        context, its max_tokens and one batch."""
+        assert live.pace is not None
+        r = self.runner
+        k = min(live.pace.want(), r.n_ctx - r.held(live.slot.sid) - 1, r.max_batch - 1)
+        max_tokens = live.asm.request.sampling.max_tokens
+        if max_tokens:
+            k = min(k, max_tokens - (len(live.history) - len(live.ids)) - 1)
+        return k
+
+    def draft_argmax(self, mode: str, ids: Sequence[int]) -> Any:
+        """The `self` or `draft` drafter's greedy choice after every token of `ids`, teacher-
+        forced (numpy (len(ids),)), for `localllm eval --speculative`; None where `self` does not
+        pay on this model and device (it then decodes plainly)."""
+        if mode == "self":
+            config = self.self_config()
+            if not config.pays:
+                return None
+            runner, skip = self.runner, frozenset(config.skip)
+        elif self.draft is not None:
+            runner, skip = self.draft, frozenset()
+        else:
+            raise LocalLLMError("this model was loaded without a draft model")
+
+        def argmax() -> Any:
+            from localllm.engine.scoring import teacher_argmax
+
+            return teacher_argmax(runner, ids, skip=skip)
+
+        return self.run_here(argmax)
+
+    # -- the scheduler thread --------------------------------------------------------------------
+
+    def _work(self) -> None:
+        waiting: deque[_Job] = deque()
+        running: list[_Live] = []
+        closing = False
+        while True:
+            self.running, self.waiting = len(running), len(waiting)
+            block = not running and not waiting and not closing
+            try:
+                while True:  # everything submitted since the last step
+                    job = self._queue.get(block=block)
+                    block = False
+                    if job is None:
+                        closing = True
+                    else:
+                        waiting.append(job)
+            except queue.Empty:
+                pass
+            if closing:
+                for live in running:
+                    self._end(live, live.asm.finish("cancelled"))
+                for job in waiting:
+                    job.out.put(LocalLLMError("the model was closed"))
+                    job.out.put(_END)
+                return
+            with self._busy:
+                for job in [j for j in waiting if j.cancel.is_set()]:
+                    waiting.remove(job)
+                    self._admit(job)  # cancelled while waiting: it ends now, without a slot
+                while waiting and len(running) < self.parallel:
+                    live = self._admit(waiting.popleft())
+                    if live is not None:
+                        running.append(live)
+                for live in [r for r in running if r.job.cancel.is_set()]:
+                    running.remove(live)
+                    self._end(live, live.asm.finish("cancelled"))
+                self.running, self.waiting = len(running), len(waiting)
+                if running:
+                    self._step(running)
+
+    def _admit(self, job: _Job) -> _Live | None:
+        """Prepare a waiting job and give it a slot; errors go to its consumer, not the model."""
+        try:
+            request, ids = job.request, job.ids
+            asm = Assembler(self.runner, request, len(ids), submitted=job.submitted,
+                            load_s=self.load_s if self._first else 0.0)  # fmt: skip
+            self._first = False
+            if job.cancel.is_set() or request.sampling.max_tokens == 0:
+                job.out.put(asm.finish("cancelled" if job.cancel.is_set() else "length"))
+                job.out.put(_END)
+                return None
+            policy = request.context
+            # what it refuses, it refuses before taking a slot
+            drafter, pace = self._drafter(request.speculative, policy)
+            hit = None
+            cache = self.prefix_cache
+            if cache is not None and not policy.enabled:
+                found = cache.match(ids[:-1])  # at least one prompt token is evaluated, for logits
+                hit = found if found.n else None
+            slot, reuse = self.slots.choose(ids, policy, hit.n if hit is not None else 0)
+            reuse = self._reuse(slot, ids, policy, reuse, hit)
+            if reuse <= 0 or reuse != (hit.n if hit is not None else -1):
+                hit = None
+            self.slots.take(slot)
+            live = _Live(job, asm, slot, list(ids), left=len(ids) - reuse,
+                         sampler=Sampler(request.sampling), history=list(ids), policy=policy,
+                         constraint=job.constraint, drafter=drafter, pace=pace,
+                         cached=reuse)  # fmt: skip
+            asm.cached = reuse
+            if hit is not None and cache is not None:
+                cache.hold(hit)
+                live.hit = hit
+            return live
+        except Exception as e:  # noqa: BLE001 - reported to the consumer as one line
+            job.out.put(_one_line(e))
+            job.out.put(_END)
+            return None
+
+    def _reuse(self, slot: Slot, ids: Sequence[int], policy: ContextPolicy, reuse: int,
+               hit: Any) -> int:  # fmt: skip
+        """Make the slot's cache hold the first `reuse` prompt tokens (or a prefix-cache hit's,
+        when longer); returns how many it holds."""
+        r, sid = self.runner, slot.sid
+        if slot.policy != policy or not slot.exact:
+            reuse = 0
+        if hit is not None and hit.n > reuse:
+            r.clear(sid, policy)
+            if r.restore(sid, hit.pieces):
+                slot.tokens, slot.exact, slot.policy = list(ids[: hit.n]), True, policy
+                return hit.n
+            reuse = 0
+        held = r.held(sid)
+        if reuse == 0:
+            if held or slot.policy != policy:
+                r.clear(sid, policy)
+        elif held > reuse and not r.trim(sid, held - reuse, exact=True):
+            r.clear(sid, policy)
+            reuse = 0
+        slot.tokens, slot.exact, slot.policy = list(ids[:reuse]), True, policy
+        return reuse
+
+    def _step(self, running: list[_Live]) -> None:
+        """One step: draft, plan, evaluate the prompt chunks (one forward), then every decoding
+        sequence's token (with its drafts) and every prompt's last token (the next), sample."""
+        t0 = time.perf_counter()
+        r = self.runner
+        drafts: dict[_Live, Draft] = {}
+        plan: dict[_Live, int] = {}
+        body: list[tuple[_Live, list[int]]] = []
+        tail: list[tuple[_Live, list[int], int]] = []  # (live, tokens, logits rows)
+        try:
+            for live in running:
+                if not live.left and live.pace is not None and live.pace.on:
+                    k = self._draft_room(live)
+                    drafts[live] = live.drafter.propose(live, k) if k > 0 else Draft([])
+            plan = self.scheduler.plan(running, {lv: len(d.tokens) for lv, d in drafts.items()})
+            full: list[_Live] = []
+            for live, n in plan.items():
+                if live.left:
+                    tokens = live.ids[live.fed : live.fed + n]
+                    if n < live.left:
+                        body.append((live, tokens))
+                        continue
+                    # the prompt's last token goes alone, as it does when a cached prefix is
+                    # reused: a row of a many-row batch may round otherwise than a row alone
+                    # (llama.cpp's CPU kernels), and a greedy answer would then depend on
+                    # whether the prefix was cached
+                    if len(tokens) > 1:
+                        body.append((live, tokens[:-1]))
+                    tail.append((live, tokens[-1:], 1))
+                elif not live.policy.enabled and r.held(live.slot.sid) + 1 > r.n_ctx:
+                    full.append(live)  # its context is full
+                else:
+                    d = drafts.get(live)
+                    piece = [live.last, *(d.tokens if d else ())]
+                    tail.append((live, piece, len(piece) if d is not None else 1))  # type: ignore[list-item]
+            if body:
+                f = r.forward([Piece(lv.slot.sid, t, 0) for lv, t in body])
+                for lv, t in body:
+                    self._fed(lv, t, f.shifted.get(lv.slot.sid, 0))
+                    lv.left -= len(t)
+            out: dict[_Live, list[Step]] = {lv: [] for lv in full}
+            if tail:
+                f = r.forward([Piece(lv.slot.sid, t, n) for lv, t, n in tail])
+                row = 0
+                for lv, t, n in tail:
+                    self._fed(lv, t, f.shifted.get(lv.slot.sid, 0))
+                    rows = f.logits[row : row + n]
+                    row += n
+                    if lv.left:  # its prompt is complete: the first token
+                        lv.left = 0
+                        out[lv] = [self._sample(lv, rows[-1], cached=lv.cached)]
+                    elif lv in drafts:
+                        out[lv] = self._verify(lv, rows, drafts[lv], t0)
+                    else:
+                        out[lv] = [replace(self._sample(lv, rows[-1]), passes=1)]
+        except Exception as e:  # noqa: BLE001 - every sequence in the step fails; the model lives
+            error = _one_line(e)
+            for live in [lv for lv in running if lv in plan or lv in drafts]:
+                running.remove(live)
+                if live.asm.out or live.asm.t_first:
+                    self._end(live, live.asm.finish(error=str(error)), keep=False)
+                else:
+                    self._release(live, keep=False)
+                    live.job.out.put(error)
+                    live.job.out.put(_END)
+            return
+        self.scheduler.observe(sum(plan.values()), sum(1 for n in plan.values() if n == 0),
+                               time.perf_counter() - t0)  # fmt: skip
+        for live, steps in out.items():
+            if not steps:  # a decoding sequence that cannot go on: its context is full
+                running.remove(live)
+                self._end(live, live.asm.finish("length"))
+                continue
+            for st in steps:
+                chunk = live.asm.feed(st)
+                if chunk is not None:
+                    live.job.out.put(chunk)
+                if live.asm.done:
+                    break
+            if live.asm.done:
+                running.remove(live)
+                self._end(live, live.asm.finish())
+
+    def _fed(self, live: _Live, tokens: Sequence[int], shifted: int) -> None:
+        """The slot's cache now holds `tokens` more (and forgot `shifted` before them)."""
+        slot = live.slot
+        if shifted:
+            live.shifted.append(shifted)
+            slot.exact = False
+            slot.tokens = []
+        if slot.exact:
+            slot.tokens.extend(tokens)
+
+    def _sample(self, live: _Live, logits: Any, *, cached: int = 0) -> Step:
+        if live.constraint is not None:
+            logits = logits.copy()
+            live.constraint.mask_numpy(logits)
+        token = live.sampler(logits, live.history)
+        if live.constraint is not None:
+            live.constraint.consume(token)
+        return self._took(live, token, logits, cached=cached)
+
+    def _took(self, live: _Live, token: int, logits: Any, *, cached: int = 0,
+              record: bool = True) -> Step:  # fmt: skip
+        """The Step for a chosen token (its logprobs from `logits`, the row it was chosen from).
+        `record`: add it to the history (`accept` has already)."""
+        want = live.asm.request.sampling.logprobs
+        lp, top = logprobs(logits, token, want) if want is not None else (None, ())
+        step = Step(token, cached=cached, shifted=tuple(live.shifted), logprob=lp, top=top)
+        live.shifted = []
+        live.last = token
+        if record:
+            live.history.append(token)
+        return step
+
+    def _verify(self, live: _Live, rows: Any, draft: Draft, t0: float) -> list[Step]:
+        """Keep what the exact rule accepts of the drafts (one target pass verified them all)
+        and forget the rest from the slot's cache."""
+        pace = live.pace
+        assert pace is not None
+        if not draft.tokens:
+            step = self._sample(live, rows[-1])
+            pace.plain(time.perf_counter() - t0)
+            return [replace(step, passes=1)]
+        tokens, n = accept(lambda i: rows[i], draft, live.sampler, live.history)
+        rejected = len(draft.tokens) - n
+        if rejected:
+            self.runner.trim(live.slot.sid, rejected)
+            if live.slot.exact:
+                del live.slot.tokens[-rejected:]
+        pace.verified(len(draft.tokens), n, time.perf_counter() - t0)
+        steps = [self._took(live, t, rows[i], record=False) for i, t in enumerate(tokens)]
+        steps[0] = replace(steps[0], passes=1, drafted=len(draft.tokens), accepted=n)
+        if not pace.on:
+            steps[-1] = replace(steps[-1], spec_off=pace.reason)
+        return steps
+
+    def _release(self, live: _Live, keep: bool) -> None:
+        cache, slot = self.prefix_cache, live.slot
+        if cache is not None:
+            if live.hit is not None:
+                cache.let_go(live.hit)
+            if keep and slot.exact and not live.policy.enabled:
+                with contextlib.suppress(Exception):  # a cache that cannot keep it just does not
+                    tokens = slot.tokens[: self.runner.held(slot.sid)]
+                    if len(tokens) >= PREFIX_MIN:
+                        cache.insert(tokens, lambda a, b: self.runner.save(slot.sid, a, b))
+        slot.busy = False
+        if not keep or not slot.exact:
+            with contextlib.suppress(Exception):  # a slot that cannot be cleared is cleared later
+                self.runner.clear(slot.sid)
+            slot.tokens, slot.exact, slot.policy = [], True, ContextPolicy()
+
+    def _end(self, live: _Live, last: Chunk, keep: bool = True) -> None:
+        live.job.out.put(last)  # the answer first; keeping its KV is the engine's own business
+        live.job.out.put(_END)
+        self._release(live, keep)
+
+    # -- submitting ----------------------------------------------------------------------------
+
+    def submit(self, request: Request, *, loop: asyncio.AbstractEventLoop | None = None) -> Stream:
+        """Queue a request. What cannot run is refused here, in the caller's thread, before it
+        waits for a slot: unsupported fields, a template that fails, a prompt that does not fit.
+        (Rendering and tokenizing here also keeps them off the thread that steps the model.)
+
+        With `loop`, the stream is consumed with `async for` on that event loop."""
+        if self._closed:
+            raise LocalLLMError("the model is closed")
+        submitted = time.perf_counter()
+        if request.context == ContextPolicy() and self.context.enabled:
+            request = replace(request, context=self.context)
+        check_supported(request, self.capabilities, self.runner.name)
+        constraint = None
+        if self.capabilities.grammar:
+            from localllm.structured import constraint_for
+
+            constraint = constraint_for(self.runner, request)
+        if constraint is not None:
+            # a drafted token would need the grammar's state rolled back on rejection: not yet
+            if speculative_mode(request.speculative) != "off":
+                raise Unsupported("speculative decoding cannot be combined with constrained output "
+                                  "(response_format or a forced tool call) yet")  # fmt: skip
+            request = replace(request, speculative="off")  # the model's default mode too
+        elif request.speculative is None and self.options.speculative:
+            request = replace(request, speculative=self.options.speculative)
+        ids = prompt_ids(self.runner, request)
+        check_context(len(ids), self.runner.n_ctx, request.sampling, request.context)
+        job = _Job(request, submitted, ids, constraint=constraint)
+        if loop is not None:
+            job.out = _AsyncOut(loop)
+        self._queue.put(job)
+        return Stream(job)
+
+    # -- the Python API (PRODUCT.md) -----------------------------------------------------------
+
+    def sampling(self, **kw: Any) -> SamplingParams:
+        """Sampling options over this model's defaults (GGUF, else catalog, else global)."""
+        given = {k: v for k, v in kw.items() if v is not None}
+        return SamplingParams.from_kwargs(**(self.sampling_defaults | given))
+
+    def _request(self, prompt: str | Sequence[Message], **kw: Any) -> Request:
+        tools = kw.pop("tools", ())
+        tool_choice = kw.pop("tool_choice", None)
+        response_format = kw.pop("response_format", None)
+        speculative = kw.pop("speculative", None)
+        parallel_calls = kw.pop("parallel_tool_calls", True)
+        sampling = self.sampling(**kw)
+        if isinstance(prompt, str):
+            return Request(prompt=prompt, sampling=sampling, response_format=response_format,
+                           speculative=speculative)  # fmt: skip
+        return Request(messages=tuple(prompt), tools=tuple(tools), tool_choice=tool_choice,
+                       parallel_tool_calls=parallel_calls, response_format=response_format,
+                       speculative=speculative, sampling=sampling)  # fmt: skip
+
+    def stream(self, prompt: str | Sequence[Message], **kw: Any) -> Iterator[Chunk]:
+        """A string is a raw completion; a list of messages goes through the chat template."""
+        with self.submit(self._request(prompt, **kw)) as s:
+            yield from s
+
+    def complete(self, prompt: str, **kw: Any) -> Result:
+        return self.submit(self._request(prompt, **kw)).wait()
+
+    def chat(self, messages: Sequence[Message], **kw: Any) -> Result:
+        return self.submit(self._request(list(messages), **kw)).wait()
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        return self.runner.tokenize(text, add_special=add_special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self.runner.detokenize(tokens)
+
+    def embed(self, texts: str | Sequence[str]) -> list[list[float]]:
+        """One normalised vector per text (a separate context: generation is not disturbed)."""
+        if not self.capabilities.embeddings:
+            raise Unsupported(f"the {self.runner.name} backend has no embeddings")
+        return self.runner.embed([texts] if isinstance(texts, str) else list(texts))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join()
+            if self.draft is not None:
+                self.draft.close()
+            self.runner.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Stream:
+    """The chunks of one submitted request. Iterate it; `cancel()` stops generation within a token.
+
+    Submitted with `loop=` (`Model.submit`), it is iterated with `async for` on that loop instead:
+    the scheduler thread hands chunks over with `call_soon_threadsafe`, so no thread of the loop's
+    executor waits on a token.
+    """
+
+    def __init__(self, job: _Job) -> None:
+        self._job = job
+        self.result: Result | None = None
+        self._done = False
+
+    @property
+    def submitted(self) -> float:
+        return self._job.submitted
+
+    @property
+    def n_prompt(self) -> int:
+        return len(self._job.ids)
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Chunk:
+        if isinstance(self._job.out, _AsyncOut):
+            raise TypeError("this stream was submitted for an event loop: use `async for`")
+        if self._done:
+            raise StopIteration
+        return self._take(self._job.out.get())
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        out = self._job.out
+        if not isinstance(out, _AsyncOut):
+            raise TypeError("submit with loop= to iterate a stream with `async for`")
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            return self._take(await out.get_async())
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    def _take(self, item: Any) -> Chunk:
+        if item is _END:
+            self._done = True
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.result is not None:
+            self.result = item.result
+        return item
+
+    def cancel(self) -> None:
+        self._job.cancel.set()
+
+    def wait(self) -> Result:
+        """Consume the rest of the stream and return its Result."""
+        for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
+
+    def close(self) -> None:
+        """Stop generating (if still running) and drain."""
+        self.cancel()
+        if isinstance(self._job.out, _AsyncOut):
+            return  # the scheduler ends it within a step; nobody needs to wait for that
+        for _ in self:
+            pass
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _one_line(e: BaseException) -> LocalLLMError:
+    if isinstance(e, LocalLLMError):
+        return e
+    return LocalLLMError(f"generation failed: {type(e).__name__}: {e}")
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+_GGUF_SAMPLING = {  # GGUF general.sampling.* → SamplingParams
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repeat_penalty",
+    "general.sampling.penalty_last_n": "repeat_last_n",
+}
+
+
+def sampling_defaults(path: Any, catalog: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], str]:
+    """A model's sampling defaults and where they came from: its GGUF `general.sampling.*` keys,
+    else its catalog entry's, else none (the global defaults of `SamplingParams`)."""
+    from localllm.gguf_file import GGUFFile
+
+    found: dict[str, Any] = {}
+    try:
+        with GGUFFile(path) as gf:
+            for key, name in _GGUF_SAMPLING.items():
+                v = gf.get(key)
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    found[name] = int(v) if name in ("top_k", "repeat_last_n") else float(v)
+    except (LocalLLMError, OSError):
+        found = {}
+    if found:
+        try:
+            SamplingParams.from_kwargs(**found)
+            return found, "model file"
+        except LocalLLMError:
+            pass  # a file with impossible defaults gets none of them
+    if catalog:
+        return dict(catalog), "catalog"
+    return {}, "global"
+
+
+def load(model: str, options: LoadOptions | None = None, *, check_memory: bool = True,
+         **kw: Any) -> Model:  # fmt: skip
+    """Load a model by name (registering the offline default on first use) and start its worker.
+
+    `options` (or keyword options, which override it: `ctx=2048, kv_cache="q8_0"`) fix the engine;
+    the backend is chosen by the registry, and everything it cannot do is refused before loading.
+    """
+    from localllm import backends
+    from localllm.errors import DoesNotFit
+    from localllm.memory import resolve_ctx
+    from localllm.model_info import human_bytes
+    from localllm.models_registry.catalog import ensure_local, sampling_for
+    from localllm.models_registry.store import Store
+
+    if "n_threads" in kw:
+        kw["threads"] = kw.pop("n_threads")
+    opts = (options or LoadOptions()).replace(**kw) if kw else (options or LoadOptions())
+    spec = backends.describe(opts.backend, opts)  # auto: the first that can honour opts
+    check_options(opts, spec.capabilities, spec.name)
+    check_speculative(opts.speculative, policy=opts.context, evict=bool(opts.evict))
+    store = Store()
+    record = ensure_local(model, store)
+    opts = opts.replace(ctx=resolve_ctx(record.info, opts.ctx))
+    if check_memory:
+        est = spec.estimate(record.info, opts)
+        if not est.fits:
+            per = f" for {opts.parallel} sequences" if opts.parallel > 1 else ""
+            raise DoesNotFit(
+                f"{record.name} at context {opts.ctx}{per} needs {human_bytes(est.total_bytes)} "
+                f"(weights {human_bytes(est.weights_bytes)}, KV {human_bytes(est.kv_bytes)}, "
+                f"compute {human_bytes(est.compute_bytes)}) but {human_bytes(est.available_bytes)} "
+                f"is free on {est.device}; try a smaller --ctx, --parallel or --kv-cache q8_0"
+            )
+    path = store.path_of(record)
+    defaults, _source = sampling_defaults(path, sampling_for(record))
+    # With auto, a backend that refuses the file as it opens it (llama.cpp's first load may find
+    # that it computes wrong numbers for this file here, where torch is right) is passed over for
+    # the next that suits it; when none is left, or the next refuses the options, the error says
+    # what each one that was tried said.
+    failed: dict[str, str] = {}
+    while True:
+        try:
+            chosen, why = backends.select(opts.backend, path, failed=failed, options=opts)
+            if chosen is not spec:
+                check_options(opts, chosen.capabilities, chosen.name)
+        except LocalLLMError:
+            if not failed:
+                raise
+            said = (next(iter(failed.values())) if len(failed) == 1
+                    else "; ".join(f"{n} failed: {r}" for n, r in failed.items()))  # fmt: skip
+            raise LocalLLMError(f"{record.name}: {said}") from None
+        t0 = time.perf_counter()
+        try:
+            runner = chosen.open(path, opts, name=record.name, digest=record.digest, home=store.home)
+            break
+        except LocalLLMError as e:
+            reason = str(e).removeprefix(f"{record.name}: ")
+            if opts.backend != "auto":
+                raise LocalLLMError(f"{record.name}: {reason}") from None
+            failed[chosen.name] = reason
+    draft, draft_name = None, None
+    try:
+        if speculative_mode(opts.speculative) == "draft":
+            draft_name = opts.speculative.partition(":")[2]
+            draft = _open_draft(chosen, draft_name, path, opts, store)
+    except BaseException:
+        runner.close()
+        raise
+    return Model(runner, record.name, load_s=time.perf_counter() - t0, options=opts,
+                 sampling_defaults=defaults, backend_why=why, draft=draft, draft_name=draft_name,
+                 tuned=store.home / "tuned" / f"{record.digest[:16]}.json")  # fmt: skip
+
+
+def _open_draft(spec: Any, given: str, path: Any, opts: LoadOptions, store: Any) -> Runner:
+    """The draft model of `--speculative draft:NAME`: a second runner of the same backend, one
+    slot per slot of the target's, which must tokenize as the target does (the same token list)."""
+    from localllm.gguf_file import GGUFFile
+    from localllm.models_registry.catalog import ensure_local
+
+    record = ensure_local(given, store)
+    draft_path = store.path_of(record)
+    with GGUFFile(path) as f, GGUFFile(draft_path) as g:
+        mine = list(f.metadata.get("tokenizer.ggml.tokens") or ())
+        theirs = list(g.metadata.get("tokenizer.ggml.tokens") or ())
+    if mine != theirs:
+        raise LocalLLMError(f"the draft model {given} has another vocabulary ({len(theirs)} "
+                            f"tokens) than the model ({len(mine)}): a draft must share it")  # fmt: skip
+    plain = opts.replace(speculative=None)
+    return spec.open(draft_path, plain, name=record.name, digest=record.digest, home=store.home)
+
+
+def choose_backend(backend: str = "auto") -> str:
+    """The name of the backend a load will use, or `BackendUnavailable` saying why none can run."""
+    from localllm import backends
+
+    return backends.choose(backend).name

@@ -1,0 +1,67 @@
+"""Scoring a text through `Runner.forward`: the logits after every token, evaluated through one
+slot's cache exactly as decoding fills it (`localllm eval`, `recommend`, the quantize report).
+
+Whole chunks (`runner.scoring_chunk` tokens, every position's logits) where that is the same
+computation as generation; one token at a time where a cache quantizes late (KIVI's residual) or
+forgets (StreamingLLM, H2O): the runner's `scoring_chunk` is then 1, and a StreamingLLM policy
+makes it 1 here. Run it while no sequence generates (`Model.run_here`): it uses slot 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from localllm.backends.base import Piece
+from localllm.types import ContextPolicy
+
+__all__ = ["Scorer", "teacher_argmax"]
+
+
+class Scorer:
+    """`feed(tokens)` → numpy float32 (len(tokens), n_vocab): the logits after each token."""
+
+    def __init__(self, runner: Any, policy: ContextPolicy | None = None, slot: int = 0) -> None:
+        self.runner, self.slot = runner, slot
+        self.policy = policy or ContextPolicy()
+        self.chunk = 1 if self.policy.enabled else max(1, int(runner.scoring_chunk))
+        self.token_by_token = self.chunk == 1
+        self.shifts = 0
+        runner.clear(slot, self.policy)
+
+    def feed(self, tokens: Sequence[int]) -> np.ndarray:
+        f = self.runner.forward([Piece(self.slot, list(tokens), len(tokens))])
+        self.shifts += f.shifted.get(self.slot, 0)
+        return f.logits
+
+    def kv_stats(self) -> dict[str, float]:
+        """What the slot's cache cost (bytes per token, peak ...), where the runner can say."""
+        return dict(self.runner.kv_stats(self.slot))
+
+    def close(self) -> None:
+        self.runner.clear(self.slot)
+
+    def __enter__(self) -> Scorer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def teacher_argmax(runner: Any, ids: Sequence[int], *, skip: frozenset[int] = frozenset(),
+                   slot: int = 0) -> np.ndarray:  # fmt: skip
+    """The runner's greedy choice after every token of `ids`, teacher-forced ((len(ids),)), with
+    `skip` layers left out (the layer-skip drafter's view)."""
+    runner.clear(slot)
+    out = []
+    try:
+        for i in range(0, len(ids), runner.max_batch):
+            piece = list(ids[i : i + runner.max_batch])
+            out.append(runner.forward([Piece(slot, piece, len(piece))], skip=skip).logits.argmax(-1))
+    finally:
+        if skip:
+            runner.trim(slot, runner.held(slot), skip=skip)
+        runner.clear(slot)
+    return np.concatenate(out)
