@@ -10,9 +10,12 @@ Verdicts are cached in the store (`guard.json`), keyed by what could change them
 version, the size and mtime of its shared libraries, the CPU's flags, and (for a load) the file's
 sha256. A rebuilt library, another CPU or another file is probed afresh; nothing else is.
 
-    python -m localllm.backends.llamacpp_guard probe DIR          the child side of `probe`
-    python -m localllm.backends.llamacpp_guard load PATH LAYERS   the child side of `check_load`
-    python -m localllm.backends.llamacpp_guard info               build facts, as JSON
+    python -m localllm.backends.llamacpp_child probe DIR          the child side of `probe`
+    python -m localllm.backends.llamacpp_child load PATH LAYERS   the child side of `check_load`
+    python -m localllm.backends.llamacpp_child info               build facts, as JSON
+
+This module never imports llama_cpp nor the runner (`localllm.backends.llamacpp` imports it for
+`check_load`); the children's side, which does, is `localllm.backends.llamacpp_child`.
 
 `LOCALLLM_LLAMACPP_PROBE`, when set, is a shell command run instead of the probe child (to reproduce a
 crash on purpose, or to bypass the probe with `true`); it is part of the cache key.
@@ -166,7 +169,7 @@ def _write_cache(home: Path, update: dict[str, Any]) -> None:
 # -- children -----------------------------------------------------------------------------------
 
 
-def _no_core_files() -> None:
+def no_core_files() -> None:
     """A crash in a child must not litter core files (set by the child itself: no preexec_fn,
     which is unsafe in a process with threads, as the app is)."""
     with contextlib.suppress(ValueError, OSError):
@@ -228,8 +231,11 @@ def _last_error(text: str, limit: int = 300) -> str:
     return lines[-1][:limit] if lines else ""
 
 
+CHILD_MODULE = "localllm.backends.llamacpp_child"
+
+
 def _python_child(*args: str) -> list[str]:
-    return [sys.executable, "-m", "localllm.backends.llamacpp_guard", *args]
+    return [sys.executable, "-m", CHILD_MODULE, *args]
 
 
 def _child_env() -> dict[str, str]:
@@ -387,7 +393,11 @@ def llamacpp_version() -> str | None:
     for f in files:
         if f.name == "llama-config.cmake":
             with contextlib.suppress(OSError, UnicodeDecodeError):
-                found = dict(re.findall(r"set\((LLAMA_VERSION|LLAMA_BUILD_COMMIT)\s+([^\s)]+)\)", f.read_text()))
+                found = dict(
+                    re.findall(
+                        r"set\((LLAMA_VERSION|LLAMA_BUILD_COMMIT)\s+([^\s)]+)\)", f.read_text()
+                    )
+                )
                 if "LLAMA_VERSION" in found:
                     commit = found.get("LLAMA_BUILD_COMMIT")
                     return found["LLAMA_VERSION"] + (f", commit {commit}" if commit else "")
@@ -483,57 +493,7 @@ def write_probe_model(path: Path, *, n_embd: int = 256, n_ff: int = 512, n_layer
     return path
 
 
-# -- the child side -------------------------------------------------------------------------------
-
-
-def _child_probe(folder: str) -> int:
-    """Evaluate the tiny model the way the backend would: it must run and compute right numbers."""
-    from localllm.backends.llamacpp import LlamaCppBackend
-
-    path = write_probe_model(Path(folder) / "probe.gguf")
-    backend = LlamaCppBackend(path, n_ctx=128, n_gpu_layers=0)
-    problem = _batch_vs_single(backend, [1] + [3 + (i * 37) % 256 for i in range(23)])
-    backend.close()
-    if problem:
-        print(f"error: llama.cpp computes wrong numbers on this machine: {problem}")
-        return 3
-    return 0
-
-
-def _child_load(path: str, n_gpu_layers: str) -> int:
-    """Load the model as the backend would and evaluate a few tokens."""
-    from localllm.backends.llamacpp import LlamaCppBackend
-
-    try:
-        backend = LlamaCppBackend(path, n_ctx=128, n_gpu_layers=int(n_gpu_layers))
-    except LocalLLMError as e:
-        print(json.dumps({"reason": str(e)}))
-        return 3
-    ids = backend.tokenize("Hello, world! How are you?", add_special=True)[:8] or [0]
-    problem = _batch_vs_single(backend, ids)
-    backend.close()
-    if problem:
-        reason = f"llama.cpp computes wrong numbers for it on this machine: {problem}"
-        print(json.dumps({"reason": reason}))
-        return 3
-    return 0
-
-
-def _batch_vs_single(backend: Any, ids: list[int]) -> str:
-    """Evaluate `ids` as one batch (the matrix-matrix kernels), then one token at a time (the
-    matrix-vector kernels); "" when the next-token logits agree, else why not."""
-    llm, lib = backend.llm, backend._lib
-
-    def last_logits() -> list[float]:
-        ptr = lib.llama_get_logits_ith(llm.ctx, -1)
-        return [ptr[i] for i in range(llm.n_vocab())]
-
-    llm.eval(ids)
-    batch = last_logits()
-    llm.reset()
-    for t in ids:
-        llm.eval([t])
-    return logits_disagree(batch, last_logits())
+# -- judging the numbers a child computed ------------------------------------------------------
 
 
 def logits_disagree(batch: list[float], single: list[float]) -> str:
@@ -561,6 +521,7 @@ CHECK_VERSION = 2  # the rule above; cached verdicts (library_key) are per rule
 
 def _kl(p_logits: list[float], q_logits: list[float]) -> float:
     """KL(softmax(p) || softmax(q)) in nats, in plain Python (the child has no numpy to spare)."""
+
     def log_softmax(xs: list[float]) -> list[float]:
         top = max(xs)
         log_z = top + math.log(sum(math.exp(x - top) for x in xs))
@@ -568,30 +529,3 @@ def _kl(p_logits: list[float], q_logits: list[float]) -> float:
 
     lp, lq = log_softmax(p_logits), log_softmax(q_logits)
     return max(0.0, sum(math.exp(a) * (a - b) for a, b in zip(lp, lq)))
-
-
-def _child_info() -> int:
-    from localllm.backends.llamacpp import quiet_llama_log
-
-    llama_cpp = quiet_llama_log()
-    print(json.dumps({
-        "system_info": llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip(),
-        "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()),
-    }))  # fmt: skip
-    return 0
-
-
-def main(argv: list[str]) -> int:
-    _no_core_files()
-    if argv[:1] == ["probe"] and len(argv) == 2:
-        return _child_probe(argv[1])
-    if argv[:1] == ["load"] and len(argv) == 3:
-        return _child_load(argv[1], argv[2])
-    if argv == ["info"]:
-        return _child_info()
-    print(__doc__, file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -70,7 +70,10 @@ def test_probe_model_is_a_gguf_llama_cpp_and_our_reader_accept(tmp_path: Path) -
     with GGUFFile(path) as gf:
         info = model_info(gf)
     assert (info.architecture, info.n_layers, info.vocab_size) == ("llama", 2, 259)
-    assert guard.main(["probe", str(tmp_path)]) == 0  # the child's work, here in the test process
+    from localllm.backends import llamacpp_child
+
+    # the child's work, here in the test process
+    assert llamacpp_child.main(["probe", str(tmp_path)]) == 0
 
 
 def test_sigill_probe_is_one_line_exit_1_and_cached(
@@ -268,9 +271,9 @@ def test_loading_compiles_no_template_in_this_process(
         return original(self, source, *a, **k)
 
     monkeypatch.setattr(jinja2.Environment, "compile", spy)
-    from localllm.backends.llamacpp import LlamaCppBackend
+    from localllm.backends.llamacpp import LlamaCppRunner
 
-    b = LlamaCppBackend(hostile_copies["folded power"], n_ctx=256)
+    b = LlamaCppRunner(hostile_copies["folded power"], n_ctx=256)
     try:
         assert "7 ** 999999999" in b.chat_template.source
         assert compiled == []
