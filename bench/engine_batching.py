@@ -129,7 +129,7 @@ def engine_decode(model, n: int, gen: int) -> float:  # noqa: ANN001
     """Aggregate decode tokens/s of `n` concurrent greedy streams through the engine."""
     from localllm.types import Request, SamplingParams
 
-    model.backend.drop_caches()
+    model.drop_caches()
     sp = SamplingParams(temperature=0, max_tokens=gen + 1)
     watches = [Watch(model.submit(Request(prompt=PROMPTS[s % len(PROMPTS)], sampling=sp)))
                for s in range(n)]  # fmt: skip
@@ -159,7 +159,7 @@ def long_prompt_round(model, long: str, base: int) -> dict[str, float]:  # noqa:
     """Three streams: p95 TPOT over `base` tokens each, then while `long` is prefilled."""
     from localllm.types import Request, SamplingParams
 
-    model.backend.drop_caches()
+    model.drop_caches()
     sp = SamplingParams(temperature=0, max_tokens=None)
     watches = [Watch(model.submit(Request(prompt=p, sampling=sp))) for p in PROMPTS[:3]]
     while min(len(w.stamps) for w in watches) < 3:
@@ -195,7 +195,7 @@ def long_prompt(load, long_ids: int, text: str, args, min_chunk: int | None) -> 
         # every prompt starts with its own words: the engine's prefix cache keeps what an earlier
         # round evaluated and would answer it warm, in milliseconds
         rounds.append(long_prompt_round(model, f"Round {i}. {long}", args.base))
-        model.backend.drop_caches()
+        model.drop_caches()
         r = model.submit(Request(prompt=f"Alone {i}. {long}", sampling=SamplingParams(temperature=0, max_tokens=1)))
         res = r.wait()
         # ("Alone 0." and "Alone 1." share their first tokens: a few may match, a warm answer would be thousands)

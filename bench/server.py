@@ -355,7 +355,7 @@ def bench_prefix(backend: str, again: bool = False, system_tokens: int = 2000,
         cold = ask("What is the first sentence about?")
         ttft_cold = model_ttft(srv)
         model.prefix_cache.clear()
-        model.backend.drop_caches()
+        model.drop_caches()
         ask("What is the first sentence about?" if again else "Who is speaking?")  # fills the cache
         log(f"{backend}: warm ...")
         warm = ask("What is the first sentence about?")

@@ -568,14 +568,12 @@ def run_bench(model: str | None, *, options: Any = None, url: str | None = None,
             closers.append(llm.close)
             tokenize = llm.tokenize
             send = engine_sender(llm, gen_tokens)
-            weights = _weight_bytes(llm.backend, store.path_of(record))
+            weights = _weight_bytes(llm.runner, store.path_of(record))
             kv_per_token = kv_bytes_per_token(record.info, *parse_kv_cache(opts.kv_cache))
             ceiling_inputs = (weights, kv_per_token * (prompt_tokens + gen_tokens / 2))
-            device = getattr(llm.backend, "device", None)
-            report |= {"target": "engine", "model": llm.name,
-                       "backend": getattr(llm.backend, "name", type(llm.backend).__name__),
+            report |= {"target": "engine", "model": llm.name, "backend": llm.runner.name,
                        "kv_cache": opts.kv_cache, "speculative": opts.speculative,
-                       "device": str(device) if device is not None else "cpu",
+                       "device": llm.runner.device,
                        "weights_bytes_per_token": weights,
                        "kv_bytes_per_token": kv_per_token}  # fmt: skip
         bandwidth = None
@@ -610,8 +608,8 @@ def run_bench(model: str | None, *, options: Any = None, url: str | None = None,
     return report
 
 
-def _weight_bytes(backend: Any, path: Path) -> int:
-    """Weight bytes a decode step reads, as the backend holds them (the torch engine may keep
+def _weight_bytes(runner: Any, path: Path) -> int:
+    """Weight bytes a decode step reads, as the runner holds them (the torch engine may keep
     other precisions than the file's), else the file's."""
-    held = getattr(backend, "decode_weight_bytes", None)
-    return int(held()) if callable(held) else weight_bytes_of_file(path)
+    held = runner.decode_weight_bytes()
+    return int(held) if held else weight_bytes_of_file(path)

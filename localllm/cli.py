@@ -514,10 +514,10 @@ def doctor(
 
 def _print_stats(result: Any, llm: Any = None) -> None:
     if llm is not None:
-        b = llm.backend
+        b = llm.runner
         extra = ""
-        if getattr(b, "name", "") == "torch":
-            extra = f" on {b.device.type}, {b.dtype}"
+        if b.name == "torch":
+            extra = f" on {b.device}, {b.dtype}"
         print(f"backend {b.name}{extra}, loaded in {llm.load_s:.2f} s ({llm.backend_why})",
               file=sys.stderr)
     t, n = result.timings, result.usage.completion_tokens
@@ -690,20 +690,19 @@ def tune(
 ) -> None:
     """Search the layers `--speculative self` skips and how far it drafts, by measured tokens/s on
     this machine; print the table searched and keep the choice for this model and device."""
-    from localllm.backends.torch import tune as tuning
     from localllm.engine import load
+    from localllm.engine import tune as tuning
 
     say = None if json_out else (lambda line: print(line, flush=True))
     with load(model, backend="torch", device=device, dtype=dtype, ctx=512, parallel=1) as llm:
-        b = llm.backend
-        config = tuning.tune(b, report=say)
-        if b.tuned_path is not None:
-            tuning.save(b.tuned_path, tuning.device_key(b), config)
-        b._self_config = config
+        config = tuning.tune(llm, report=say)
+        if llm.tuned_path is not None:
+            tuning.save(llm.tuned_path, tuning.device_key(llm), config)
+        key = tuning.device_key(llm)
     if json_out:
         from dataclasses import asdict
 
-        _emit_json({"model": llm.name, "device": tuning.device_key(b), **asdict(config)})
+        _emit_json({"model": llm.name, "device": key, **asdict(config)})
         return
     if config.pays:
         print(f"chosen: skip {len(config.skip)} layers {list(config.skip)}, draft {config.k} tokens: "
