@@ -81,7 +81,7 @@ def test_load_goes_through_the_registry(default_model_path: Path) -> None:
     backends.register(fakebackend.spec(), auto=False)
     try:
         with load("smollm2", backend="fake", ctx=128, parallel=3) as m:
-            assert isinstance(m.backend, fakebackend.FakeBatch)
+            assert isinstance(m.backend, fakebackend.FakeRunner)
             assert m.n_ctx == 128 and m.parallel == 3 and m.options.backend == "fake"
             assert m.sampling_defaults == {"temperature": 0.2, "top_p": 0.9}  # the catalog's
             assert m.complete("say:hi", max_tokens=5).text == "hi"
@@ -108,11 +108,11 @@ def test_sampling_defaults_file_then_catalog_then_global(default_model_path: Pat
 
 
 def test_user_sampling_wins_over_model_defaults() -> None:
-    from fakebackend import FakeBatch
+    from fakebackend import FakeRunner
 
     from localllm.engine import Model
 
-    with Model(FakeBatch(), "fake", sampling_defaults={"temperature": 0.2, "top_p": 0.9}) as m:
+    with Model(FakeRunner(), "fake", sampling_defaults={"temperature": 0.2, "top_p": 0.9}) as m:
         s = m.sampling(temperature=0.7, top_p=None)
         assert (s.temperature, s.top_p, s.top_k) == (0.7, 0.9, 40)
 

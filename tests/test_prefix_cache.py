@@ -24,7 +24,7 @@ class Edge:
     prefix_kind = "edge"
 
     @staticmethod
-    def prefix_split(h: Handle, k: int) -> tuple[Handle, Handle]:
+    def split(h: Handle, k: int) -> tuple[Handle, Handle]:
         return Handle(h.start, h.start + k), Handle(h.start + k, h.end)
 
 

@@ -10,7 +10,8 @@ and evaluates tokens:
                                              logits of each piece's last `logits` tokens, in piece
                                              order, as one numpy float32 array (rows, n_vocab) on
                                              the host; `shifted[slot]`: positions a StreamingLLM
-                                             policy made the slot forget before its piece
+                                             policy made the slot forget (slots that forgot none
+                                             are left out)
     held(slot)                               positions the slot's cache holds
     clear(slot, policy)                      empty the slot's cache; `policy` is the context policy
                                              its next tokens follow (StreamingLLM: the runner
@@ -21,7 +22,10 @@ and evaluates tokens:
     save/restore/split                       prefix-cache handles (`localllm.prefix_cache`)
     embed(texts)                             pooled, normalised vectors (a context of its own)
 
-`forward` either evaluates every piece or raises with every slot's cache as it was. Slots hold
+`forward` either evaluates every piece or raises with every slot's cache as it was (but for what
+a context shift already forgot: that is final). `restore` of "full" handles gets [(handle, the
+prefix's whole length)]; of "edge" handles, every handle on the path with the tokens used of each.
+Slots hold
 positions only: which tokens they are, and whether they are still exactly a prompt's prefix, the
 engine knows (`localllm.engine.slots`).
 
@@ -74,7 +78,7 @@ class Runner(Protocol):
     name: str
     capabilities: Capabilities
     model_path: str
-    device: str  # "cpu", "cuda", "cuda:1", "mps"
+    device: str  # "cpu", "cuda", "cuda:1", "mps"; "gpu" where the runner offloads to one it does not name
     device_name: str  # what the user would call it ("CPU", "NVIDIA H200")
     dtype: str  # working precision ("auto" where the file's)
     n_threads: int
@@ -113,6 +117,10 @@ class Runner(Protocol):
     def embed(self, texts: Sequence[str]) -> list[list[float]]: ...
     def kv_bytes(self) -> int: ...
     def kv_stats(self, slot: int) -> dict[str, float]: ...
+    def decode_weight_bytes(self) -> int | None:
+        """Weight bytes one decode step reads as the runner holds them (None: the file's)."""
+        ...
+
     def close(self) -> None: ...
 
 

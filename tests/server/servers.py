@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fakebackend import FakeBatch
+from fakebackend import FakeRunner
 
 from conftest import need
 
@@ -24,17 +24,17 @@ from localllm.server.served import Served  # noqa: E402
 from localllm.types import LoadOptions  # noqa: E402
 
 
-class HeldBatch(FakeBatch):
-    """A scripted backend whose steps wait while `hold` is clear (to line clients up)."""
+class HeldBatch(FakeRunner):
+    """A scripted runner whose forward passes wait while `hold` is clear (to line clients up)."""
 
     def __init__(self, hold: threading.Event | None, **kw: Any) -> None:
         super().__init__(**kw)
         self.hold = hold
 
-    def step(self, plan: Any) -> Any:
+    def forward(self, pieces: Any, **kw: Any) -> Any:
         if self.hold is not None:
             self.hold.wait()
-        return super().step(plan)
+        return super().forward(pieces, **kw)
 
 
 def fake_loader(step_s: float = 0.0, n_ctx: int = 256, max_batch: int = 64,
