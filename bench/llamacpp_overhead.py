@@ -40,7 +40,7 @@ def main() -> None:
     from localllm.types import Request, SamplingParams
 
     ours = load("smollm2", ctx=2048)
-    path = ours.backend.llm.model_path
+    path = ours.runner.model_path
     raw = llama_cpp.Llama(path, n_ctx=2048, n_batch=512, n_threads=default_threads(), verbose=False)
     text = (corpus_dir() / "moby_dick_part.txt").read_text()[50_000:]
     long_ids = raw.tokenize(text.encode())[: args.prompt_tokens]
@@ -61,7 +61,7 @@ def main() -> None:
         return (n - 1) / (time.perf_counter() - t_first)
 
     def our_decode() -> float:
-        ours.backend.llm.reset()
+        ours.drop_caches()
         r = ours.submit(
             Request(prompt=short, sampling=SamplingParams(temperature=0, max_tokens=args.gen))
         ).wait()
@@ -77,7 +77,7 @@ def main() -> None:
         return time.perf_counter() - t0
 
     def our_ttft(i: int) -> float:
-        ours.backend.llm.reset()
+        ours.drop_caches()
         s = ours.submit(
             Request(prompt=f"{i}. {long_prompt}", sampling=SamplingParams(temperature=0, max_tokens=1))
         )

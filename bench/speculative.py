@@ -160,7 +160,7 @@ def chat(args, results: dict) -> None:
 def fixed_pace(k: int):
     """A pace that always drafts k (after the first plain pass): the curve shows what a skip set
     can do, not what the governor makes of it."""
-    from localllm.speculation import Pace
+    from localllm.engine.speculative import Pace
 
     class Fixed(Pace):
         def verified(self, drafted: int, accepted: int, seconds: float) -> None:
@@ -175,13 +175,12 @@ def fixed_pace(k: int):
 
 def self_curve(model: str, args, results: dict, key: str) -> None:
     """The tuner's table, then skip-set size vs acceptance vs tokens/s on the grounded task."""
-    from localllm.backends.torch import tune
-    from localllm.backends.torch.speculative import LayerSkip
-    from localllm.engine import load
+    from localllm.engine import load, tune
+    from localllm.engine.speculative import LayerSkip
 
     res = results.setdefault(key, {})
     with load(model, backend="torch", ctx=2048, parallel=1, threads=THREADS[0]) as llm:
-        b = llm.backend
+        b = llm
         log(f"self: tuning {model}")
         t0 = time.perf_counter()
         config = tune.tune(b, report=log)
@@ -190,7 +189,7 @@ def self_curve(model: str, args, results: dict, key: str) -> None:
                         "speedup": config.speedup, "table": config.table}  # fmt: skip
         b._self_config = config
         # the curve: the tuner's greedy growth of skip sets, measured on the grounded task
-        ids = b.tokenize(b.chat_template.render(GROUNDED), add_special=False)
+        ids = b.tokenize(b.runner.chat_template.render(GROUNDED), add_special=False)
         sets = [tuple(g["skip"]) for g in config.grown]
         curve = []
         off_ids, off_s = tune._generate(b, ids, args.tokens)
@@ -200,7 +199,7 @@ def self_curve(model: str, args, results: dict, key: str) -> None:
             skip = sets[size - 1]
             for k in (2, 4):
                 pace = fixed_pace(k)
-                got, secs = tune._generate(b, ids, args.tokens, drafter=LayerSkip(b.model, skip, device=b.device),
+                got, secs = tune._generate(b, ids, args.tokens, drafter=LayerSkip(b.runner, skip),
                                            pace=pace)  # fmt: skip
                 _o, off_s2 = tune._generate(b, ids, args.tokens)
                 off_rate = args.tokens / ((off_s + off_s2) / 2)
@@ -228,14 +227,14 @@ def quick_tuner() -> None:
     one)."""
     import functools
 
-    from localllm.backends.torch import tune
+    from localllm.engine import tune
 
     full, memo = tune.tune, {}
 
-    def cached_or_tuned(backend, *, report=None):  # noqa: ANN001, ANN202
-        key = (backend.model_path, tune.device_key(backend))
+    def cached_or_tuned(llm, *, report=None):  # noqa: ANN001, ANN202
+        key = (llm.runner.model_path, tune.device_key(llm))
         if key not in memo:
-            memo[key] = full(backend, report=report, **QUICK_TUNE)
+            memo[key] = full(llm, report=report, **QUICK_TUNE)
         return memo[key]
 
     tune.tune = functools.partial(full, **QUICK_TUNE)

@@ -63,7 +63,9 @@ def check_supported(request: Request, caps: Capabilities, backend: str) -> None:
     if rf is not None:
         kind = rf.get("type") if isinstance(rf, dict) else None
         if kind not in ("text", "json_object", "json_schema"):
-            raise Unsupported(f"response_format type {kind!r} is not one of text, json_object, json_schema")
+            raise Unsupported(
+                f"response_format type {kind!r} is not one of text, json_object, json_schema"
+            )
         if kind != "text" and not caps.grammar:
             raise Unsupported(
                 f"the {backend} backend has no constrained decoding, so no response_format {kind}"
@@ -86,8 +88,6 @@ def check_supported(request: Request, caps: Capabilities, backend: str) -> None:
         )
     if request.context.enabled and not caps.streaming:
         raise Unsupported(f"the {backend} backend cannot shift its context (--streaming)")
-
-
 
 
 # -- prompts and context -------------------------------------------------------------------------
@@ -129,8 +129,6 @@ def check_context(
         )
 
 
-
-
 _END = object()
 PREFIX_MIN = 16  # finished sequences shorter than this are not worth a place in the prefix cache
 
@@ -158,8 +156,6 @@ class _Job:
     constraint: Any = None  # structured.Constraint: the grammar its output follows
     cancel: threading.Event = field(default_factory=threading.Event)
     out: queue.Queue | _AsyncOut = field(default_factory=queue.Queue)
-
-
 
 
 @dataclass(eq=False)
@@ -198,7 +194,9 @@ class Model:
         self.runner = runner
         self.name = name
         self.load_s = load_s
-        self.backend_why = backend_why  # how the registry chose it ("auto: llama.cpp runs here ...")
+        self.backend_why = (
+            backend_why  # how the registry chose it ("auto: llama.cpp runs here ...")
+        )
         self.options = options or LoadOptions()
         self.context = self.options.context
         self.sampling_defaults = dict(sampling_defaults or {})
@@ -819,7 +817,9 @@ _GGUF_SAMPLING = {  # GGUF general.sampling.* → SamplingParams
 }
 
 
-def sampling_defaults(path: Any, catalog: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], str]:
+def sampling_defaults(
+    path: Any, catalog: Mapping[str, Any] | None = None
+) -> tuple[dict[str, Any], str]:
     """A model's sampling defaults and where they came from: its GGUF `general.sampling.*` keys,
     else its catalog entry's, else none (the global defaults of `SamplingParams`)."""
     from localllm.gguf_file import GGUFFile
@@ -897,7 +897,9 @@ def load(model: str, options: LoadOptions | None = None, *, check_memory: bool =
             raise LocalLLMError(f"{record.name}: {said}") from None
         t0 = time.perf_counter()
         try:
-            runner = chosen.open(path, opts, name=record.name, digest=record.digest, home=store.home)
+            runner = chosen.open(
+                path, opts, name=record.name, digest=record.digest, home=store.home
+            )
             break
         except LocalLLMError as e:
             reason = str(e).removeprefix(f"{record.name}: ")

@@ -74,7 +74,6 @@ class StopMatcher:
         return out
 
 
-
 class Assembler:
     """Turns one sequence's `Step`s into `Chunk`s and its `Result`: the same for every runner.
 
@@ -102,7 +101,9 @@ class Assembler:
         self.finish_reason: FinishReason | None = None
         self.stop_hit = False
         # speculative decoding: what the decode passes did (`SpeculativeStats`' fields)
-        self.spec = dict.fromkeys(("drafted", "accepted", "passes", "rounds", "rejections", "tokens"), 0)
+        self.spec = dict.fromkeys(
+            ("drafted", "accepted", "passes", "rounds", "rejections", "tokens"), 0
+        )
         self.spec_off = ""
 
     @property

@@ -60,7 +60,9 @@ class Sampler:
         out[ids] = x
         return out
 
-    def candidates(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+    def candidates(
+        self, logits: np.ndarray, history: Sequence[int] = ()
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(ids, z): the tokens the chain keeps, most likely first, and their final logits
         (temperature applied). Not for greedy samplers."""
         s = self.params
@@ -134,7 +136,9 @@ class Sampler:
         return float(self.rng.random())
 
 
-def logprobs(logits: np.ndarray, token: int, n_top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+def logprobs(
+    logits: np.ndarray, token: int, n_top: int
+) -> tuple[float, tuple[tuple[int, float], ...]]:
     """The chosen token's log-probability under the logits (n_vocab,), and the `n_top` most likely."""
     x = logits.astype(np.float64)
     m = x.max()

@@ -47,7 +47,9 @@ class Scheduler:
         n = int(room / self.t_token) if room > 0 else 0
         return max(min(self.MIN_CHUNK, self.max_batch), min(self.max_batch, n))
 
-    def plan(self, running: Sequence[Any], drafts: Mapping[Any, int] | None = None) -> dict[Any, int]:
+    def plan(
+        self, running: Sequence[Any], drafts: Mapping[Any, int] | None = None
+    ) -> dict[Any, int]:
         """{sequence: prompt tokens to evaluate now (0: it decodes)}; `drafts`: tokens each
         decoding sequence verifies beside its own."""
         decoding = [r for r in running if r.left == 0]

@@ -59,7 +59,9 @@ def teacher_argmax(runner: Any, ids: Sequence[int], *, skip: frozenset[int] = fr
     try:
         for i in range(0, len(ids), runner.max_batch):
             piece = list(ids[i : i + runner.max_batch])
-            out.append(runner.forward([Piece(slot, piece, len(piece))], skip=skip).logits.argmax(-1))
+            out.append(
+                runner.forward([Piece(slot, piece, len(piece))], skip=skip).logits.argmax(-1)
+            )
     finally:
         if skip:
             runner.trim(slot, runner.held(slot), skip=skip)

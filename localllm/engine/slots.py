@@ -41,7 +41,9 @@ class Slots:
     def free(self) -> list[Slot]:
         return [s for s in self.all if not s.busy]
 
-    def choose(self, ids: Sequence[int], policy: ContextPolicy, restorable: int = 0) -> tuple[Slot, int]:
+    def choose(
+        self, ids: Sequence[int], policy: ContextPolicy, restorable: int = 0
+    ) -> tuple[Slot, int]:
         """The free slot a prompt takes and the prompt tokens its cache already holds.
         `restorable`: tokens the prefix cache could restore instead (an empty slot takes them)."""
         free = self.free

@@ -31,8 +31,17 @@ from localllm.engine.sampling import Sampler
 from localllm.errors import LocalLLMError
 from localllm.types import ContextPolicy, speculative_mode
 
-__all__ = ["DRAFT_K", "LOOKUP_K", "Draft", "DraftModel", "LayerSkip", "Lookup", "Pace", "accept",
-           "check_speculative"]
+__all__ = [
+    "DRAFT_K",
+    "LOOKUP_K",
+    "Draft",
+    "DraftModel",
+    "LayerSkip",
+    "Lookup",
+    "Pace",
+    "accept",
+    "check_speculative",
+]
 
 LOOKUP_K = 10  # the most tokens prompt lookup proposes in one pass
 DRAFT_K = 8  # ... and a draft model or layer skipping

@@ -184,7 +184,9 @@ def _tune(b: Any, say: Callable[[str], None], gen_tokens: int, max_skip: float, 
         best_case = 0.0
         if pace.rounds:
             per_round = (pace.accepted + pace.rounds) / pace.rounds
-            best_case = per_round / (1 + pace.drafted / pace.rounds * (n_layers - len(skip)) / n_layers)
+            best_case = per_round / (
+                1 + pace.drafted / pace.rounds * (n_layers - len(skip)) / n_layers
+            )
         return len(ids) / secs, len(plain_out) / plain_s, ids == plain_ids[: len(ids)], best_case
 
     for pred, skip, alpha, k in candidates:
@@ -210,8 +212,12 @@ def _tune(b: Any, say: Callable[[str], None], gen_tokens: int, max_skip: float, 
         ratios.append(rate / plain_rate)
     speedup = sorted(ratios)[len(ratios) // 2]
     row["confirmed"] = [round(r, 3) for r in ratios]
-    say(f"skip {len(skip):2d} k={k} again: " + ", ".join(f"{r:.2f}x" for r in ratios[1:])
-        + f"; median {speedup:.2f}x " + ("pays" if speedup > PAYS else f"does not beat plain by {PAYS}x"))
+    say(
+        f"skip {len(skip):2d} k={k} again: "
+        + ", ".join(f"{r:.2f}x" for r in ratios[1:])
+        + f"; median {speedup:.2f}x "
+        + ("pays" if speedup > PAYS else f"does not beat plain by {PAYS}x")
+    )
     if speedup <= PAYS:
         return plain
     return SelfConfig(skip=skip, k=k, pays=True, speedup=speedup, acceptance=row["agreement"], table=table,
