@@ -120,8 +120,9 @@ class FakeRunner(_Tokens):
                        self.step_s * tokens / self.max_batch)  # fmt: skip
         assert not skip, "the fake has no layers to skip"
         assert len({p.slot for p in pieces}) == len(pieces), "a slot appeared twice in one forward"
-        assert sum(len(p.tokens) for p in pieces) <= max(self.max_batch, len(pieces)), \
+        assert sum(len(p.tokens) for p in pieces) <= max(self.max_batch, len(pieces)), (
             "a forward was planned past max_batch"
+        )
         self.plans.append({p.slot: 0 if p.tokens[0] >= GEN else len(p.tokens) for p in pieces})
         for p in pieces:  # fail before anything changes, as a real runner's cache stays as it was
             held = self.slots[p.slot]
