@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from localllm import __version__
-from localllm.server.app import LiveResponse, read_json, scrub
+from localllm.server.http import LiveResponse, read_json, scrub
 from localllm.server.openai_api import BadRequest, Body, Parsed, _messages
 from localllm.types import Chunk, Result
 
