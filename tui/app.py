@@ -141,6 +141,27 @@ class LocalLLMApp(App):
 
         self.push_screen(ChatScreen(model, conversation_id))
 
+    def open_conversation(self, model: str, conversation_id: int) -> None:
+        """A saved conversation's chat, in place of the open chat if one is on top (it gives its
+        model back to the pool; the new one gets it from there when it needs the same model with
+        the same options)."""
+        from localllm.tui.chat_screen import ChatScreen
+
+        chat = ChatScreen(model, conversation_id)
+        if isinstance(self.screen, ChatScreen):
+            self.switch_screen(chat)
+        else:
+            self.push_screen(chat)
+
+    def back_to_models(self) -> None:
+        """Models from a chat: back to it when it is the screen below, else in the chat's place."""
+        from localllm.tui.models_screen import ModelsScreen
+
+        if isinstance(self.screen_stack[-2] if len(self.screen_stack) > 1 else None, ModelsScreen):
+            self.pop_screen()
+        else:
+            self.switch_screen(ModelsScreen())
+
     def on_unmount(self) -> None:
         if self.server is not None:
             with contextlib.suppress(Exception):

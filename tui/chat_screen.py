@@ -260,18 +260,10 @@ class ChatScreen(Screen):
         self._status(self.model_name)
 
     def action_models(self) -> None:
-        from localllm.tui.models_screen import ModelsScreen
-
-        if isinstance(self.app.screen_stack[-2] if len(self.app.screen_stack) > 1 else None,
-                      ModelsScreen):  # fmt: skip
-            self.app.pop_screen()
-        else:
-            self.app.switch_screen(ModelsScreen())
+        self.app.back_to_models()
 
     def action_conversations(self) -> None:
-        from localllm.tui.conversations_screen import ConversationsScreen
-
-        self.app.push_screen(ConversationsScreen())
+        self.app.action_show_conversations()
 
     def action_settings(self) -> None:
         from localllm.tui.settings_screen import SettingsScreen

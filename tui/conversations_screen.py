@@ -80,20 +80,12 @@ class ConversationsScreen(Screen):
         self.action_open()
 
     def action_open(self) -> None:
-        from localllm.tui.chat_screen import ChatScreen
-
         conv_id = self._selected()
         if conv_id is None:
             return
         conv = self.app.conversations.get(conv_id)
-        chat = ChatScreen(conv.model, conversation_id=conv_id)
         self.app.pop_screen()
-        # the open chat gives its model back to the app's pool; the new one gets it from there
-        # when it needs the same model with the same options
-        if isinstance(self.app.screen, ChatScreen):
-            self.app.switch_screen(chat)
-        else:
-            self.app.push_screen(chat)
+        self.app.open_conversation(conv.model, conv_id)
 
     def action_back(self) -> None:
         self.app.pop_screen()

@@ -265,9 +265,7 @@ class ModelsScreen(Screen):
             self._make_default(name)
 
     def action_conversations(self) -> None:
-        from localllm.tui.conversations_screen import ConversationsScreen
-
-        self.app.push_screen(ConversationsScreen())
+        self.app.action_show_conversations()
 
     def action_set_default(self) -> None:
         name = self._selected()
