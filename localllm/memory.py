@@ -20,15 +20,66 @@ from localllm.errors import LocalLLMError
 from localllm.gguf_file import GGML_TYPE_BY_NAME
 from localllm.model_info import ModelInfo
 
-# Cache element types: llama.cpp's ggml types by name, plus the torch engine's own
-# (`backends.torch.kvquant`): int8 and fp8 keep one f16 scale per token and head (2 bytes per
-# head, below); int4 and int2 one f16 scale and one f16 zero point per group of 64 elements.
-_TORCH_GROUP = 64
-_TORCH_KV_BYTES = {"int8": 1.0, "fp8": 1.0, "int4": 0.5 + 4 / _TORCH_GROUP,
-                   "int2": 0.25 + 4 / _TORCH_GROUP}  # fmt: skip
-_PER_HEAD_SCALE = ("int8", "fp8")
-_LLAMACPP_KV = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
-KV_CACHE_TYPES: tuple[str, ...] = _LLAMACPP_KV + tuple(_TORCH_KV_BYTES)
+
+@dataclass(frozen=True)
+class KVType:
+    """A KV-cache element type: what a token's row of it takes, and which engines have it.
+
+    `llama_cpp` and `torch` are the type's place in that engine's list (what `show`, the doctor
+    and the app print, and `--kv-cache` accepts; 0: the engine has no such cache)."""
+
+    name: str
+    block: int  # elements per block (1: unblocked)
+    block_bytes: float  # bytes per block: codes, and the block's scales and zero points
+    head_bytes: int = 0  # bytes per token and head on top of the rows (one f16 scale per head)
+    llama_cpp: int = 0
+    torch: int = 0
+
+    def row_bytes(self, n: int, heads: int = 1) -> float:
+        """Bytes for one token's row of `n` elements over `heads` heads (as ggml_row_size for
+        block types)."""
+        return -(-n // self.block) * self.block_bytes + self.head_bytes * heads
+
+
+def _ggml(name: str, **places: int) -> KVType:
+    """A ggml type, sized as ggml's type table (`gguf_file.GGML_TYPES`) has it."""
+    t = GGML_TYPE_BY_NAME[name.upper()]
+    return KVType(name, t.block_size, t.type_size, **places)
+
+
+_GROUP = 64  # elements per f16 scale and f16 zero point in the torch engine's int4 and int2
+
+# Every KV-cache type, once (engines take their lists from here: `kv_types`). llama.cpp's are
+# ggml types; the torch engine's own (`backends.torch.kvquant`) int8 and fp8 keep one f16 scale
+# per token and head, int4 and int2 a scale and a zero point per group.
+KV_TYPES: dict[str, KVType] = {t.name: t for t in (
+    #     name      place in llama.cpp's list, in torch's
+    _ggml("f16",    llama_cpp=1, torch=1),
+    _ggml("f32",    llama_cpp=2, torch=3),
+    _ggml("bf16",   llama_cpp=3, torch=2),
+    _ggml("q8_0",   llama_cpp=4),
+    _ggml("q4_0",   llama_cpp=5),
+    _ggml("q4_1",   llama_cpp=6),
+    _ggml("iq4_nl", llama_cpp=7),
+    _ggml("q5_0",   llama_cpp=8),
+    _ggml("q5_1",   llama_cpp=9),
+    KVType("int8",  1, 1, head_bytes=2, torch=4),
+    KVType("fp8",   1, 1, head_bytes=2, torch=5),
+    KVType("int4",  1, 0.5 + 4 / _GROUP, torch=6),
+    KVType("int2",  1, 0.25 + 4 / _GROUP, torch=7),
+)}  # fmt: skip
+KV_CACHE_TYPES: tuple[str, ...] = tuple(KV_TYPES)
+_ENGINES = {"llama.cpp": "llama_cpp", "torch": "torch"}  # engine name → its KVType column
+
+
+def kv_types(engine: str) -> tuple[str, ...]:
+    """The KV-cache types an engine ("llama.cpp", "torch") has, in the order it lists them."""
+    if engine not in _ENGINES:
+        raise ValueError(f"no engine {engine!r} (known: {', '.join(_ENGINES)})")
+    column = _ENGINES[engine]
+    have = [t for t in KV_TYPES.values() if getattr(t, column)]
+    return tuple(t.name for t in sorted(have, key=lambda t: getattr(t, column)))
+
 
 DEFAULT_CTX = 4096  # what `run` and `show` use unless --ctx says otherwise (capped by the model)
 LLAMACPP_CTX_PAD = 256  # llama.cpp rounds the context up to a multiple of this
@@ -53,25 +104,17 @@ def parse_kv_cache(spec: str) -> tuple[str, str]:
     return k, v
 
 
-def _row_bytes(cache_type: str, n: int, heads: int = 1) -> float:
-    """Bytes for one token's row of `n` elements over `heads` heads, as ggml_row_size does for
-    block types."""
-    if cache_type in _TORCH_KV_BYTES:
-        return n * _TORCH_KV_BYTES[cache_type] + (2 * heads if cache_type in _PER_HEAD_SCALE else 0)
-    t = GGML_TYPE_BY_NAME[cache_type.upper()]
-    return -(-n // t.block_size) * t.type_size
-
-
 def element_bytes(cache_type: str, head_dim: int = 64) -> float:
     """Bytes per cached element of a type, scales and zero points included (for one head of
     `head_dim` where a type keeps one scale per head)."""
-    return _row_bytes(cache_type, head_dim, 1) / head_dim
+    return KV_TYPES[cache_type].row_bytes(head_dim, 1) / head_dim
 
 
 def kv_bytes_per_token(info: ModelInfo, type_k: str = "f16", type_v: str = "f16") -> float:
     """What one more cached token costs, K and V over every layer: codes plus scales and zero
     points (f16: 2 bytes × 2 × layers × kv_heads × head_dim)."""
-    return sum(_row_bytes(type_k, h * info.head_dim_k, h) + _row_bytes(type_v, h * info.head_dim_v, h)
+    k, v = KV_TYPES[type_k], KV_TYPES[type_v]
+    return sum(k.row_bytes(h * info.head_dim_k, h) + v.row_bytes(h * info.head_dim_v, h)
                for h in info.kv_heads)  # fmt: skip
 
 

@@ -11,9 +11,12 @@ import pytest
 from localllm.errors import LocalLLMError
 from localllm.memory import (
     KV_CACHE_TYPES,
+    KV_TYPES,
     Available,
+    element_bytes,
     estimate,
     kv_cache_bytes,
+    kv_types,
     parse_kv_cache,
 )
 from localllm.model_info import read_model_info
@@ -121,3 +124,28 @@ def test_every_cache_type_has_a_size(default_model_path: Path) -> None:
     info = read_model_info(str(default_model_path))
     sizes = {t: kv_cache_bytes(info, 256, t, t) for t in KV_CACHE_TYPES}
     assert sizes["f32"] > sizes["f16"] > sizes["q8_0"] > sizes["q4_0"] > 0
+
+
+def test_one_table_of_kv_types() -> None:
+    """Each engine's list, in the order it prints it, comes from `KV_TYPES`; every type there
+    belongs to an engine, once in its list."""
+    assert kv_types("llama.cpp") == ("f16", "f32", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl",
+                                     "q5_0", "q5_1")  # fmt: skip
+    assert kv_types("torch") == ("f16", "bf16", "f32", "int8", "fp8", "int4", "int2")
+    engines = set(kv_types("llama.cpp")) | set(kv_types("torch"))
+    assert set(KV_CACHE_TYPES) == engines == set(KV_TYPES)
+    for column in ("llama_cpp", "torch"):
+        places = [getattr(t, column) for t in KV_TYPES.values() if getattr(t, column)]
+        assert sorted(places) == list(range(1, len(places) + 1)), column
+    with pytest.raises(ValueError, match="no engine 'vllm'"):
+        kv_types("vllm")
+
+
+@pytest.mark.parametrize(("kind", "per_element"), [("f32", 4.0), ("f16", 2.0), ("bf16", 2.0),
+                         ("q8_0", 34 / 32), ("q4_0", 18 / 32), ("iq4_nl", 18 / 32), ("q5_1", 24 / 32),
+                         ("int8", 1 + 2 / 64), ("fp8", 1 + 2 / 64), ("int4", 0.5 + 4 / 64),
+                         ("int2", 0.25 + 4 / 64)])  # fmt: skip
+def test_bytes_per_element(kind: str, per_element: float) -> None:
+    """ggml's block sizes for llama.cpp's types; the torch engine's codes plus scales (per head
+    of 64 for int8 and fp8, per group of 64 for int4 and int2)."""
+    assert element_bytes(kind, head_dim=64) == pytest.approx(per_element)
