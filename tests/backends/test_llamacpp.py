@@ -183,7 +183,9 @@ def test_streaming_policy_runs_past_the_context(corpus_dir: Path) -> None:
 
 
 def test_capabilities_refuse_clearly() -> None:
-    with pytest.raises(LocalLLMError, match="no speculative mode 'self' .*; the torch backend has it"):
+    with pytest.raises(
+        LocalLLMError, match="no speculative mode 'self' .*; the torch backend has it"
+    ):
         load("smollm2", speculative="self", backend="llama.cpp")
     with pytest.raises(LocalLLMError, match="no int4 KV cache .*; the torch backend has it"):
         load("smollm2", kv_cache="int4", backend="llama.cpp")
@@ -211,29 +213,30 @@ def test_a_prompt_batch_equals_token_by_token(default_model_path: Path) -> None:
     """The oracle that needs no other program: evaluating a prompt in one batch or one token at a
     time must give the same next-token distribution. llama.cpp's non-flash attention with an f16
     cache broke this on an AMD EPYC here (and so did every answer's first tokens). Driven through
-    the backend's own steps: one step of the whole prompt, or one step per token."""
-    from localllm.backends.base import Seq
-    from localllm.backends.llamacpp import LlamaCppBackend
+    the runner's own forward pass: one piece of the whole prompt, or one piece per token."""
+    from localllm.backends.base import Piece
+    from localllm.backends.llamacpp import LlamaCppRunner
+    from localllm.engine.sampling import logprobs
 
     prompt = "<|im_start|>user\nSay hello<|im_end|>\n<|im_start|>assistant\n"
-    b = LlamaCppBackend(default_model_path, n_ctx=256)
+    r = LlamaCppRunner(default_model_path, n_ctx=256)
     try:
-        ids = b.tokenize(prompt, add_special=False)
+        ids = r.tokenize(prompt, add_special=False)
+        assert 1 < len(ids) <= r.max_batch  # one piece is one batch
 
-        def first_token(per_step: int):  # noqa: ANN202
-            seq = Seq(ids, SamplingParams(temperature=0, logprobs=20))
-            assert b.admit(seq) == 0
-            got: dict = {}
-            while seq not in got:
-                got = b.step({seq: per_step})
-            b.release(seq, keep=False)
-            return got[seq][0]
+        def first_token(per_piece: int) -> tuple[int, dict[int, float]]:
+            """The greedy first token and the 20 likeliest tokens' logprobs after the prompt."""
+            r.clear(0)
+            for i in range(0, len(ids), per_piece):
+                row = r.forward([Piece(0, ids[i : i + per_piece], 1)]).logits[0]
+            assert r.held(0) == len(ids)
+            token = int(row.argmax())
+            return token, dict(logprobs(row, token, 20)[1])
 
-        batch, single = first_token(len(ids)), first_token(1)
+        (batch, top_b), (single, top_s) = first_token(len(ids)), first_token(1)
     finally:
-        b.close()
-    assert batch.token == single.token
-    top_b, top_s = dict(batch.top), dict(single.top)  # the 20 likeliest: token -> logprob
+        r.close()
+    assert batch == single
     common = top_b.keys() & top_s.keys()
     assert len(common) >= 15
     scale = max(1.0, max(abs(v) for v in top_s.values()))

@@ -1,9 +1,13 @@
-"""Continuous batching in the llama.cpp backend: several sequences per `llama_decode`, on SmolLM2.
+"""Continuous batching over the llama.cpp runner: several sequences per `llama_decode`, on SmolLM2.
 
-What one sequence gets must not depend on who shares its batches: outputs equal solo runs, a long
-prompt's prefill does not stall running streams, slots free on cancel and keep their caches for
-the next prompt sharing a prefix, and a StreamingLLM shift touches only its own sequence.
-Nothing here measures speed: counts and equalities only (bench/engine_batching.py has the numbers).
+The engine schedules (`localllm.engine`: slots, chunked prefill, sampling); the runner evaluates
+every slot's piece of a step in one `forward`. What one sequence gets must not depend on who
+shares its batches: outputs equal solo runs, decode rows are bit for bit the same alone or
+batched, a seed draws the same tokens beside other requests, a long prompt's prefill does not stall
+running streams, slots free on cancel and keep their caches for the next prompt sharing a prefix,
+a StreamingLLM shift touches only its own sequence, and a refused forward leaves every slot as it
+was. Nothing here measures speed: counts and equalities only (bench/engine_batching.py has the
+numbers).
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from localllm.backends.base import Seq
+from localllm.backends.base import Piece
 from localllm.engine import Model, Stream, load
 from localllm.errors import LocalLLMError
 from localllm.types import ContextPolicy, Request, Result, SamplingParams
@@ -87,6 +92,22 @@ def wait_until(predicate, what: str, timeout: float = TIMEOUT) -> None:  # noqa:
         time.sleep(0.005)
 
 
+def idle(model: Model) -> None:
+    """Wait until every slot is free: a result reaches its consumer just before the scheduler
+    thread releases its slot (the answer first), so a slot still busy after that is a leak."""
+    wait_until(lambda: not any(s.busy for s in model.slots.all), "every slot is free", timeout=30)
+
+
+def fresh(model: Model) -> None:
+    """Forget every cache: the free slots' and the prefix cache's (the next prompts are
+    evaluated afresh, not restored)."""
+    idle(model)
+    if model.prefix_cache is not None:
+        model.prefix_cache.clear()
+    model.drop_caches()
+    assert all(not s.tokens and model.runner.held(s.sid) == 0 for s in model.slots.all)
+
+
 NEAR_TIE = 0.5  # nats between the top two tokens; see the test below
 
 
@@ -125,9 +146,10 @@ def test_eight_concurrent_greedy_requests_equal_their_solo_runs(model: Model,
     requests = [r.with_sampling(logprobs=2) for r in requests]
     assert len(model.tokenize(text)) > 200
     solo = [Watch(model.submit(r)).result() for r in requests]
-    model.backend.drop_caches()  # the concurrent run evaluates every prompt afresh
+    fresh(model)  # the concurrent run evaluates every prompt afresh
     watches = [Watch(model.submit(r)) for r in requests]
     together = [w.result() for w in watches]
+    assert [r.usage.cached_tokens for r in together[:4]] == [0] * 4  # they took empty slots
     for r, a, b in zip(requests, solo, together):
         k = first_difference(a, b)
         if k is None:
@@ -135,40 +157,88 @@ def test_eight_concurrent_greedy_requests_equal_their_solo_runs(model: Model,
         else:  # the run that went on has the logprobs of the parting position
             m = margin(a, k) if k < len(a.token_ids) else margin(b, k)
             assert m < NEAR_TIE, (r, k, m)
-    assert model.backend.busy == 0
+    idle(model)
 
 
 def test_decode_is_batch_invariant(model: Model) -> None:
-    """Four sequences prefilled alike, then decoded alone or all in one batch: the same logits,
+    """Four sequences prefilled alike, then decoded alone or all in one forward: the same logits,
     bit for bit (llama.cpp evaluates the batch's decode tokens in one pass over each sequence's own
-    cells). Driven on the backend directly, between the engine's steps: it is idle here."""
-    b = model.backend
+    cells). Driven on the runner directly, between the engine's steps (`run_here`: every slot
+    free)."""
     prompts = [*LONG_RUNNERS, "def fibonacci(n):"]
-    b.drop_caches()
 
-    def seq(p: str) -> Seq:
-        return Seq(b.tokenize(p), greedy(None, logprobs=5))
-
-    def decode(seqs: list[Seq], together: bool, n: int = 10) -> list[list[tuple]]:
-        out: dict[Seq, list[tuple]] = {s: [] for s in seqs}
-        for s in seqs:
-            assert b.admit(s) == 0
-            st = b.step({s: len(s.ids)})[s][0]
-            out[s].append((st.token, st.logprob, st.top))
+    def decode(together: bool, n: int = 10) -> list[list[np.ndarray]]:
+        r = model.runner
+        out: list[list[np.ndarray]] = []
+        for sid, p in enumerate(prompts):  # each prompt alone, as the engine prefills it
+            r.clear(sid)
+            ids = r.tokenize(p)
+            r.forward([Piece(sid, ids[:-1], 0)])
+            out.append([r.forward([Piece(sid, ids[-1:], 1)]).logits[0]])
         for _ in range(n):
-            groups = [seqs] if together else [[s] for s in seqs]
+            pieces = [Piece(sid, [int(rows[-1].argmax())], 1) for sid, rows in enumerate(out)]
+            groups = [pieces] if together else [[p] for p in pieces]
             for g in groups:
-                got = b.step({s: 0 for s in g})
-                for s in g:
-                    st = got[s][0]
-                    out[s].append((st.token, st.logprob, st.top))
-        for s in seqs:
-            b.release(s, keep=False)
-        return [out[s] for s in seqs]
+                got = r.forward(g).logits
+                assert got.shape == (len(g), r.n_vocab)
+                for p, row in zip(g, got):
+                    out[p.slot].append(row.copy())
+        for sid in range(len(prompts)):
+            r.clear(sid)
+        return out
 
-    alone = decode([seq(p) for p in prompts], together=False)
-    batched = decode([seq(p) for p in prompts], together=True)
-    assert alone == batched
+    alone = model.run_here(lambda: decode(together=False))
+    batched = model.run_here(lambda: decode(together=True))
+    for a, b in zip(alone, batched):
+        assert [int(x.argmax()) for x in a] == [int(x.argmax()) for x in b]
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_single_token_prompts_decode_alone_or_together_alike(model: Model) -> None:
+    """The same through the engine: prompts of one token have no prompt body to batch, so every
+    piece of every step is one token, and four requests together give exactly their solo runs:
+    the same tokens and the same logprobs (and the same top five) at every position."""
+    prompts = ["Once", "The", "def", "Chapter"]
+    assert all(len(model.tokenize(p)) == 1 for p in prompts)
+    requests = [Request(prompt=p, sampling=greedy(24, logprobs=5, ignore_eos=True))
+                for p in prompts]  # fmt: skip
+    fresh(model)
+    solo = [Watch(model.submit(r)).result() for r in requests]
+    watches = [Watch(model.submit(r)) for r in requests]
+    together = [w.result() for w in watches]
+    for a, b in zip(solo, together):
+        assert a.usage.completion_tokens == b.usage.completion_tokens == 24
+        assert b.token_ids == a.token_ids and b.text == a.text
+        assert b.logprobs == a.logprobs
+    idle(model)
+
+
+def test_a_seed_draws_the_same_tokens_beside_other_requests(model: Model) -> None:
+    """A sampled request's seed fixes its own generator (the engine's sampler, PCG64): the same
+    seed gives the same tokens twice alone, and again while three other requests stream beside
+    it; another seed gives others. (llama.cpp's own sampler chain is not used: it is not what a
+    seed means here, see localllm/engine/sampling.py; greedy answers keep llama-cpp-python's
+    `Llama` as their oracle, tests/backends/test_llamacpp.py.)"""
+    seeded = Request(prompt="The weather today",
+                     sampling=SamplingParams(temperature=0.9, seed=7, max_tokens=24))  # fmt: skip
+    other = Request(prompt="The weather today",
+                    sampling=SamplingParams(temperature=0.9, seed=8, max_tokens=24))  # fmt: skip
+    a = Watch(model.submit(seeded)).result()
+    b = Watch(model.submit(seeded)).result()
+    c = Watch(model.submit(other)).result()
+    assert a.usage.completion_tokens == 24 or a.finish_reason == "stop"
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+    runners = [Watch(model.submit(Request(prompt=p, sampling=greedy(None)))) for p in LONG_RUNNERS]
+    wait_until(lambda: all(len(w.arrivals) >= 2 for w in runners), "the streams run")
+    t0 = time.perf_counter()
+    got = Watch(model.submit(seeded)).result()
+    t1 = time.perf_counter()
+    assert all(w.tokens_between(t0, t1) > 0 for w in runners)  # they streamed beside it
+    for w in runners:
+        w.stream.cancel()
+    assert all(w.result().finish_reason == "cancelled" for w in runners)
+    assert got.token_ids == a.token_ids and got.text == a.text
+    idle(model)
 
 
 def test_cancelling_frees_slots_for_waiting_requests(model: Model) -> None:
@@ -181,26 +251,48 @@ def test_cancelling_frees_slots_for_waiting_requests(model: Model) -> None:
     assert [r.finish_reason for r in results[:3]] == ["cancelled"] * 3
     assert all(r.usage.completion_tokens < 48 for r in results[:3])
     assert all(r.finish_reason == "length" and r.usage.completion_tokens == 48 for r in results[3:])
-    assert model.backend.busy == 0
+    idle(model)
     again = [Watch(model.submit(Request(prompt=p, sampling=greedy(4)))) for p in LONG_RUNNERS * 2]
     assert all(w.result().usage.completion_tokens == 4 for w in again)
 
 
 def test_prefix_reuse_per_slot(model: Model) -> None:
-    """A repeated chat reuses its prompt; another chat in between (sharing only the template's
-    preamble) takes another slot and leaves that cache alone; a follow-up turn reuses the turn before."""
+    """A repeated chat reuses its prompt from its own slot; another chat in between (sharing only
+    the template's preamble) takes another slot and leaves that cache alone; a follow-up turn
+    reuses the turn before (the engine's slot policy, `localllm.engine.slots`)."""
     a = [{"role": "user", "content": "Tell me about whales."}]
     b = [{"role": "user", "content": "Tell me about the moon."}]
-    model.backend.drop_caches()
+    fresh(model)
+
+    def held() -> dict[int, list[int]]:
+        """What each slot holds (the engine's record), checked against the runner's cache."""
+        idle(model)
+        for s in model.slots.all:
+            assert s.exact and model.runner.held(s.sid) == len(s.tokens)
+        return {s.sid: list(s.tokens) for s in model.slots.all if s.tokens}
+
     first = model.chat(a, max_tokens=8, temperature=0)
+    after_a = held()
+    assert len(after_a) == 1 and first.usage.cached_tokens == 0
+    (slot_a,) = after_a
     model.chat(b, max_tokens=8, temperature=0)
+    after_b = held()
+    assert len(after_b) == 2 and after_b[slot_a] == after_a[slot_a]  # b took another slot
     again = model.chat(a, max_tokens=8, temperature=0)
     assert 0 < again.usage.cached_tokens == again.usage.prompt_tokens - 1
     assert again.text == first.text
+    after_again = held()
+    assert after_again == after_b  # the same tokens again, in the same slot; b's left alone
     follow = a + [{"role": "assistant", "content": first.text},
                   {"role": "user", "content": "And dolphins?"}]  # fmt: skip
     turn = model.chat(follow, max_tokens=4, temperature=0)
     assert turn.usage.cached_tokens >= first.usage.prompt_tokens
+    after_turn = held()  # the turn continued a's slot
+    n = turn.usage.cached_tokens
+    assert after_turn[slot_a][:n] == after_a[slot_a][:n] and len(after_turn[slot_a]) > n
+    assert {k: v for k, v in after_turn.items() if k != slot_a} == {
+        k: v for k, v in after_b.items() if k != slot_a
+    }
 
 
 @pytest.mark.parametrize("n_long", [800, pytest.param(4000, marks=pytest.mark.slow)])
@@ -250,35 +342,45 @@ def test_a_shifting_sequence_leaves_its_neighbour_alone(corpus_dir: Path) -> Non
 
 
 def test_a_failed_decode_leaves_the_slots_consistent(default_model_path: Path) -> None:
-    """llama_decode refusing a prompt (here: a token id past the vocabulary) is one LocalLLMError;
-    the decoding sequence that shared the step continues exactly as if nothing happened."""
-    from localllm.backends.llamacpp import LlamaCppBackend
+    """A forward the runner refuses (here: one piece's token id past the vocabulary) is one
+    LocalLLMError; neither slot's cache changes, and the decoding sequence that shared the call,
+    and the prompt beside it, continue exactly as if it never happened: the same logits, bit for
+    bit, as a run without it."""
+    from localllm.backends.llamacpp import LlamaCppRunner
 
-    b = LlamaCppBackend(default_model_path, n_ctx=256, n_slots=2)
+    r = LlamaCppRunner(default_model_path, n_ctx=256, n_slots=2, n_gpu_layers=0)
     try:
-        ids = b.tokenize("Once upon a time")
+        ids = r.tokenize("Once upon a time")
 
-        def run(seq: Seq, n: int) -> list[int]:
-            out = [b.step({seq: len(seq.ids)})[seq][0].token]
-            while len(out) < n:
-                out.append(b.step({seq: 0})[seq][0].token)
-            return out
+        def start(slot: int) -> np.ndarray:
+            """The prompt as the engine evaluates it (its last token alone); its logits."""
+            r.forward([Piece(slot, ids[:-1], 0)])
+            return r.forward([Piece(slot, ids[-1:], 1)]).logits[0]
 
-        ref = Seq(ids, greedy(None))
-        b.admit(ref)
-        want = run(ref, 6)
-        b.release(ref, keep=False)
+        def run(slot: int, rows: list[np.ndarray], n: int) -> list[np.ndarray]:
+            while len(rows) < n:
+                rows.append(r.forward([Piece(slot, [int(rows[-1].argmax())], 1)]).logits[0])
+            return rows
 
-        good, bad = Seq(ids, greedy(None)), Seq([*ids, b._n_vocab + 7], greedy(None))
-        assert b.admit(good) == 0 and b.admit(bad) == 0
-        got = run(good, 3)
-        with pytest.raises(LocalLLMError, match="llama_decode"):
-            b.step({good: 0, bad: len(bad.ids)})
-        b.release(bad, keep=False)
-        while len(got) < 6:
-            got.append(b.step({good: 0})[good][0].token)
-        assert got == want
-        b.release(good)
-        assert b.busy == 0
+        want = run(0, [start(0)], 6)  # the reference: alone, nothing refused
+        r.clear(0)
+
+        got = run(0, [start(0)], 3)  # slot 0 decodes
+        r.forward([Piece(1, ids[:-1], 0)])  # slot 1's prompt is under way
+        before = (r.held(0), r.held(1))
+        assert before == (len(ids) + 2, len(ids) - 1)
+        with pytest.raises(LocalLLMError, match="vocabulary"):
+            r.forward([Piece(0, [int(got[-1].argmax())], 1),
+                       Piece(1, [ids[-1], r.n_vocab + 7], 1)])  # fmt: skip
+        assert (r.held(0), r.held(1)) == before
+        run(0, got, 6)
+        assert [int(x.argmax()) for x in got] == [int(x.argmax()) for x in want]
+        assert all(np.array_equal(x, y) for x, y in zip(got, want))
+        # the prompt beside it goes on too: its first logits are the reference's
+        first = r.forward([Piece(1, ids[-1:], 1)]).logits[0]
+        assert np.array_equal(first, want[0]) and r.held(1) == len(ids)
+        # and a good forward of both slots at once still works
+        both = r.forward([Piece(0, [int(got[-1].argmax())], 1), Piece(1, [int(first.argmax())], 1)])
+        assert both.logits.shape == (2, r.n_vocab) and np.array_equal(both.logits[1], want[1])
     finally:
-        b.close()
+        r.close()
