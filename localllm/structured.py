@@ -2,11 +2,12 @@
 
 We do not write a grammar engine: llguidance (Microsoft's, the one llama.cpp and vLLM use) compiles
 a JSON schema or a Lark grammar and, at each step, says which tokens may come next. This module
-turns a `Request` into a grammar (`grammar_for`), a backend's vocabulary into llguidance's
-tokenizer (`vocabulary`, built once per backend), and gives each constrained sequence a
-`Constraint`: `allowed()` before sampling (a boolean mask over the vocabulary; the backend sets
-every other logit to -inf), `consume(token)` after. Both engines sample through the same masks,
-so `response_format` and `tool_choice` mean the same thing on each.
+turns a `Request` into a grammar (`grammar_for`), a runner's vocabulary into llguidance's
+tokenizer (`vocabulary`, built once per runner), and gives each constrained sequence a
+`Constraint`: `mask_numpy(row)` before sampling (every logit the grammar forbids becomes -inf;
+the engine's one mask site, on the numpy rows every runner returns), `consume(token)` after. Every
+runner samples through the same masks and the same sampler, so `response_format` and
+`tool_choice` mean the same thing on each.
 
 - `json_object`: any JSON object. `json_schema`: that schema (llguidance's JSON Schema support:
   nested objects, arrays, enums, numbers with bounds, required/optional, `additionalProperties`).
@@ -83,24 +84,28 @@ def grammar_for(request: Request) -> str | None:
     grammar = llg.LLMatcher.grammar_from_json_schema(_compact(schema))
     failed, said = llg.LLMatcher.validate_grammar_with_warnings(grammar)
     if failed:
-        raise LocalLLMError(f"the JSON schema cannot be enforced: {said[0] if said else 'invalid'}"[:500])
+        raise LocalLLMError(
+            f"the JSON schema cannot be enforced: {said[0] if said else 'invalid'}"[:500]
+        )
     return grammar
 
 
 class Vocabulary:
-    """A backend's tokens as llguidance sees them (built once per loaded model: ~0.3 s for 49k)."""
+    """A runner's tokens as llguidance sees them (built once per loaded model: ~0.3 s for 49k)."""
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, runner: Any) -> None:
         llg = _llguidance()
-        n = int(backend.n_vocab)
+        n = int(runner.n_vocab)
         tokens = []
         for t in range(n):
-            piece = backend.token_bytes(t)
+            piece = runner.token_bytes(t)
             # control tokens have no text: llguidance marks special tokens with a 0xFF byte
             tokens.append(piece if piece else b"\xff<|%d|>" % t)
-        ends = [t for t in range(n) if backend.is_end(t)]
+        ends = [t for t in range(n) if runner.is_end(t)]
         if not ends:
-            raise Unsupported("the model has no end-of-generation token, so output cannot be constrained")
+            raise Unsupported(
+                "the model has no end-of-generation token, so output cannot be constrained"
+            )
 
         class _Tokens:
             eos_token_id = ends[0]
@@ -113,18 +118,18 @@ class Vocabulary:
             def __call__(self, text: str | bytes) -> list[int]:
                 if isinstance(text, bytes):
                     text = text.decode("utf-8", "replace")
-                return backend.tokenize(text, add_special=False)
+                return runner.tokenize(text, add_special=False)
 
         self.n_vocab = n
         self.tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(_Tokens()), eos_token=ends)
 
 
-def vocabulary(backend: Any) -> Vocabulary:
-    inner = getattr(backend, "inner", backend)  # OneSlot wraps simple backends
+def vocabulary(runner: Any) -> Vocabulary:
+    """The runner's vocabulary for llguidance, built on first use and kept while the runner lives."""
     with _lock:
-        v = _vocabularies.get(inner)
+        v = _vocabularies.get(runner)
         if v is None:
-            v = _vocabularies[inner] = Vocabulary(inner)
+            v = _vocabularies[runner] = Vocabulary(runner)
         return v
 
 
@@ -147,32 +152,28 @@ class Constraint:
         bits = np.frombuffer(self.matcher.compute_bitmask(), np.uint8)
         mask = np.unpackbits(bits, bitorder="little")[: self.n_vocab].astype(bool)
         if not mask.any():
-            raise LocalLLMError(f"constrained decoding reached a dead end: {self.matcher.get_error() or 'no token fits'}")
+            raise LocalLLMError(
+                f"constrained decoding reached a dead end: {self.matcher.get_error() or 'no token fits'}"
+            )
         return mask
 
     def mask_numpy(self, logits: Any) -> None:
-        """Set every logit a token may not take to -inf, in place (a llama.cpp logits row)."""
+        """Set every logit a token may not take to -inf, in place (a runner's row (V,); V may
+        exceed the tokenizer's vocabulary, whose extra rows are never allowed)."""
         np = self._np
         allowed = self.allowed()
         n = min(len(logits), self.n_vocab)
         logits[:n][~allowed[:n]] = -np.inf
         logits[n:] = -np.inf
 
-    def mask_torch(self, logits: Any) -> Any:
-        """The same for a torch row (V,): returns the masked row."""
-        import torch
-
-        allowed = torch.from_numpy(self.allowed()).to(logits.device)
-        n = min(logits.shape[-1], self.n_vocab)
-        out = torch.full_like(logits, float("-inf"))
-        out[:n] = logits[:n].masked_fill(~allowed[:n], float("-inf"))
-        return out
-
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(int(token)):
-            raise LocalLLMError(f"constrained decoding rejected token {token}: {self.matcher.get_error()}"[:500])
+            raise LocalLLMError(
+                f"constrained decoding rejected token {token}: {self.matcher.get_error()}"[:500]
+            )
 
 
-def constraint_for(backend: Any, request: Request) -> Constraint | None:
+def constraint_for(runner: Any, request: Request) -> Constraint | None:
+    """The request's grammar state on this runner's vocabulary; None when it asks for none."""
     grammar = grammar_for(request)
-    return None if grammar is None else Constraint(vocabulary(backend), grammar)
+    return None if grammar is None else Constraint(vocabulary(runner), grammar)
