@@ -186,6 +186,11 @@ class LoadOptions:
     def context(self) -> ContextPolicy:
         return ContextPolicy.parse(self.streaming)
 
+    @property
+    def speculative_mode(self) -> str:
+        """off, lookup, self or draft (what `Capabilities.speculative` lists)."""
+        return speculative_mode(self.speculative)
+
     def replace(self, **kw: Any) -> LoadOptions:
         return replace(self, **kw)
 

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from localllm.errors import LocalLLMError, ModelNotFound, StoreError
+from localllm.home import default_home
 from localllm.model_check import read_checked_info
 from localllm.model_info import ModelInfo, human_bytes
 from localllm.models_registry.names import DEFAULT_TAG, check_digest, parse_name
@@ -48,16 +49,6 @@ INDEX_VERSION = 1
 _TMP = re.compile(r"\.tmp-([0-9]+)-[0-9a-f]+$")  # what `temp_path` names; `gc` parses it back
 _CHUNK = 1 << 20
 SPACE_MARGIN = 64 << 20  # keep this much free beyond what a write needs
-
-
-def default_home() -> Path:
-    """`$LOCALLLM_HOME`, else the platform's user data folder for localllm."""
-    env = os.environ.get("LOCALLLM_HOME")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_data_dir("localllm", appauthor=False))
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from localllm.errors import BackendUnavailable, LocalLLMError
+from localllm.memory import kv_types
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -72,10 +73,8 @@ class BackendSpec:
 
 # -- llama.cpp -------------------------------------------------------------------------------
 
-LLAMACPP_KV_TYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
-
 LLAMACPP = Capabilities(
-    kv_cache_types=LLAMACPP_KV_TYPES,
+    kv_cache_types=kv_types("llama.cpp"),
     streaming=True,
     speculative=("off", "lookup", "draft"),
     batching=True,
@@ -110,7 +109,7 @@ TORCH_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_
                       "Q6_K")  # fmt: skip
 
 TORCH = Capabilities(
-    kv_cache_types=("f16", "bf16", "f32", "int8", "fp8", "int4", "int2"),
+    kv_cache_types=kv_types("torch"),
     streaming=True,
     speculative=("off", "lookup", "self", "draft"),
     batching=True,
@@ -237,7 +236,6 @@ def check_options(options: LoadOptions, caps: Capabilities, backend: str) -> Non
     """Every load option the backend lacks is one `Unsupported` line, before anything loads."""
     from localllm.errors import Unsupported
     from localllm.memory import parse_kv_cache
-    from localllm.types import speculative_mode
 
     def no(what: str, has: Sequence[str] | None = None,
            elsewhere: Callable[[Capabilities], bool] | None = None) -> Unsupported:  # fmt: skip
@@ -258,7 +256,7 @@ def check_options(options: LoadOptions, caps: Capabilities, backend: str) -> Non
         if kind not in caps.eviction:
             raise no(f"{kind} eviction (--evict)", caps.eviction or ("none",),
                      lambda c: kind in c.eviction)  # fmt: skip
-    mode = speculative_mode(options.speculative)
+    mode = options.speculative_mode
     if mode not in caps.speculative:
         raise no(f"speculative mode {mode!r}", caps.speculative, lambda c: mode in c.speculative)
     if options.device not in ("auto", *caps.devices):

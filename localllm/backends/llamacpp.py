@@ -25,25 +25,15 @@ from typing import Any
 import numpy as np
 
 from localllm.backends import LLAMACPP as CAPABILITIES
-from localllm.backends import LLAMACPP_KV_TYPES
 from localllm.backends.base import Forward, Piece
 from localllm.chat import template_for
 from localllm.errors import ContextOverflow, LocalLLMError
-from localllm.memory import parse_kv_cache
+from localllm.gguf_file import GGML_TYPE_BY_NAME
+from localllm.home import default_home
+from localllm.memory import kv_types, parse_kv_cache
 from localllm.types import ContextPolicy
 
-_GGML_TYPE = {
-    "f32": 0,
-    "f16": 1,
-    "q4_0": 2,
-    "q4_1": 3,
-    "q5_0": 6,
-    "q5_1": 7,
-    "q8_0": 8,
-    "iq4_nl": 20,
-    "bf16": 30,
-}
-assert set(_GGML_TYPE) == set(LLAMACPP_KV_TYPES)
+_GGML_TYPE = {t: GGML_TYPE_BY_NAME[t.upper()].id for t in kv_types("llama.cpp")}  # name -> ggml id
 
 
 def open_runner(path: str | Path, options: Any, *, name: str, digest: str,
@@ -79,19 +69,8 @@ _recent: collections.deque[tuple[int, int, str]] = collections.deque(
 _LEVELS = {0: "NONE", 1: "DEBUG", 2: "INFO", 3: "WARN", 4: "ERROR"}  # ggml_log_level; 5 = CONT
 
 
-def _store_home() -> Path:
-    """The store's folder, by the rule `localllm.models_registry.store.default_home` follows
-    (`$LOCALLLM_HOME`, else the platform's user data folder): a runner imports no registry."""
-    env = os.environ.get("LOCALLLM_HOME")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_data_dir("localllm", appauthor=False))
-
-
 def log_path() -> Path:
-    return _store_home() / LOG_FILE
+    return default_home() / LOG_FILE
 
 
 def _open_log():  # noqa: ANN202

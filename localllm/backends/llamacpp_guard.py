@@ -133,7 +133,7 @@ def library_key() -> str | None:
 def _home(home: str | os.PathLike[str] | None) -> Path:
     if home is not None:
         return Path(home)
-    from localllm.models_registry.store import default_home
+    from localllm.home import default_home
 
     return default_home()
 
