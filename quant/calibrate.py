@@ -10,6 +10,7 @@ attn_q, attn_k and attn_v share one vector, as ffn_gate and ffn_up do (llama.cpp
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,48 +46,42 @@ def collect_imatrix(path: str | Path, text: str, *, tokens: int = DEFAULT_TOKENS
                     progress: Callable[[int, int], None] | None = None) -> dict[str, np.ndarray]:  # fmt: skip
     """Tensor name → mean squared activation of each input column over the first `tokens`
     tokens of `text` (float32, one value per column)."""
-    try:
-        import torch
-    except ImportError:
-        raise LocalLLMError("--calibrate runs the torch engine: pip install 'localllm[torch]'") from None
-    from localllm.backends.torch.backend import TorchBackend, on_compute_thread
+    if importlib.util.find_spec("torch") is None:
+        raise LocalLLMError("--calibrate runs the torch engine: pip install 'localllm[torch]'")
+    from localllm.backends.base import Piece
+    from localllm.backends.torch.runner import TorchRunner
     from localllm.gguf_file import read_gguf
 
     tied = "output.weight" not in read_gguf(path).tensors
-    backend = TorchBackend(path, n_ctx=CHUNK, n_slots=1, dtype="f32", device="cpu")
-    ids = backend.tokenize(text, add_special=False)[:tokens]
+    runner = TorchRunner(path, n_ctx=CHUNK, n_slots=1, max_batch=CHUNK, dtype="f32", device="cpu")
+    ids = runner.tokenize(text, add_special=False)[:tokens]
     if len(ids) < 2:
+        runner.close()
         raise LocalLLMError("the calibration text has fewer than 2 tokens")
     sums: dict[Any, Any] = {}
     counts: dict[Any, int] = {}
-    targets = _targets(backend.model, tied)
+    targets = _targets(runner.model, tied)
 
     def hook(module: Any, args: tuple[Any, ...]) -> None:
         x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
         sums[module] = sums.get(module, 0) + (x * x).sum(0)
         counts[module] = counts.get(module, 0) + x.shape[0]
 
-    @on_compute_thread
-    @torch.inference_mode()
-    def run() -> None:
-        handles = [m.register_forward_pre_hook(hook) for m in targets]
-        try:
-            bos = [backend.tokenizer.bos_id] if (backend.tokenizer.bos_id or -1) >= 0 else []
-            size = backend.n_ctx - len(bos)  # CHUNK, or the model's context when shorter
-            for start in range(0, len(ids), size):
-                chunk = bos + ids[start : start + size]
-                h = backend.model(torch.tensor([chunk]), [backend.new_caches()])
-                backend.model.logits(h)  # the output head reads every position too
-                if progress is not None:
-                    progress(min(start + size, len(ids)), len(ids))
-        finally:
-            for handle in handles:
-                handle.remove()
-
+    handles = [m.register_forward_pre_hook(hook) for m in targets]
     try:
-        run()
+        bos = [runner.tokenizer.bos_id] if (runner.tokenizer.bos_id or -1) >= 0 else []
+        size = runner.n_ctx - len(bos)  # CHUNK, or the model's context when shorter
+        for start in range(0, len(ids), size):
+            chunk = bos + ids[start : start + size]
+            runner.clear(0)  # fresh caches for every chunk
+            # every position's logits: the output head reads every position too
+            runner.forward([Piece(0, chunk, len(chunk))])
+            if progress is not None:
+                progress(min(start + size, len(ids)), len(ids))
     finally:
-        backend.close()
+        for handle in handles:
+            handle.remove()
+        runner.close()
     out: dict[str, np.ndarray] = {}
     for module, names in targets.items():
         if module in sums:

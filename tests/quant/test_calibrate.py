@@ -18,7 +18,7 @@ def test_imatrix_is_the_mean_squared_input_of_each_matrix(tiny_llama: Path, corp
     need("torch", "pip install -e '.[dev]'")
     import torch
 
-    from localllm.backends.torch.backend import TorchBackend
+    from localllm.backends.torch.runner import TorchRunner
     from localllm.quant.calibrate import collect_imatrix
 
     text = (corpus_dir / "alice.txt").read_text()[:3000]
@@ -31,7 +31,7 @@ def test_imatrix_is_the_mean_squared_input_of_each_matrix(tiny_llama: Path, corp
         assert v.shape == (cols,) and v.dtype == np.float32 and (v >= 0).all() and v.max() > 0, name
     assert np.array_equal(imatrix["blk.0.attn_q.weight"], imatrix["blk.0.attn_v.weight"])
     # the output head reads the final normed hidden states: their mean square per column
-    be = TorchBackend(tiny_llama, n_ctx=512, dtype="f32", device="cpu")
+    be = TorchRunner(tiny_llama, n_ctx=512, dtype="f32", device="cpu")
     ids = be.tokenize(text, add_special=False)[:200]
     bos = [be.tokenizer.bos_id] if (be.tokenizer.bos_id or -1) >= 0 else []
     with torch.inference_mode():

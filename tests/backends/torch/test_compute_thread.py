@@ -1,4 +1,4 @@
-"""All of the torch engine's work runs on one thread (`backend.on_compute_thread`): OpenMP gives each
+"""All of the torch runner's work runs on one thread (`runner.on_compute_thread`): OpenMP gives each
 thread that starts parallel work its own team, and two teams on the same cores slowed decoding by half."""
 
 from __future__ import annotations
@@ -13,20 +13,20 @@ from conftest import need
 
 need("torch", "pip install -e '.[dev]' (torch: pip install torch==2.13.0 first)")
 
-from localllm.backends.torch import backend  # noqa: E402
+from localllm.backends.torch import runner  # noqa: E402
 
 
-@backend.on_compute_thread
+@runner.on_compute_thread
 def where() -> str:
     return threading.current_thread().name
 
 
-@backend.on_compute_thread
+@runner.on_compute_thread
 def nested() -> tuple[str, str]:
     return threading.current_thread().name, where()  # no deadlock: already on the thread
 
 
-@backend.on_compute_thread
+@runner.on_compute_thread
 def fails() -> None:
     raise ValueError("raised on the torch thread")
 
@@ -59,28 +59,39 @@ def test_a_forked_child_gets_its_own_thread() -> None:
     assert os.waitstatus_to_exitcode(status) == 0
 
 
-def test_the_backend_loads_and_steps_there(default_model_path, monkeypatch) -> None:  # noqa: ANN001
-    """Model loading and every step run on the torch thread, whichever thread calls."""
-    from localllm.engine import Model
-
-    seen: list[str] = []
-    real = backend.TorchBackend._forward
-
-    def forward(self, *a):  # noqa: ANN001, ANN202
-        seen.append(threading.current_thread().name)
-        return real(self, *a)
-
-    monkeypatch.setattr(backend.TorchBackend, "_forward", forward)
+def test_the_runner_loads_and_evaluates_there(default_model_path) -> None:  # noqa: ANN001
+    """Model loading, every forward pass, trim and clear run on the torch thread, whichever
+    thread calls."""
+    from localllm.backends.base import Piece
     from localllm.backends.torch import models
 
+    seen: list[str] = []
+
+    def record(fn):  # noqa: ANN001, ANN202
+        def wrapped(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+            seen.append(threading.current_thread().name)
+            return fn(*a, **kw)
+
+        return wrapped
+
     real_build = models.build_model
+    models.build_model = record(real_build)
+    try:
+        r = runner.TorchRunner(default_model_path, n_ctx=64, dtype="f32", device="cpu")
+    finally:
+        models.build_model = real_build
+    r.model.forward = record(r.model.forward)
+    done: list[object] = []
 
-    def build(*a, **kw):  # noqa: ANN002, ANN003, ANN202
-        seen.append(threading.current_thread().name)
-        return real_build(*a, **kw)
+    def use() -> None:
+        f = r.forward([Piece(0, r.tokenize("Hello"), 1)])
+        r.forward([Piece(0, [int(f.logits[0].argmax())], 1)])
+        done.append(r.trim(0, 1))
+        r.clear(0)
 
-    monkeypatch.setattr(models, "build_model", build)
-    b = backend.TorchBackend(default_model_path, n_ctx=64, dtype="f32", device="cpu")
-    with Model(b, "smollm2") as m:
-        assert m.complete("Hello", max_tokens=3, temperature=0).text is not None
+    t = threading.Thread(target=use)
+    t.start()
+    t.join()
+    assert done == [True] and r.held(0) == 0
     assert len(seen) >= 3 and set(seen) == {where()}, seen
+    r.close()

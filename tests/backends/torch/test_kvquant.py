@@ -1,5 +1,5 @@
 """Quantized KV caches (issue 12): every type's round-trip bound per group, attention against the
-f16 cache, exact trim and state, bytes, and the backend decoding through them."""
+f16 cache, exact trim and state, bytes, and the runner decoding through them."""
 
 from __future__ import annotations
 
@@ -169,42 +169,48 @@ def test_capacity_is_enforced() -> None:
 
 
 @pytest.mark.parametrize("kv_type", ["int8", "fp8", "int4", "int2", "k=int4,v=int8"])
-def test_the_backend_decodes_through_quantized_caches(default_model_path, kv_type) -> None:  # noqa: ANN001
-    """`--kv-cache TYPE` on the torch engine: its slots hold the quantized caches, and the first
+def test_the_runner_decodes_through_quantized_caches(default_model_path, kv_type) -> None:  # noqa: ANN001
+    """`--kv-cache TYPE` on the torch runner: its slots hold the quantized caches, and the first
     greedy tokens stay the f16 cache's (SmolLM2, f32 weights; 8 tokens past a short prompt: int2
     too, since they sit in KIVI's full-precision residual)."""
-    from localllm.backends.torch.backend import TorchBackend
-    from localllm.engine import Model
+    from localllm.backends.base import Piece
+    from localllm.backends.torch.runner import TorchRunner
 
-    texts = {}
+    tokens = {}
     for t in ("f16", kv_type):
-        b = TorchBackend(default_model_path, n_ctx=256, dtype="f32", device="cpu", kv_cache=t)
-        with Model(b, "smollm2") as m:
-            texts[t] = m.complete("The capital of France is", max_tokens=8, temperature=0).text
-            if t != "f16":
-                assert all(isinstance(c, QuantizedKVCache) and c.offset > 0
-                           for c in b._slots[0].caches)  # fmt: skip
-    assert texts[kv_type] == texts["f16"], texts
+        r = TorchRunner(default_model_path, n_ctx=256, dtype="f32", device="cpu", kv_cache=t)
+        f = r.forward([Piece(0, r.tokenize("The capital of France is"), 1)])
+        out = []
+        for _ in range(8):
+            out.append(int(f.logits[-1].argmax()))
+            f = r.forward([Piece(0, [out[-1]], 1)])
+        tokens[t] = out
+        if t != "f16":
+            assert all(isinstance(c, QuantizedKVCache) and c.offset > 0 for c in r._caches[0])
+            assert r.prefix_budget == 0
+        r.close()
+    assert tokens[kv_type] == tokens["f16"], tokens
 
 
 def test_an_unknown_type_is_refused_in_one_line(default_model_path) -> None:  # noqa: ANN001
-    from localllm.backends.torch.backend import TorchBackend
+    from localllm.backends.torch.runner import TorchRunner
     from localllm.errors import LocalLLMError
 
     with pytest.raises(LocalLLMError, match=r"the torch backend has no q8_0 KV cache \(it has "
                                             "f16, bf16, f32, int8, fp8, int4, int2\\)"):  # fmt: skip
-        TorchBackend(default_model_path, n_ctx=64, kv_cache="k=q8_0,v=f16")
+        TorchRunner(default_model_path, n_ctx=64, kv_cache="k=q8_0,v=f16")
 
 
 @pytest.mark.parametrize("kv_type", ["f16", "int8", "fp8", "int4", "int2", "k=int8,v=int4"])
 def test_show_estimates_what_the_caches_cost(default_model_path, kv_type) -> None:  # noqa: ANN001
     """`show`'s and the app's arithmetic (memory.kv_bytes_per_token, from the file's shape) is
     what the torch engine's caches report per token, for every type."""
-    from localllm.backends.torch.backend import TorchBackend
+    from localllm.backends.torch.runner import TorchRunner
     from localllm.memory import kv_bytes_per_token, parse_kv_cache
     from localllm.model_info import read_model_info
 
-    b = TorchBackend(default_model_path, n_ctx=64, dtype="f32", device="cpu", kv_cache=kv_type)
-    caches = b.new_caches()
+    r = TorchRunner(default_model_path, n_ctx=64, dtype="f32", device="cpu", kv_cache=kv_type)
+    caches = r.new_caches()
     info = read_model_info(str(default_model_path))
     assert sum(c.bytes_per_token() for c in caches) == kv_bytes_per_token(info, *parse_kv_cache(kv_type))
+    assert r.kv_stats(0)["kv_bytes_per_token"] == sum(c.bytes_per_token() for c in caches)

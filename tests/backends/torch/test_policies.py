@@ -15,7 +15,7 @@ import torch  # noqa: E402
 from localllm.backends.torch.kvquant import make_store  # noqa: E402
 from localllm.backends.torch.models.base import Masks, attend  # noqa: E402
 from localllm.backends.torch.policies import H2OCache, StreamingCache, make_caches  # noqa: E402
-from localllm.types import ContextPolicy, SamplingParams  # noqa: E402
+from localllm.types import ContextPolicy  # noqa: E402
 
 SINKS, WINDOW, N = 2, 8, 40
 
@@ -123,29 +123,27 @@ def test_trim_is_exact_until_the_window_forgets() -> None:
 
 
 def test_a_generation_4x_longer_than_the_cache_keeps_memory_bounded(tiny_llama) -> None:
-    """The backend under --streaming 4:60 with a 64-token context: 256 tokens decode, and once
+    """The runner under --streaming 4:60 with a 64-token context: 256 tokens decode, and once
     the window is full the cache tensors never grow (bytes measured after every step)."""
-    from localllm.backends.base import Seq
-    from localllm.backends.torch.backend import TorchBackend
+    from localllm.backends.base import Piece
+    from localllm.backends.torch.runner import TorchRunner
 
-    b = TorchBackend(tiny_llama, n_ctx=64, dtype="f32", device="cpu", kv_cache="k=int8,v=int4")
-    seq = Seq(b.tokenize("Once upon a time"), SamplingParams(temperature=0),
-              ContextPolicy(4, 60))  # fmt: skip
-    b.admit(seq)
+    r = TorchRunner(tiny_llama, n_ctx=64, dtype="f32", device="cpu", kv_cache="k=int8,v=int4")
+    r.clear(0, ContextPolicy(4, 60))
+    f = r.forward([Piece(0, r.tokenize("Once upon a time"), 1)])
     sizes, dropped = [], 0
-    steps = b.step({seq: 0})
     for _ in range(256):
-        dropped += sum(steps[seq][0].shifted)
-        steps = b.step({seq: 0})
-        assert len(steps[seq]) == 1  # never "context full"
-        caches = seq.state.caches
+        f = r.forward([Piece(0, [int(f.logits[-1].argmax())], 1)])  # never "context full"
+        assert f.logits.shape == (1, r.n_vocab)
+        dropped += f.shifted.get(0, 0)
+        caches = r._caches[0]
         sizes.append(sum(c.nbytes for c in caches))
-        assert caches[0].offset <= 64
+        assert caches[0].offset == r.held(0) <= 64
+        assert r.kv_stats(0)["kv_peak_bytes"] >= sizes[-1]
     full = sizes[70]
     assert max(sizes[70:]) == full, (full, max(sizes))
     assert dropped >= 256 - 64
-    b.release(seq)
-    b.close()
+    r.close()
 
 
 def test_h2o_keeps_the_heavy_hitter() -> None:
@@ -178,19 +176,22 @@ def test_h2o_keeps_the_heavy_hitter() -> None:
         assert rows == [int(cache.scores[head].argmax())]
 
 
-def test_h2o_through_the_backend_and_its_refusals(tiny_llama, default_model_path) -> None:
-    from localllm.backends.base import Seq
-    from localllm.backends.torch.backend import TorchBackend
+def test_h2o_through_the_runner_and_its_refusals(tiny_llama, default_model_path) -> None:
+    from localllm.backends.base import Piece
+    from localllm.backends.torch.runner import TorchRunner
     from localllm.errors import LocalLLMError
 
-    b = TorchBackend(tiny_llama, n_ctx=128, dtype="f32", device="cpu", kv_cache="int8",
-                     evict="h2o:16")  # fmt: skip
-    seq = Seq(b.tokenize("Once upon a time there was a dragon"), SamplingParams(temperature=0))
-    b.admit(seq)
-    b.step({seq: 0})
+    r = TorchRunner(tiny_llama, n_ctx=128, dtype="f32", device="cpu", kv_cache="int8",
+                    evict="h2o:16")  # fmt: skip
+    assert r.scoring_chunk == 1 and r.prefix_budget == 0  # it forgets between tokens
+    f = r.forward([Piece(0, r.tokenize("Once upon a time there was a dragon"), 1)])
+    shifted = 0
     for _ in range(40):
-        assert len(b.step({seq: 0})[seq]) == 1
-    assert all(isinstance(c, H2OCache) and len(c.k) <= 16 for c in seq.state.caches)
-    assert seq.state.caches[0].offset == seq.state.n_past > 40
+        f = r.forward([Piece(0, [int(f.logits[-1].argmax())], 1)])
+        assert f.logits.shape == (1, r.n_vocab)
+        shifted += f.shifted.get(0, 0)
+    caches = r._caches[0]
+    assert all(isinstance(c, H2OCache) and len(c.k) <= 16 for c in caches)
+    assert caches[0].offset == r.held(0) > 40 and shifted == caches[0].dropped > 0
     with pytest.raises(LocalLLMError, match="int4 and int2 caches group them"):
-        TorchBackend(tiny_llama, n_ctx=64, kv_cache="int4", evict="h2o:16")
+        TorchRunner(tiny_llama, n_ctx=64, kv_cache="int4", evict="h2o:16")

@@ -285,13 +285,43 @@ def test_block_embedding_rows_are_the_tables(which: str, request: pytest.Fixture
 
 
 def test_cpu_fast_paths_look_up_the_files_rows(default_model_path: Path) -> None:
-    from localllm.backends.torch.backend import TorchBackend
     from localllm.backends.torch.quantized import BlockEmbedding
+    from localllm.backends.torch.runner import TorchRunner
 
-    fast = TorchBackend(default_model_path, n_ctx=64, dtype="int4", device="cpu")
+    fast = TorchRunner(default_model_path, n_ctx=64, dtype="int4", device="cpu")
     assert isinstance(fast.model.tok_embeddings, BlockEmbedding)
     assert fast.model.make_caches(4)[0].dtype == torch.float32  # the working dtype, as before
-    ref = TorchBackend(default_model_path, n_ctx=64, dtype="f32", device="cpu")
+    ref = TorchRunner(default_model_path, n_ctx=64, dtype="f32", device="cpu")
     assert isinstance(ref.model.tok_embeddings, torch.nn.Embedding)  # f32 shares it with the head
     ids = torch.tensor([[1, 500, 49151]])
     assert torch.equal(fast.model.embed(ids), ref.model.embed(ids))
+
+
+def _rows_alone_and_together(layer: torch.nn.Module, in_f: int) -> int:
+    """Decode rows (B, 1, in) for B = 2..16: how many rows differ in any bit from the same row
+    evaluated alone."""
+    g = torch.Generator().manual_seed(7)
+    differ = 0
+    for b in range(2, 17):
+        x = torch.randn(b, 1, in_f, generator=g)
+        together = layer(x)
+        differ += sum(not torch.equal(layer(x[i : i + 1]), together[i : i + 1]) for i in range(b))
+    return differ
+
+
+def test_a_decode_rows_bits_do_not_depend_on_the_rows_beside_it() -> None:
+    """What keeps a seeded sequence's tokens the same alone and in a batch: fbgemm's fp16 GEMM and
+    torch's int4 matmul give a row the same bits at any row count, so the runner keeps them
+    batched; MKL's float32 GEMM does not (one row takes another kernel than several), so the
+    runner's CPU models evaluate plain projections' decode rows one at a time (`RowsApart`)."""
+    from localllm.backends.torch.models.base import RowsApart
+
+    w, b = make(960, 576, bias=True)
+    assert _rows_alone_and_together(quantize_linear(w, b), 576) == 0
+    if quantized.int4_available():
+        assert _rows_alone_and_together(Int4Linear(four_bit(576, 1536), None), 1536) == 0
+    plain = torch.nn.Linear(576, 960)
+    plain.weight.data, plain.bias.data = w, b
+    assert _rows_alone_and_together(RowsApart(plain), 576) == 0
+    x = torch.randn(3, 5, 576)  # anything but decode rows goes in whole
+    assert torch.equal(RowsApart(plain)(x), plain(x))

@@ -28,7 +28,8 @@ need("llama_cpp", "pip install -e '.[dev]' (llama-cpp-python is the oracle)")
 
 import torch  # noqa: E402
 
-from localllm.backends.torch.backend import TorchBackend  # noqa: E402
+from localllm.backends.base import Piece  # noqa: E402
+from localllm.backends.torch.runner import TorchRunner  # noqa: E402
 
 N = 2000
 CHUNK = 250
@@ -47,13 +48,16 @@ def _stats(ref: np.ndarray, ours: np.ndarray, targets: np.ndarray) -> dict[str, 
     }
 
 
-def _our_logits(backend: TorchBackend, ids: list[int]):  # noqa: ANN202 - yields (start, logits)
-    caches = backend.model.make_caches(len(ids), dtype=torch.float32, device=backend.device)
-    with torch.inference_mode():
-        for i in range(0, len(ids), CHUNK):
-            x = torch.tensor([ids[i : i + CHUNK]])
-            h = backend.model(x, [caches])
-            yield i, backend.model.logits(h[0]).float().numpy()
+def _our_logits(runner: TorchRunner, ids: list[int]):  # noqa: ANN202 - yields (start, logits)
+    """Every position's logits, teacher-forced through slot 0 in pieces of CHUNK tokens."""
+    runner.clear(0)
+    for i in range(0, len(ids), CHUNK):
+        piece = ids[i : i + CHUNK]
+        yield i, runner.forward([Piece(0, piece, len(piece))]).logits
+
+
+def _runner(path: Path, dtype: str) -> TorchRunner:
+    return TorchRunner(path, n_ctx=N, max_batch=CHUNK, dtype=dtype, kv_cache="f32", device="cpu")
 
 
 def _compare(path: Path, corpus_dir: Path, dtypes: tuple[str, ...]) -> dict[str, dict[str, float]]:
@@ -68,14 +72,14 @@ def _compare(path: Path, corpus_dir: Path, dtypes: tuple[str, ...]) -> dict[str,
     targets = np.array(ids[1:] + [0])
     results = {}
     for dtype in dtypes:
-        backend = TorchBackend(path, n_ctx=N, dtype=dtype, device="cpu")
-        assert backend.tokenize(text[:5000], add_special=True)[:300] == ids[:300]  # same tokens
+        runner = _runner(path, dtype)
+        assert runner.tokenize(text[:5000], add_special=True)[:300] == ids[:300]  # same tokens
         tot = dict.fromkeys(("agree", "kl", "nll_ref", "nll_ours"), 0.0)
-        for start, ours in _our_logits(backend, ids):
+        for start, ours in _our_logits(runner, ids):
             n = min(len(ours), N - 1 - start)  # the last position has no next token
             s = _stats(scores[start : start + n], ours[:n], targets[start : start + n])
             tot = {k: tot[k] + s[k] for k in tot}
-        backend.close()
+        runner.close()
         m = N - 1
         results[dtype] = {"top1": tot["agree"] / m, "kl": tot["kl"] / m,
                           "ppl_ref": math.exp(tot["nll_ref"] / m),
@@ -103,8 +107,8 @@ def test_gemma_matches_llamacpp(gemma_model_path: Path, corpus_dir: Path) -> Non
 def test_cpu_default_path_stays_close_to_f32(default_model_path: Path, corpus_dir: Path) -> None:
     """The CPU default (int4) against our own f32 path, over the same 2,000 tokens."""
     text = (corpus_dir / "alice.txt").read_text()
-    f32 = TorchBackend(default_model_path, n_ctx=N, dtype="f32", device="cpu")
-    fast = TorchBackend(default_model_path, n_ctx=N, dtype="auto", device="cpu")
+    f32 = _runner(default_model_path, "f32")
+    fast = _runner(default_model_path, "auto")
     ids = f32.tokenize(text)[:N]
     targets = np.array(ids[1:] + [0])
     tot = dict.fromkeys(("agree", "kl", "nll_ref", "nll_ours"), 0.0)

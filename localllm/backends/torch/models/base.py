@@ -261,9 +261,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[A
 
     Returns (B, T, H * hd), ready for the output projection. Inputs may be strided views of the
     fused qkv projection: the cache copies k and v into its buffers, SDPA reads q in place. GQA
-    goes through SDPA's `enable_gqa` (no repeated keys in memory). A decode step of slots that
-    share `cache.Rows` attends in one call (`_attend_rows`); other rows attend one by one over
-    their own caches (padding them to one length would copy every row's keys each layer). A cache
+    goes through SDPA's `enable_gqa` (no repeated keys in memory). A decode step (T = 1) of slots
+    that share `cache.Rows` attends through `_attend_rows`, one row or many alike, so that a row
+    gets the same bits whatever other rows step with it; other rows attend one by one over their
+    own caches (padding them to one length would copy every row's keys each layer). A cache
     stored in another type than q (f16 under f32 compute) is read in place, q cast to its type.
 
     A cache with `pre_rope` gets `k_raw` (the keys before RoPE) and rotates what it returns
@@ -271,12 +272,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[A
     makes attention compute outside the fused kernel.
     """
     gqa = q.shape[2] != k.shape[2]
-    if q.shape[1] == 1 and len(caches) > 1:
-        out = _attend_rows(q, k, v, caches, window=window, scale=scale, gqa=gqa)
-        if out is not None:
-            return out
-    outs = []
+    outs: list[torch.Tensor | None] = [None] * len(caches)
+    if q.shape[1] == 1:
+        for group in _row_groups(caches):
+            if len(group) == len(caches):  # the common case: every row, in order
+                return _attend_rows(q, k, v, caches, window=window, scale=scale)
+            at = torch.tensor(group, device=q.device)
+            out = _attend_rows(q[at], k[at], v[at], [caches[i] for i in group], window=window,
+                               scale=scale)  # fmt: skip
+            for j, i in enumerate(group):
+                outs[i] = out[j : j + 1]
     for b, cache in enumerate(caches):
+        if outs[b] is not None:
+            continue
         kin = k_raw if k_raw is not None and cache.pre_rope else k
         if len(caches) > 1:
             qb, kb, vb = q[b : b + 1], kin[b : b + 1], v[b : b + 1]
@@ -293,28 +301,51 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[A
                 qb.transpose(1, 2).to(kk.dtype), kk, vv, attn_mask=mask, is_causal=causal,
                 scale=scale, enable_gqa=gqa,
             ).to(q.dtype)  # fmt: skip
-        outs.append(out.transpose(1, 2))  # (1, T, H, hd)
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return out.reshape(out.shape[0], out.shape[1], -1)
+        outs[b] = out.transpose(1, 2).reshape(1, out.shape[2], -1)  # (1, T, H * hd)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)  # type: ignore[arg-type,return-value]
+
+
+def _row_groups(caches: Sequence[Any]) -> list[list[int]]:
+    """Indices of the caches that are slots of one `cache.Rows`, grouped by it."""
+    groups: dict[int, list[int]] = {}
+    for i, c in enumerate(caches):
+        rows = getattr(c, "rows", None)
+        if rows is not None:
+            groups.setdefault(id(rows), []).append(i)
+    return list(groups.values())
+
+
+# Keys per block of `_attend_rows`: every row's keys are cut into blocks of this size from its
+# first position, whatever the lengths of the rows beside it.
+ROW_BLOCK = 64
 
 
 def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[Any], *,
-                 window: int, scale: float | None, gqa: bool) -> torch.Tensor | None:
+                 window: int, scale: float | None) -> torch.Tensor:  # fmt: skip
     """One decode step (T = 1) of rows whose caches are slots of one shared `cache.Rows`: their
-    keys and values go in with one indexed copy each, and one attention call covers the slots
-    from the lowest to the highest, each masked to its own length (slots in between that are not
-    stepping get a zero query and one key; their outputs are dropped). None when the caches are
-    not such slots, or a window would hide keys: the caller attends row by row.
+    new keys and values go in with one indexed copy each, then attention is written out over
+    blocks of `ROW_BLOCK` keys, so that each row's result is bit-identical whether it steps
+    alone or beside others, however long they are (the scheduler's batches must not change
+    what a seeded sequence samples). q (B, 1, H, hd), k, v (B, 1, KV, hd) → (B, 1, H * hd).
 
-    Row by row cost 8 calls per layer for 8 sequences: 1.0 ms against 0.6 ms for the one call
-    at 170 keys (f16 keys, 2 threads)."""
-    rows = getattr(caches[0], "rows", None)
-    if rows is None or any(getattr(c, "rows", None) is not rows for c in caches):
-        return None
+    SDPA over the rows padded to the longest (what this was) rounds a row differently as the
+    padded length changes: its kernel splits the keys into blocks counted from the padded end
+    and sums each with a tail. Here every matrix product has one shape whatever the batch
+    ((G, hd) @ (hd, ROW_BLOCK) per block, G queries per KV head; then (G, ROW_BLOCK) @
+    (ROW_BLOCK, hd)), on contiguous float32 copies (the layout decides BLAS's kernel too); a
+    row's blocks past its length hold exact zeros after the mask, and blocks are combined by a
+    running sum (`cumsum`: one fixed order, so zeros added at the end change nothing). The
+    softmax uses the row's maximum over all its keys (exact, order-free). A window (Gemma's
+    local layers) is part of the mask.
+
+    Measured against SDPA on this path (SmolLM2 shapes, 2,000 keys, f16 keys, 2 threads): as
+    fast at one row and faster at eight, the copy to float32 included."""
+    rows = caches[0].rows
+    b, _, h, hd = q.shape
+    kv = k.shape[2]
+    g = h // kv
     offsets = [c.offset for c in caches]
     n = max(offsets) + 1
-    if window and n > window:
-        return None
     slots = [c.slot for c in caches]
     rows.reserve(n)
     dev = q.device
@@ -324,24 +355,38 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequ
     rows.v[at, :, pos] = v[:, 0].to(rows.dtype)  # type: ignore[index]
     for c in caches:
         c.offset += 1
-    lo, hi = min(slots), max(slots) + 1
-    lengths = torch.ones(hi - lo, dtype=torch.long, device=dev)
-    lengths[at - lo] = pos + 1
-    mask = (torch.arange(n, device=dev) < lengths[:, None])[:, None, None, :]  # (S, 1, 1, n)
-    qs = q.transpose(1, 2).to(rows.dtype)  # (B, H, 1, hd)
-    ordered = slots == list(range(lo, hi))
-    if not ordered:
-        full = qs.new_zeros(hi - lo, *qs.shape[1:])
-        full[at - lo] = qs
-        qs = full
-    out = F.scaled_dot_product_attention(
-        qs, rows.k[lo:hi, :, :n], rows.v[lo:hi, :, :n], attn_mask=mask, scale=scale,  # type: ignore[index]
-        enable_gqa=gqa,
-    )  # fmt: skip
-    if not ordered:
-        out = out[at - lo]
-    out = out.to(q.dtype).transpose(1, 2)  # (B, 1, H, hd)
-    return out.reshape(out.shape[0], 1, -1)
+    nb = -(-n // ROW_BLOCK)
+    width = nb * ROW_BLOCK
+    kk = _row_keys(rows.k, slots, at, width).view(b, kv, nb, ROW_BLOCK, hd)  # type: ignore[arg-type]
+    vv = _row_keys(rows.v, slots, at, width).view(b, kv, nb, ROW_BLOCK, hd)  # type: ignore[arg-type]
+    qs = q.reshape(b, kv, 1, g, hd).float().expand(b, kv, nb, g, hd).contiguous()
+    s = torch.matmul(qs, kk.transpose(-1, -2))  # (B, KV, nb, G, ROW_BLOCK)
+    s = s * (scale if scale is not None else hd**-0.5)
+    key = torch.arange(width, device=dev).view(nb, 1, ROW_BLOCK)
+    length = (pos + 1).view(b, 1, 1, 1, 1)
+    hidden = key >= length  # (B, 1, nb, 1, ROW_BLOCK)
+    if window:
+        hidden = hidden | (key < length - window)  # visible when q - k < window
+    s = s.masked_fill(hidden, float("-inf"))
+    p = (s - s.amax(dim=(2, 4), keepdim=True)).exp()
+    total = p.sum(-1).cumsum(2)[:, :, -1]  # (B, KV, G)
+    out = torch.matmul(p, vv).cumsum(2)[:, :, -1]  # (B, KV, G, hd)
+    out = out / total[..., None]
+    return out.to(q.dtype).reshape(b, 1, h * hd)
+
+
+def _row_keys(buf: torch.Tensor, slots: list[int], at: torch.Tensor, width: int) -> torch.Tensor:
+    """The rows' first `width` keys (or values) as one contiguous float32 (B, KV, width, hd),
+    zeros past what the buffer holds (its capacity may not be a whole number of blocks)."""
+    lo = slots[0]
+    if slots == list(range(lo, lo + len(slots))):
+        x = buf[lo : lo + len(slots), :, :width]
+    else:
+        x = buf[:, :, :width].index_select(0, at)
+    x = x.to(torch.float32).contiguous()
+    if x.shape[2] < width:
+        x = F.pad(x, (0, 0, 0, width - x.shape[2]))
+    return x
 
 
 def _attend_observed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -395,6 +440,43 @@ def default_linear(weight: torch.Tensor, bias: torch.Tensor | None, *,
     if bias is not None:
         m.bias = nn.Parameter(bias, requires_grad=False)
     return m
+
+
+class RowsApart(nn.Module):
+    """A projection whose kernel rounds a row differently with the number of rows beside it,
+    made to evaluate the rows of a decode step ((B, 1, in), B > 1) one at a time: each then gets
+    the bits it gets alone, whatever else steps with it. Everything else goes in as it is.
+
+    MKL's float32 GEMM (and oneDNN's bf16 one) take one kernel for one row, others for two or
+    three and for four and more, each rounding its sums its own way (measured on SmolLM2's
+    shapes, torch 2.13 on an AVX-512 EPYC: one row alone never matched the same row among
+    eight). fbgemm's fp16 GEMM (`quantized.Fp16Linear`) and torch's int4 matmul
+    (`quantized.Int4Linear`) give every row the same bits at any row count, so the CPU's default
+    path keeps its batched products; float32 decode reads the weights once per row instead.
+    """
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 3 and x.shape[1] == 1 and x.shape[0] > 1:
+            return torch.cat([self.inner(x[i : i + 1]) for i in range(x.shape[0])])
+        return self.inner(x)
+
+
+def keep_rows_apart(model: nn.Module) -> int:
+    """Wrap every projection of a model on the CPU whose kernel is not row-invariant in
+    `RowsApart`: plain `nn.Linear`s, and fp16 ones without fbgemm. Returns how many."""
+    from localllm.backends.torch.quantized import Fp16Linear
+
+    if any(isinstance(m, RowsApart) for m in model.modules()):
+        return 0  # already done
+    found = [name for name, m in model.named_modules()
+             if type(m) is nn.Linear or (isinstance(m, Fp16Linear) and m._packed is None)]  # fmt: skip
+    for name in found:
+        _set(model, name, RowsApart(model.get_submodule(name)))
+    return len(found)
 
 
 def _set(root: nn.Module, path: str, value: Any) -> None:

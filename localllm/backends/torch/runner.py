@@ -1,0 +1,595 @@
+"""The torch runner (`localllm.backends.base.Runner`): a GGUF model on one torch device, its
+tokenizer, and one set of per-layer caches per slot. The engine decides what runs; this evaluates.
+
+A slot's caches are one plain cache per layer (`cache.KVCache`), its row of that layer's
+`cache.Rows` (every slot's buffers in one tensor, grown for the longest slot), or, for a context
+policy, quantized KV types or H2O eviction, caches with buffers of their own (`policies`). A
+forward pass evaluates each multi-token piece on its own, in chunks (peak memory does not grow
+with the prompt), then every one-token piece together as one (B, 1) batch that attends over the
+shared rows (`models.base.attend`), each row getting the bits it gets alone. The prefix cache
+(`localllm.prefix_cache`) keeps `_Block`s: a run of positions' keys and values, every layer's.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from localllm.backends import TORCH
+from localllm.backends.base import Forward, Piece
+from localllm.backends.torch.cache import KVCache, Rows
+from localllm.chat import template_for
+from localllm.errors import ContextOverflow, LocalLLMError
+from localllm.memory import parse_kv_cache
+from localllm.types import ContextPolicy
+
+__all__ = ["TorchRunner", "on_compute_thread", "open_runner", "resolve_device", "resolve_dtype"]
+
+_KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# The CPU's default working precision: the fastest path measured here that keeps KL ≤ 0.01 nats
+# and top-1 ≥ 99% against f32 (bench/torch_gemv.py, bench/torch_engine.py; numbers in the issue
+# 11 note): the file's 4-bit feed-forward matrices kept 4-bit in torch's int4 matmul
+# (`quantized.Int4Linear`), every other projection fp16 in fbgemm's GEMM (`quantized.Fp16Linear`).
+CPU_DEFAULT_DTYPE = "int4"
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """auto: cuda > mps > cpu. A named device that torch does not see is one line."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise LocalLLMError("torch sees no CUDA device here (--device cuda); use --device cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise LocalLLMError("torch sees no Apple Metal (MPS) device here; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> tuple[str, torch.dtype]:
+    """The working precision and the dtype activations are computed in.
+
+    f32 is the exact reference path (the oracle tests'). On a GPU bf16/f16 weights and compute
+    (auto: bf16 on CUDA, f16 on MPS). On the CPU, f16 means fp16 *weights* with f32 compute
+    (`quantized.Fp16Linear`), int4 (the default there) the same with the file's 4-bit
+    feed-forward matrices kept 4-bit (`quantized.Int4Linear`; where torch lacks the kernel they
+    are fp16 too), and bf16 is bf16 throughout (fast only where the CPU has native bf16 dot
+    products).
+    """
+    if name == "auto":
+        name = {"cuda": "bf16", "mps": "f16"}.get(device.type, CPU_DEFAULT_DTYPE)
+    if name == "int4":
+        if device.type != "cpu":
+            raise LocalLLMError(f"int4 is the CPU's working precision; on {device.type} use "
+                                "--dtype bf16 or f16")  # fmt: skip
+        return name, torch.float32
+    if name not in _KV_DTYPES:
+        raise LocalLLMError(f"the torch engine has no {name} working precision "
+                            "(f32, bf16, f16, int4)")  # fmt: skip
+    if name == "bf16" and device.type == "mps" and not torch.backends.mps.is_macos_or_newer(14, 0):
+        raise LocalLLMError("bf16 on Apple Metal needs macOS 14; use --dtype f16")
+    if name == "f16" and device.type == "cpu":
+        return name, torch.float32
+    return name, _KV_DTYPES[name]
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "mps":
+        return "Apple GPU (Metal)"
+    return "CPU"
+
+
+# -- one thread for torch's work ----------------------------------------------------------------
+# OpenMP gives every thread that starts parallel work its own team of workers. Loading on the
+# caller's thread and decoding on the engine's scheduler thread made two teams contend for the
+# cores: SmolLM2 decoded at 21.5 ms/token on the scheduler thread against 14.3 on the loading
+# thread (2 threads, 2 cores). So every runner's loading, forwards and embeddings run on this one
+# thread, whichever thread asks.
+
+_compute = threading.local()
+
+
+def _mark_compute_thread() -> None:
+    _compute.here = True
+
+
+def _new_executor() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="localllm-torch",
+                              initializer=_mark_compute_thread)  # fmt: skip
+
+
+def _after_fork() -> None:
+    global _EXECUTOR  # a forked child has no such thread: the old executor would wait forever
+    _EXECUTOR = _new_executor()
+
+
+_EXECUTOR = _new_executor()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
+def on_compute_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run `fn` on the torch thread and return (or raise) what it does there."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_compute, "here", False):
+            return fn(*args, **kwargs)
+        return _EXECUTOR.submit(fn, *args, **kwargs).result()
+
+    return run
+
+
+class _Block:
+    """A prefix-cache handle: every layer's (K, V) for a run of positions, (1, n_kv, T, hd) each."""
+
+    def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.kv = kv
+        self.nbytes = sum(
+            k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv
+        )
+
+
+class TorchRunner:
+    """A model file on one torch device: tokenizer, stateless model, one cache set per slot."""
+
+    name = "torch"
+    capabilities = TORCH
+    prefix_kind = "edge"
+
+    @on_compute_thread  # loading is torch work too
+    def __init__(self, path: str | Path, *, n_ctx: int, n_slots: int = 1, max_batch: int = 256,
+                 device: str = "auto", dtype: str = "auto", kv_cache: str = "f16",
+                 evict: str | None = None, threads: int | None = None) -> None:  # fmt: skip
+        """Args:
+        n_ctx: positions per slot.
+        n_slots: caches held at once.
+        max_batch: tokens one model call evaluates (a piece's chunk: bounds peak memory).
+        device, dtype: see `resolve_device`, `resolve_dtype`.
+        kv_cache: the cache's types, `TYPE` or `k=TYPE,v=TYPE` (f16, bf16, f32, or int8, fp8,
+            int4, int2 codes: `kvquant`); attention computes in the working dtype.
+        evict: `h2o:BUDGET` (`policies.H2OCache`) or None. StreamingLLM is per slot (`clear`).
+        threads: torch's CPU threads (None: as torch has them).
+        """
+        if threads:
+            torch.set_num_threads(threads)
+        self.torch_device = resolve_device(device)
+        self.device = str(self.torch_device)
+        self.device_name = _device_name(self.torch_device)
+        self.dtype, self.compute_dtype = resolve_dtype(dtype, self.torch_device)
+        self.n_threads = torch.get_num_threads()
+        from localllm.backends.torch.kvquant import CODECS
+
+        self.kv_types = parse_kv_cache(kv_cache)
+        for t in self.kv_types:
+            if t not in CODECS:
+                raise LocalLLMError(f"the torch backend has no {t} KV cache "
+                                    f"(it has {', '.join(CODECS)})")  # fmt: skip
+        self.budget = int(evict.partition(":")[2]) if evict else 0
+        if evict and not evict.startswith("h2o:"):
+            raise LocalLLMError(
+                f"the torch backend has no {evict.partition(':')[0]} eviction (it has h2o)"
+            )
+        # a plain cache of one float type is the fast path; the throwaway caches of embed() keep
+        # that type, or the working dtype when the cache quantizes
+        k = self.kv_types[0]
+        self.kv_dtype = (
+            _KV_DTYPES[k] if k == self.kv_types[1] and k in _KV_DTYPES else self.compute_dtype
+        )
+        linear = None
+        if self.dtype in ("f16", "int4") and self.torch_device.type == "cpu":
+            from localllm.backends.torch.quantized import Fp16Linear, quantize_linear
+
+            linear = quantize_linear if self.dtype == "int4" else Fp16Linear.from_float
+        self.model_path = str(path)
+        self._linear = linear
+        self.tokenizer, self.model, meta = self._load(path)
+        if self.budget:
+            if any(getattr(layer.attention, "window", 0) for layer in self.model.layers):
+                raise LocalLLMError("H2O eviction (--evict) needs every layer to attend to the whole "
+                                    "cache; this model has sliding-window layers")  # fmt: skip
+            if any(t in ("int4", "int2") for t in self.kv_types):
+                raise LocalLLMError("H2O eviction keeps tokens one by one; int4 and int2 caches "
+                                    "group them (use f16, bf16, f32, int8 or fp8)")  # fmt: skip
+        tok = self.tokenizer
+        self.chat_template = template_for(
+            meta,
+            bos_token=tok.piece(tok.bos_id) if tok.bos_id is not None and tok.bos_id >= 0 else "",
+            eos_token=tok.piece(tok.eos_id) if tok.eos_id is not None and tok.eos_id >= 0 else "",
+        )
+        self.has_template = "tokenizer.chat_template" in meta
+        args = self.model.args
+        self.n_layers = int(args.n_layers)
+        self.n_ctx = max(16, min(int(n_ctx), int(args.context_length or n_ctx)))
+        self.n_slots = max(1, int(n_slots))
+        self.max_batch = max(1, int(max_batch))
+        self.n_vocab = int(self.tokenizer.n_vocab)
+        # Whole chunks score as generation evaluates only where every key and value reads back
+        # as written, whichever query reads it: not KIVI's int4/int2 residual (a group quantizes
+        # once later tokens arrive), nor H2O (it forgets between tokens). StreamingLLM is per
+        # slot: the engine feeds one token at a time under it.
+        token_by_token = bool(self.budget or {"int4", "int2"} & set(self.kv_types))
+        self.scoring_chunk = 1 if token_by_token else self.max_batch
+        self._caches: list[list[Any]] = [[] for _ in range(self.n_slots)]
+        self._policies = [ContextPolicy() for _ in range(self.n_slots)]
+        self._peak = [0] * self.n_slots  # the most bytes a slot's caches held since `clear`
+        self._step = [0] * self.n_slots  # the largest float copy attention read in one layer
+        self._rows: list[Rows] | None = None  # every slot's plain caches, per layer (`new_caches`)
+        self._lock = threading.Lock()  # embed() may come from another thread than the engine's
+
+    def _load(self, path: str | Path) -> tuple[Any, Any, dict[str, Any]]:
+        """(tokenizer, model, metadata) of a GGUF file in this runner's precision and device."""
+        from localllm.backends.torch.models import build_model
+        from localllm.backends.torch.models.base import keep_rows_apart
+        from localllm.backends.torch.tokenizer import GGUFTokenizer
+        from localllm.gguf_file import GGUFFile
+
+        linear = self._linear
+        with GGUFFile(path) as f:
+            tokenizer = GGUFTokenizer.from_gguf(f)
+            model = build_model(
+                f, dtype=self.compute_dtype, device=self.torch_device, linear=linear
+            )
+            if linear is not None:  # the head has its own fp16 copy: lookups read the file's rows
+                from localllm.backends.torch.quantized import BlockEmbedding
+
+                model.tok_embeddings = BlockEmbedding.from_gguf(f, "token_embd.weight",
+                                                                self.compute_dtype)  # fmt: skip
+            meta = dict(f.metadata)
+        if self.torch_device.type == "cpu":
+            keep_rows_apart(model)  # a decode row's bits must not depend on the rows beside it
+        model.eval()
+        return tokenizer, model, meta
+
+    # -- tokens --------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.tokenizer.token_bytes(token)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(tokens)
+
+    def is_end(self, token: int) -> bool:
+        return self.tokenizer.is_end(token)
+
+    def bos_text(self) -> str:
+        return self.chat_template.bos_token
+
+    # -- caches --------------------------------------------------------------------------------
+
+    def new_caches(self, policy: ContextPolicy | None = None, slot: int | None = None) -> list[Any]:
+        """One sequence's caches for `policy` (StreamingLLM) and this runner's types and H2O
+        budget (`policies.make_caches`); plain ones for a `slot` are its row of the shared
+        `cache.Rows`, others (the prefix budget's, a test's) have buffers of their own."""
+        from localllm.backends.torch.policies import make_caches
+
+        rows = None
+        if slot is not None:
+            if self._rows is None:
+                a = self.model.args
+                k = self.kv_types[0]
+                self._rows = [Rows(self.n_slots, a.n_kv_heads, a.head_dim, self.n_ctx,
+                                   dtype=_KV_DTYPES.get(k, self.compute_dtype),
+                                   device=self.torch_device)
+                              for _ in range(a.n_layers)]  # fmt: skip
+            rows = self._rows
+        return make_caches(self.model, self.n_ctx, kv_types=self.kv_types, policy=policy,
+                           budget=self.budget, dtype=self.compute_dtype, device=self.torch_device,
+                           rows=rows, slot=slot or 0)  # fmt: skip
+
+    def _slot(self, slot: int) -> list[Any]:
+        """The slot's caches, made for its policy on first use."""
+        if not 0 <= slot < self.n_slots:
+            raise ValueError(f"slot {slot} out of range (the runner has {self.n_slots})")
+        if not self._caches[slot]:
+            self._caches[slot] = self.new_caches(self._policies[slot], slot)
+        return self._caches[slot]
+
+    def _forget(self, slot: int) -> None:
+        """Drop the slot's caches (and the shared rows once no slot holds a row of them)."""
+        self._caches[slot] = []
+        self._peak[slot] = self._step[slot] = 0
+        if not any(getattr(cs[0], "rows", None) is not None for cs in self._caches if cs):
+            self._rows = None
+
+    def held(self, slot: int) -> int:
+        caches = self._caches[slot]
+        return caches[0].offset if caches else 0
+
+    @on_compute_thread
+    def clear(self, slot: int, policy: ContextPolicy | None = None) -> None:
+        """Empty the slot; its next tokens follow `policy` (caches made for it on first use)."""
+        if not 0 <= slot < self.n_slots:
+            raise ValueError(f"slot {slot} out of range (the runner has {self.n_slots})")
+        self._policies[slot] = policy or ContextPolicy()
+        self._forget(slot)
+
+    @on_compute_thread
+    @torch.inference_mode()
+    def trim(self, slot: int, n: int, *, exact: bool = False,
+             skip: frozenset[int] = frozenset()) -> bool:  # fmt: skip
+        """Forget the slot's last n positions in every layer's cache but those in `skip` (what
+        a layer-skip draft wrote). `exact`: only if what stays is exactly what was evaluated
+        (not where a quantized group or a context shift changed it); else the slot is cleared
+        and False returned."""
+        caches = [c for i, c in enumerate(self._caches[slot]) if i not in skip]
+        if n <= 0 or not caches:
+            return True
+        if exact and not all(c.exact(n) for c in caches):
+            self._forget(slot)
+            return False
+        for c in caches:
+            c.trim(n)
+        return True
+
+    def kv_bytes(self) -> int:
+        """Bytes every slot's caches hold now (codes, scales, residuals, free room; the shared
+        rows once, with the room of slots not in use)."""
+        shared = sum(r.nbytes for r in self._rows or ())
+        return shared + sum(c.nbytes for caches in list(self._caches) for c in list(caches)
+                            if getattr(c, "rows", None) is None)  # fmt: skip
+
+    def kv_stats(self, slot: int) -> dict[str, float]:
+        """What the slot's caches cost: bytes per token, full-precision residual bytes, the
+        most bytes they held during forwards since `clear`, and the largest full-precision copy
+        attention read in one layer (a quantized cache is read back one layer at a time; a
+        plain one in place)."""
+        caches = self._caches[slot] or self.new_caches(self._policies[slot])
+        return {
+            "kv_bytes_per_token": sum(c.bytes_per_token() for c in caches),
+            "kv_residual_bytes": sum(c.residual_bytes for c in caches),
+            "kv_peak_bytes": self._peak[slot],
+            "kv_step_bytes": self._step[slot],
+        }
+
+    def _note(self, slot: int) -> None:
+        caches = self._caches[slot]
+        self._peak[slot] = max(self._peak[slot], sum(c.nbytes for c in caches))
+        first = caches[0]
+        if not isinstance(first, KVCache):
+            a = self.model.args
+            elem = torch.empty(0, dtype=self.compute_dtype).element_size()
+            self._step[slot] = max(
+                self._step[slot], first.held * 2 * a.n_kv_heads * a.head_dim * elem
+            )
+
+    def _chunk(self, policy: ContextPolicy) -> int:
+        """Tokens one model call evaluates of a piece: under a policy that forgets, at most half
+        of what it keeps, so every new token still sees most of its window."""
+        keep = policy.window if policy.enabled else self.budget
+        return max(1, min(self.max_batch, keep // 2)) if keep else self.max_batch
+
+    # -- the forward pass ----------------------------------------------------------------------
+
+    @on_compute_thread
+    @torch.inference_mode()
+    def forward(self, pieces: Sequence[Piece], *, skip: frozenset[int] = frozenset()) -> Forward:
+        """Evaluate every piece at its slot's next positions: multi-token pieces one at a time in
+        chunks of `_chunk` tokens, then the one-token pieces together as one (B, 1) batch.
+        Returns the logits of each piece's last `logits` tokens, in piece order, on the host.
+
+        `skip`: layers left out (a layer-skip draft): only the others' caches grow. On failure
+        every slot holds what it held before (a slot whose cache forgot tokens meanwhile is
+        cleared: forgetting is final), and the error is raised."""
+        pieces = [Piece(*p) for p in pieces]
+        skip = frozenset(skip)
+        kept = [i for i in range(self.n_layers) if i not in skip]
+        if not kept:
+            raise ValueError("a forward pass must keep at least one layer")
+        seen: set[int] = set()
+        for p in pieces:
+            if p.slot in seen:
+                raise ValueError(f"two pieces for slot {p.slot} in one forward pass")
+            seen.add(p.slot)
+            if not p.tokens or not 0 <= p.logits <= len(p.tokens):
+                raise ValueError(f"a piece of {len(p.tokens)} tokens cannot give {p.logits} logits")
+            caches = self._slot(p.slot)
+            if not self._policies[p.slot].enabled:
+                end = max(caches[i].offset for i in kept) + len(p.tokens)
+                if end > self.n_ctx:
+                    raise ContextOverflow(f"{end} tokens do not fit the context of {self.n_ctx}")
+        before = {p.slot: [c.offset for c in self._caches[p.slot]] for p in pieces}
+        dropped = {p.slot: self._caches[p.slot][kept[0]].dropped for p in pieces}
+        try:
+            rows = self._evaluate(pieces, skip)
+        except Exception as e:
+            for slot, offsets in before.items():
+                caches = self._caches[slot]
+                if caches and caches[kept[0]].dropped != dropped[slot]:
+                    self._forget(slot)  # what was forgotten is gone: start afresh
+                    continue
+                for c, n in zip(caches, offsets):
+                    c.trim(c.offset - n)
+            if isinstance(e, torch.OutOfMemoryError):
+                tokens = sum(len(p.tokens) for p in pieces)
+                raise LocalLLMError(
+                    f"the torch engine ran out of memory on {self.torch_device.type} evaluating "
+                    f"{tokens} tokens; try a smaller --ctx or --parallel"
+                ) from None
+            raise
+        shifted = {}
+        for slot, d in dropped.items():
+            self._note(slot)
+            now = self._caches[slot][kept[0]].dropped
+            if now != d:
+                shifted[slot] = now - d
+        if rows:
+            logits = torch.cat(rows).float().cpu().numpy()[:, : self.n_vocab]
+        else:
+            logits = np.zeros((0, self.n_vocab), dtype=np.float32)
+        return Forward(logits, shifted)
+
+    def _evaluate(self, pieces: Sequence[Piece], skip: frozenset[int]) -> list[torch.Tensor]:
+        """The model calls of `forward`; the logits rows in piece order."""
+        model, dev = self.model, self.torch_device
+        out: dict[int, torch.Tensor] = {}
+        singles = []
+        for i, p in enumerate(pieces):
+            if len(p.tokens) == 1:
+                singles.append(i)
+                continue
+            caches, tokens = self._caches[p.slot], list(p.tokens)
+            size, n, rows = self._chunk(self._policies[p.slot]), len(tokens), []
+            for s in range(0, n, size):
+                chunk = tokens[s : s + size]
+                x = torch.tensor([chunk], dtype=torch.long, device=dev)  # (1, T)
+                h = model(x, [caches], skip=skip)[0]  # (T, dim)
+                first = n - p.logits - s  # the chunk's first position that wants logits
+                if first < len(chunk):
+                    rows.append(model.logits(h[max(0, first) :]))
+            if rows:
+                out[i] = rows[0] if len(rows) == 1 else torch.cat(rows)
+        if singles:
+            x = torch.tensor([[pieces[i].tokens[0]] for i in singles], dtype=torch.long, device=dev)
+            h = model(x, [self._caches[pieces[i].slot] for i in singles], skip=skip)  # (B, 1, dim)
+            want = [j for j, i in enumerate(singles) if pieces[i].logits]
+            if want:
+                idx = torch.tensor(want, device=dev)
+                logits = model.logits(h[idx])[:, 0]  # (B', vocab); (B', 1, dim) rows kept apart
+                for row, j in enumerate(want):
+                    out[singles[j]] = logits[row : row + 1]
+        return [out[i] for i in range(len(pieces)) if i in out]
+
+    # -- the prefix cache (`localllm.prefix_cache`): blocks of plain caches ----------------------
+
+    @property
+    def prefix_budget(self) -> int:
+        """Bytes the engine's prefix cache may hold: as much as the slots' caches hold when full,
+        at most 512 MiB; 0 (none) for caches that are not plain float buffers (quantized codes,
+        H2O eviction), whose positions cannot be cut out and put back exactly."""
+        if (
+            self.budget
+            or self.kv_types[0] != self.kv_types[1]
+            or self.kv_types[0] not in _KV_DTYPES
+        ):
+            return 0
+        caches = self.new_caches()
+        per_token = sum(c.bytes_per_token() for c in caches)
+        return int(min(512 * 2**20, per_token * self.n_ctx * self.n_slots))
+
+    @on_compute_thread
+    @torch.inference_mode()
+    def save(self, slot: int, start: int, end: int) -> _Block:
+        """Every layer's keys and values of positions [start, end) of the slot (a copy)."""
+        caches = self._caches[slot]
+        if not caches or not all(isinstance(c, KVCache) for c in caches):
+            raise LocalLLMError("only plain float caches can be saved for the prefix cache")
+        if not 0 <= start <= end <= caches[0].offset:
+            raise ValueError(f"positions [{start}, {end}) are not held (the slot holds "
+                             f"{caches[0].offset})")  # fmt: skip
+        return _Block(
+            [(c.k[:, :, start:end].clone(), c.v[:, :, start:end].clone()) for c in caches]
+        )
+
+    @staticmethod
+    def split(handle: _Block, k: int) -> tuple[_Block, _Block]:
+        """The block cut after its first k positions (views: no copy)."""
+        return (_Block([(a[:, :, :k], b[:, :, :k]) for a, b in handle.kv]),
+                _Block([(a[:, :, k:], b[:, :, k:]) for a, b in handle.kv]))  # fmt: skip
+
+    @on_compute_thread
+    @torch.inference_mode()
+    def restore(self, slot: int, pieces: Sequence[tuple[_Block, int]]) -> bool:
+        """Make the slot hold the first n positions of each block in turn; False (the slot
+        left empty) where its caches cannot take them (a context policy, quantized types)."""
+        caches = self._slot(slot)
+        if (
+            not all(isinstance(c, KVCache) for c in caches)
+            or sum(n for _, n in pieces) > self.n_ctx
+        ):
+            self._forget(slot)
+            return False
+        for c in caches:
+            c.trim(c.offset)
+        for block, n in pieces:
+            for c, (k, v) in zip(caches, block.kv):
+                c.update_and_fetch(k[:, :, :n], v[:, :, :n])
+        return True
+
+    # -- the rest ------------------------------------------------------------------------------
+
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads, as this runner holds them (fp16 packed by
+        fbgemm, int4 codes with their scales, f32 ...): every module's own tensors once, but
+        not an embedding table, of which a step reads one row — unless the head shares it."""
+        from localllm.backends.torch.quantized import Fp16Linear
+
+        seen: set[int] = set()
+        total = 0
+        for m in self.model.modules():
+            if isinstance(m, torch.nn.Embedding):
+                continue
+            if isinstance(m, Fp16Linear) and m._packed is not None:  # fbgemm's copy: 2 bytes each
+                total += 2 * m.out_features * m.in_features
+            for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+        return total
+
+    @on_compute_thread
+    @torch.inference_mode()
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        """Mean-pooled, L2-normalised final hidden states (as the llama.cpp runner's)."""
+        vectors = []
+        with self._lock:
+            for t in texts:
+                ids = self.tokenize(t)
+                if len(ids) > self.n_ctx:
+                    raise ContextOverflow(
+                        f"an input has {len(ids)} tokens but the context holds {self.n_ctx}"
+                    )
+                if not ids:
+                    raise LocalLLMError("cannot embed an empty input")
+                caches = self.model.make_caches(
+                    len(ids), dtype=self.kv_dtype, device=self.torch_device
+                )
+                total = None
+                for i in range(0, len(ids), self.max_batch):
+                    x = torch.tensor([ids[i : i + self.max_batch]], device=self.torch_device)
+                    s = self.model(x, [caches])[0].float().sum(0)
+                    total = s if total is None else total + s
+                v = torch.nn.functional.normalize(total / len(ids), dim=-1)  # type: ignore[operator]
+                vectors.append([float(x) for x in v.tolist()])
+        return vectors
+
+    @on_compute_thread
+    def close(self) -> None:
+        """Free every cache and the model; the runner is unusable after."""
+        self._caches = [[] for _ in range(self.n_slots)]
+        self._policies = [ContextPolicy() for _ in range(self.n_slots)]
+        self._peak, self._step = [0] * self.n_slots, [0] * self.n_slots
+        self._rows = None
+        self.model = None  # type: ignore[assignment]
+
+
+def open_runner(path: str | Path, options: Any, *, name: str, digest: str,
+                home: Path | None = None) -> TorchRunner:  # fmt: skip
+    """The registry's factory (a draft model is a second runner the engine opens)."""
+    del name, digest, home  # the torch runner runs in this process and keeps nothing on disk
+    return TorchRunner(path, n_ctx=options.ctx, n_slots=options.parallel, device=options.device,
+                       dtype=options.dtype, kv_cache=options.kv_cache, evict=options.evict,
+                       threads=options.threads or _default_threads())  # fmt: skip
+
+
+def _default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS
+        return max(1, os.cpu_count() or 1)
