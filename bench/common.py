@@ -74,7 +74,7 @@ def machine() -> dict:
     try:
         import torch
 
-        from localllm.backends.torch.backend import on_compute_thread
+        from localllm.backends.torch.runner import on_compute_thread
 
         out |= {"torch": torch.__version__, "threads": on_compute_thread(torch.get_num_threads)(),
                 "capability": torch.backends.cpu.get_cpu_capability()}  # fmt: skip

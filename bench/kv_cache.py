@@ -128,15 +128,15 @@ def _oracle(ids: list[int], sinks: int, window: int, every: int) -> dict[int, fl
     positions 0..n-1; NLL of ids[p + 1]."""
     import torch
 
-    from localllm.backends.torch.backend import TorchBackend, on_compute_thread
+    from localllm.backends.torch.runner import TorchRunner, on_compute_thread
     from localllm.evaluate import _log_softmax
     from localllm.models_registry.catalog import ensure_local
     from localllm.models_registry.store import Store
 
     store = Store()
     path = store.path_of(ensure_local(MODEL, store))
-    b = TorchBackend(path, n_ctx=sinks + window + 8, n_slots=1, max_batch=sinks + window,
-                     kv_cache="f16")  # fmt: skip
+    b = TorchRunner(path, n_ctx=sinks + window + 8, n_slots=1, max_batch=sinks + window,
+                    kv_cache="f16")  # fmt: skip
 
     @on_compute_thread
     @torch.inference_mode()

