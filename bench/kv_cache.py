@@ -100,6 +100,7 @@ def _stream(backend_name: str, ids: list[int], spec: str, kv: str = "f16") -> di
     """Token by token through a StreamingLLM cache: NLL and seconds per position."""
     import numpy as np
 
+    from localllm.backends.base import Piece
     from localllm.engine import load
     from localllm.evaluate import _log_softmax
     from localllm.types import ContextPolicy, LoadOptions
@@ -109,14 +110,16 @@ def _stream(backend_name: str, ids: list[int], spec: str, kv: str = "f16") -> di
     llm = load(MODEL, LoadOptions(backend=backend_name, kv_cache=kv, streaming=spec, parallel=1,
                                   ctx=ctx))  # fmt: skip
     try:
-        scorer = llm.backend.scorer(policy)
+        runner = llm.runner
+        runner.clear(0, policy)
         nll, secs = [], []
         for p in range(len(ids) - 1):
             t = time.perf_counter()
-            logp = _log_softmax(scorer.feed([ids[p]]))[0]
+            logits = runner.forward([Piece(0, [ids[p]], 1)]).logits
+            logp = _log_softmax(logits)[0]
             secs.append(time.perf_counter() - t)
             nll.append(-float(logp[ids[p + 1]]))
-        stats = scorer.kv_stats() if hasattr(scorer, "kv_stats") else {}
+        stats = dict(runner.kv_stats(0))
     finally:
         llm.close()
     return {"nll": nll, "secs": secs, "ppl": math.exp(float(np.mean(nll))), "kv": stats}
@@ -163,7 +166,7 @@ def streaming(tokens: int, quick: bool) -> dict:
 
     log("streaming")
     llm = load(MODEL, LoadOptions(backend="torch", parallel=1, ctx=64))
-    ids = llm.backend.tokenize(text(), add_special=True)[:tokens]
+    ids = llm.runner.tokenize(text(), add_special=True)[:tokens]
     llm.close()
     sinks, window, every = (4, 12, 4) if quick else (4, 508, 32)
     cells = 16 if quick else 256  # sinks matter: the cache of that comparison
@@ -219,6 +222,7 @@ def streaming(tokens: int, quick: bool) -> dict:
 
 def h2o(tokens: int) -> dict:
     from localllm.engine import load
+    from localllm.engine.scoring import Scorer
     from localllm.evaluate import _score
     from localllm.types import LoadOptions
 
@@ -230,9 +234,9 @@ def h2o(tokens: int) -> dict:
     # recent only, with text positions as H2O's: its cache with every slot given to recent tokens
     llm = load(MODEL, LoadOptions(backend="torch", evict=f"h2o:{budget}", parallel=1, ctx=tokens))
     try:
-        ids = llm.backend.tokenize(text(), add_special=True)[:tokens]
-        scorer = llm.backend.scorer(None)
-        for c in scorer.caches:
+        ids = llm.runner.tokenize(text(), add_special=True)[:tokens]
+        scorer = Scorer(llm.runner)  # slot 0, token by token (H2O: scoring_chunk 1)
+        for c in llm.runner._slot(0):  # its H2O caches, made now: every slot to recent tokens
             c.recent = budget - 1
         t = time.perf_counter()
         recent = _score(ids, scorer, None, None)
