@@ -316,7 +316,11 @@ class TorchRunner:
         """Empty the slot; its next tokens follow `policy` (caches made for it on first use)."""
         if not 0 <= slot < self.n_slots:
             raise ValueError(f"slot {slot} out of range (the runner has {self.n_slots})")
-        self._policies[slot] = policy or ContextPolicy()
+        policy = policy or ContextPolicy()
+        if policy.enabled and self.n_ctx - (policy.sinks or 0) < 1:
+            raise LocalLLMError(f"--streaming keeps {policy.sinks} sink tokens but the context "
+                                f"holds {self.n_ctx}; use a larger --ctx")  # fmt: skip
+        self._policies[slot] = policy
         self._forget(slot)
 
     @on_compute_thread
@@ -371,7 +375,9 @@ class TorchRunner:
     def _chunk(self, policy: ContextPolicy) -> int:
         """Tokens one model call evaluates of a piece: under a policy that forgets, at most half
         of what it keeps, so every new token still sees most of its window."""
-        keep = policy.window if policy.enabled else self.budget
+        keep = (
+            min(policy.window, self.n_ctx - (policy.sinks or 0)) if policy.enabled else self.budget
+        )
         return max(1, min(self.max_batch, keep // 2)) if keep else self.max_batch
 
     # -- the forward pass ----------------------------------------------------------------------

@@ -222,3 +222,15 @@ def test_embeddings_are_unit_vectors_and_leave_the_slots_alone(run: TorchRunner)
     a, b = run.embed(["a cat", "a cat"])
     assert np.allclose(a, b) and abs(np.linalg.norm(a) - 1) < 1e-5
     assert run.held(0) == 10
+
+
+def test_a_window_wider_than_the_context_is_the_contexts(tiny_llama: Path) -> None:
+    """--streaming 4:1020 with a 64-token context keeps 4 + 60: a long piece goes in chunks of
+    half of that, and the slot ends holding 64; sinks that fill the context are refused."""
+    r = TorchRunner(tiny_llama, n_ctx=64, max_batch=256, dtype="f32", threads=2)
+    r.clear(0, ContextPolicy(4, 1020))
+    f = r.forward([Piece(0, ids(200), 1)])
+    assert r.held(0) == 64 and f.shifted == {0: 136}
+    with pytest.raises(LocalLLMError, match="keeps 64 sink tokens but the context holds 64"):
+        r.clear(0, ContextPolicy(64, 8))
+    r.close()
