@@ -338,8 +338,12 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequ
     softmax uses the row's maximum over all its keys (exact, order-free). A window (Gemma's
     local layers) is part of the mask.
 
-    Measured against SDPA on this path (SmolLM2 shapes, 2,000 keys, f16 keys, 2 threads): as
-    fast at one row and faster at eight, the copy to float32 included."""
+    Against what this was (SDPA; one row alone over its own keys), per layer at SmolLM2's shapes
+    (9 query heads, 3 KV heads of 64), CPU time on 1 thread (bench: random keys, 50 calls):
+    f16 keys (the default) 0.30 ms against 0.37-0.45 for one row at 200 keys, 0.7-1.1 against
+    4.0-4.1 at 2,000, and 7.8-8.0 against 34-35 for eight rows at 2,000 (SDPA is slow on half
+    precision on the CPU); f32 keys 0.22 against 0.07 (one row, 200 keys), 0.73 against 0.29
+    (2,000) and 4.7 against 3.7 (eight rows, 2,000): there the float32 copy is the cost."""
     rows = caches[0].rows
     b, _, h, hd = q.shape
     kv = k.shape[2]
