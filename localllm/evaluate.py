@@ -116,8 +116,14 @@ def evaluate(model: str, text: str, *, options: LoadOptions, limit: int | None =
                 raise LocalLLMError(f"{reference.name} tokenizes the text differently from "
                                     f"{llm.name}: no position-by-position comparison")  # fmt: skip
             ref_scorer = Scorer(reference.runner)
-        scorer = Scorer(llm.runner, policy)
-        result = llm.run_here(lambda: _score(ids, scorer, ref_scorer, progress))
+        scorers: list[Scorer] = []
+
+        def score() -> dict[str, Any]:  # its slot cleared for the policy after run_here's drop
+            scorers.append(Scorer(llm.runner, policy))
+            return _score(ids, scorers[0], ref_scorer, progress)
+
+        result = llm.run_here(score)
+        scorer = scorers[0]
         spec = speculative_mode(options.speculative)
         if spec != "off":
             result["speculative"] = _acceptance(llm, spec, ids, result.pop("_argmax"))
@@ -132,9 +138,9 @@ def evaluate(model: str, text: str, *, options: LoadOptions, limit: int | None =
                           {"model": reference.name, "kv_cache": reference.options.kv_cache}),  # type: ignore[union-attr]
             "seconds": round(time.perf_counter() - started, 3),
         })  # fmt: skip
-        shifts = getattr(scorer, "shifts", None)
-        if shifts is not None and policy.enabled:
-            result["context_shifts"] = shifts
+        if policy.enabled:
+            result["context_shifts"] = scorer.shifts
+            result["discarded_tokens"] = scorer.discarded
         return result
     finally:
         llm.close()

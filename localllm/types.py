@@ -77,6 +77,10 @@ class ContextPolicy:
 
     sinks: int | None = None
     window: int = 0
+    # positions forgotten at once when the window is full, at least (0: the runner's own way:
+    # llama.cpp a quarter of the window, as its server shifts; torch one token at a time).
+    # Scoring asks for 1, so both engines roll the same way there.
+    step: int = 0
 
     @classmethod
     def parse(cls, spec: str | tuple[int, int] | None) -> ContextPolicy:

@@ -449,7 +449,7 @@ class LlamaCppRunner:
         n_past = self._n_past[slot]
         if n_past + need <= capacity:
             return 0
-        discard = min(max(n_past + need - capacity, policy.window // 4), n_past - keep)
+        discard = min(max(n_past + need - capacity, policy.step or policy.window // 4), n_past - keep)
         if discard <= 0 or n_past - discard + need > capacity:
             raise LocalLLMError(
                 "the context cannot hold the sinks and one batch; use a larger --ctx"

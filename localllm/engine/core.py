@@ -424,8 +424,8 @@ class Model:
                 found = cache.match(ids[:-1])  # at least one prompt token is evaluated, for logits
                 hit = found if found.n else None
             slot, reuse = self.slots.choose(ids, policy, hit.n if hit is not None else 0)
-            reuse = self._reuse(slot, ids, policy, reuse, hit)
-            if reuse <= 0 or reuse != (hit.n if hit is not None else -1):
+            reuse, restored = self._reuse(slot, ids, policy, reuse, hit)
+            if not restored:
                 hit = None
             self.slots.take(slot)
             live = _Live(job, asm, slot, list(ids), left=len(ids) - reuse,
@@ -443,9 +443,9 @@ class Model:
             return None
 
     def _reuse(self, slot: Slot, ids: Sequence[int], policy: ContextPolicy, reuse: int,
-               hit: Any) -> int:  # fmt: skip
+               hit: Any) -> tuple[int, bool]:  # fmt: skip
         """Make the slot's cache hold the first `reuse` prompt tokens (or a prefix-cache hit's,
-        when longer); returns how many it holds."""
+        when longer); returns how many it holds, and whether they came from the hit."""
         r, sid = self.runner, slot.sid
         if slot.policy != policy or not slot.exact:
             reuse = 0
@@ -453,7 +453,7 @@ class Model:
             r.clear(sid, policy)
             if r.restore(sid, hit.pieces):
                 slot.tokens, slot.exact, slot.policy = list(ids[: hit.n]), True, policy
-                return hit.n
+                return hit.n, True
             reuse = 0
         held = r.held(sid)
         if reuse == 0:
@@ -463,7 +463,7 @@ class Model:
             r.clear(sid, policy)
             reuse = 0
         slot.tokens, slot.exact, slot.policy = list(ids[:reuse]), True, policy
-        return reuse
+        return reuse, False
 
     def _step(self, running: list[_Live]) -> None:
         """One step: draft, plan, evaluate the prompt chunks (one forward), then every decoding

@@ -4,12 +4,13 @@ slot's cache exactly as decoding fills it (`localllm eval`, `recommend`, the qua
 Whole chunks (`runner.scoring_chunk` tokens, every position's logits) where that is the same
 computation as generation; one token at a time where a cache quantizes late (KIVI's residual) or
 forgets (StreamingLLM, H2O): the runner's `scoring_chunk` is then 1, and a StreamingLLM policy
-makes it 1 here. Run it while no sequence generates (`Model.run_here`): it uses slot 0.
+makes it 1 here, forgetting one position at a time on every runner (`ContextPolicy.step`). Run it while no sequence generates (`Model.run_here`): it uses slot 0.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -25,15 +26,19 @@ class Scorer:
 
     def __init__(self, runner: Any, policy: ContextPolicy | None = None, slot: int = 0) -> None:
         self.runner, self.slot = runner, slot
-        self.policy = policy or ContextPolicy()
+        # one position forgotten at a time, on every runner: what StreamingLLM's paper scores
+        self.policy = replace(policy, step=1) if policy and policy.enabled else ContextPolicy()
         self.chunk = 1 if self.policy.enabled else max(1, int(runner.scoring_chunk))
         self.token_by_token = self.chunk == 1
-        self.shifts = 0
+        self.shifts = 0  # context shifts (a StreamingLLM policy forgetting)
+        self.discarded = 0  # positions they forgot
         runner.clear(slot, self.policy)
 
     def feed(self, tokens: Sequence[int]) -> np.ndarray:
         f = self.runner.forward([Piece(self.slot, list(tokens), len(tokens))])
-        self.shifts += f.shifted.get(self.slot, 0)
+        n = f.shifted.get(self.slot, 0)
+        self.shifts += bool(n)
+        self.discarded += n
         return f.logits
 
     def kv_stats(self) -> dict[str, float]:
