@@ -531,8 +531,10 @@ class Model:
                     live.job.out.put(error)
                     live.job.out.put(_END)
             return
-        self.scheduler.observe(sum(plan.values()), sum(1 for n in plan.values() if n == 0),
-                               time.perf_counter() - t0)  # fmt: skip
+        prompt = sum(plan.values())
+        at = sum(n * (lv.fed - n / 2) for lv, n in plan.items()) / prompt if prompt else 0
+        self.scheduler.observe(prompt, sum(1 for n in plan.values() if n == 0),
+                               time.perf_counter() - t0, int(at))  # fmt: skip
         for live, steps in out.items():
             if not steps:  # a decoding sequence that cannot go on: its context is full
                 running.remove(live)
