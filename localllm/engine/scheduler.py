@@ -79,7 +79,8 @@ class Scheduler:
             if r.left and budget > 0:
                 n = min(r.left, budget)
                 if n < r.left:  # end on the grid where the budget allows (see GRID)
-                    n = (r.fed + n) // self.GRID * self.GRID - r.fed or n
+                    aligned = (r.fed + n) // self.GRID * self.GRID - r.fed
+                    n = aligned if aligned > 0 else n
                 plan[r] = n
                 budget -= n
         return plan
