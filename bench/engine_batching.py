@@ -125,6 +125,35 @@ class Watch:
         return self.stream.result
 
 
+def step_split(model, gen: int) -> dict:  # noqa: ANN001
+    """One greedy stream: the engine's time per decode step, and the part of it spent outside
+    the runner's forward (the Python the engine runs per step: planning, sampling, assembly)."""
+    from localllm.types import Request, SamplingParams
+
+    model.drop_caches()
+    inner, spent = model.runner.forward, []
+
+    def timed(pieces, **kw):  # noqa: ANN001, ANN003, ANN202
+        t = time.perf_counter()
+        try:
+            return inner(pieces, **kw)
+        finally:
+            spent.append(time.perf_counter() - t)
+
+    model.runner.forward = timed
+    try:
+        w = Watch(model.submit(Request(prompt=PROMPTS[0], sampling=SamplingParams(
+            temperature=0, max_tokens=gen + 1))))  # fmt: skip
+        w.wait()
+    finally:
+        del model.runner.forward
+    steps = len(w.stamps) - 1
+    total = w.stamps[-1][0] - w.stamps[0][0]
+    in_forward = sum(spent[-steps:])
+    return {"ms_per_step": 1000 * total / steps, "forward_ms_per_step": 1000 * in_forward / steps,
+            "python_ms_per_step": 1000 * (total - in_forward) / steps}  # fmt: skip
+
+
 def engine_decode(model, n: int, gen: int) -> float:  # noqa: ANN001
     """Aggregate decode tokens/s of `n` concurrent greedy streams through the engine."""
     from localllm.types import Request, SamplingParams
@@ -229,6 +258,7 @@ def main() -> None:
     from localllm.engine import load
 
     samples: dict[str, list] = {}
+    split: list[dict] = []
     for n in (1, 4, 8):
         model = load("smollm2", ctx=CTX, parallel=n, threads=args.threads)
         raw = RawBatch(model.backend.model_path, n, args.threads)
@@ -236,6 +266,8 @@ def main() -> None:
         for _ in range(args.rounds):
             samples.setdefault(f"raw_{n}", []).append(raw.run(args.gen))
             samples.setdefault(f"engine_{n}", []).append(engine_decode(model, n, args.gen))
+        if n == 1:
+            split = [step_split(model, args.gen) for _ in range(args.rounds)]
         raw.close()
         model.close()
         print(f"{n} streams: raw {statistics.median(samples[f'raw_{n}']):.1f} tok/s, engine "
@@ -251,6 +283,10 @@ def main() -> None:
         "engine_over_raw": {n: med[f"engine_{n}"] / med[f"raw_{n}"] for n in (1, 4, 8)},
         "long_prompt": longs[0], "long_prompt_other_floors": longs[1:],
     }  # fmt: skip
+    if split:
+        out["step_split_1"] = {k: statistics.median(r[k] for r in split) for k in split[0]}
+        print(f"1 stream: {out['step_split_1']['ms_per_step']:.2f} ms a step, "
+              f"{out['step_split_1']['python_ms_per_step']:.2f} ms of it outside forward")
     for n in (1, 4, 8):
         print(f"decode tokens/s, {n} streams: raw {med[f'raw_{n}']:.1f}  engine "
               f"{med[f'engine_{n}']:.1f}  engine/raw {out['engine_over_raw'][n]:.2f}")  # fmt: skip
