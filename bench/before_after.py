@@ -1,6 +1,6 @@
 """One bench script on two versions of the code, side by side in one run.
 
-    .venv/bin/python bench/before_after.py REF SCRIPT [--name NAME] [--rounds N] -- [script args]
+    .venv/bin/python bench/before_after.py [--name NAME] [--rounds N] REF SCRIPT -- [script args]
 
 REF is a git revision (a commit before a change); its tree is checked out into a temporary
 worktree and SCRIPT (a path under bench/) runs there with that tree first on PYTHONPATH, then
