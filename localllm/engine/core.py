@@ -475,10 +475,14 @@ class Model:
         body: list[tuple[_Live, list[int]]] = []
         tail: list[tuple[_Live, list[int], int]] = []  # (live, tokens, logits rows)
         try:
-            for live in running:
+            for live in list(running):
                 if not live.left and live.pace is not None and live.pace.on:
                     k = self._draft_room(live)
-                    drafts[live] = live.drafter.propose(live, k) if k > 0 else Draft([])
+                    try:
+                        drafts[live] = live.drafter.propose(live, k) if k > 0 else Draft([])
+                    except Exception as e:  # noqa: BLE001 - its request fails, the others go on
+                        running.remove(live)
+                        self._fail(live, _one_line(e))
             plan = self.scheduler.plan(running, {lv: len(d.tokens) for lv, d in drafts.items()})
             full: list[_Live] = []
             for live, n in plan.items():
@@ -524,12 +528,7 @@ class Model:
             error = _one_line(e)
             for live in [lv for lv in running if lv in plan or lv in drafts]:
                 running.remove(live)
-                if live.asm.out or live.asm.t_first:
-                    self._end(live, live.asm.finish(error=str(error)), keep=False)
-                else:
-                    self._release(live, keep=False)
-                    live.job.out.put(error)
-                    live.job.out.put(_END)
+                self._fail(live, error)
             return
         prompt = sum(plan.values())
         at = sum(n * (lv.fed - n / 2) for lv, n in plan.items()) / prompt if prompt else 0
@@ -549,6 +548,15 @@ class Model:
             if live.asm.done:
                 running.remove(live)
                 self._end(live, live.asm.finish())
+
+    def _fail(self, live: _Live, error: LocalLLMError) -> None:
+        """End a sequence with `error`: in its result once it has output, else as the error."""
+        if live.asm.out or live.asm.t_first:
+            self._end(live, live.asm.finish(error=str(error)), keep=False)
+        else:
+            self._release(live, keep=False)
+            live.job.out.put(error)
+            live.job.out.put(_END)
 
     def _fed(self, live: _Live, tokens: Sequence[int], shifted: int) -> None:
         """The slot's cache now holds `tokens` more (and forgot `shifted` before them)."""

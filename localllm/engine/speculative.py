@@ -305,6 +305,8 @@ class DraftModel:
         if not slot.exact:
             return Draft([])  # the target's cache was shifted: no exact prefix to follow
         held, want = self.held[slot.sid], slot.tokens
+        if len(want) + 2 > r.n_ctx:  # past the draft model's own context: no draft
+            return Draft([])
         keep = common_prefix(held, want, len(want))
         if keep < len(held) or r.held(slot.sid) != len(held):
             if keep and r.held(slot.sid) == len(held):
