@@ -88,7 +88,8 @@ def _device_name(device: torch.device) -> str:
         return torch.cuda.get_device_name(device)
     if device.type == "mps":
         return "Apple GPU (Metal)"
-    return "CPU"
+    # the same file may move between CPUs (AVX2, AVX-512 ...): tuned results are kept per kind
+    return f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
 
 
 # -- one thread for torch's work ----------------------------------------------------------------
