@@ -45,15 +45,7 @@ from localllm.backends import Capabilities
 from localllm.chat import ChatTemplate
 from localllm.types import ContextPolicy
 
-__all__ = ["RUNNER_MEMBERS", "Capabilities", "Forward", "Piece", "Runner", "common_prefix"]
-
-
-def common_prefix(cached: Sequence[int], ids: Sequence[int], limit: int) -> int:
-    """How many leading tokens of `ids` a slot's `cached` tokens already hold (at most `limit`)."""
-    n, top = 0, min(len(cached), len(ids), limit)
-    while n < top and cached[n] == ids[n]:
-        n += 1
-    return n
+__all__ = ["RUNNER_MEMBERS", "Capabilities", "Forward", "Piece", "Runner"]
 
 
 class Piece(NamedTuple):

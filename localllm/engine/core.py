@@ -318,9 +318,6 @@ class Model:
             return None, None
         check_speculative(spec, policy=policy, evict=bool(self.options.evict),
                           draft_name=self.draft_name)  # fmt: skip
-        if mode not in self.capabilities.speculative:
-            raise Unsupported(f"the {self.runner.name} backend has no speculative mode {mode!r} "
-                              f"(it has: {', '.join(self.capabilities.speculative)})")  # fmt: skip
         if mode == "lookup":
             return Lookup(), Pace(LOOKUP_K, LOOKUP_K // 2, give_up=False)
         if mode == "draft":

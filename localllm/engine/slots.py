@@ -14,12 +14,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from localllm.backends.base import common_prefix
 from localllm.types import ContextPolicy
 
-__all__ = ["KEEP_SHARE", "Slot", "Slots"]
+__all__ = ["KEEP_SHARE", "Slot", "Slots", "common_prefix"]
 
 KEEP_SHARE = 0.75  # a prompt that keeps this much of a slot's cache continues it
+
+
+def common_prefix(cached: Sequence[int], ids: Sequence[int], limit: int) -> int:
+    """How many leading tokens of `ids` a slot's `cached` tokens already hold (at most `limit`)."""
+    n, top = 0, min(len(cached), len(ids), limit)
+    while n < top and cached[n] == ids[n]:
+        n += 1
+    return n
 
 
 @dataclass(eq=False)

@@ -26,8 +26,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from localllm.backends.base import Piece, common_prefix
+from localllm.backends.base import Piece
 from localllm.engine.sampling import Sampler
+from localllm.engine.slots import common_prefix
 from localllm.errors import LocalLLMError
 from localllm.types import ContextPolicy, speculative_mode
 

@@ -81,7 +81,6 @@ def test_sixteen_clients_four_slots_queue_of_eight() -> None:
 def test_clients_that_leave_mid_stream_free_their_slots() -> None:
     with fake_server(step_s=0.01, n_ctx=1024, options=_opts(4), queue=0) as s:
         model = the_model(s)
-        backend = model.backend
         body = {"model": "fake", "stream": True, "messages": [{"role": "user", "content": "say:" + "z" * 600}]}
         clients = [httpx.Client(timeout=30) for _ in range(4)]
         streams = [c.stream("POST", s.url + "/v1/chat/completions", json=body) for c in clients]
