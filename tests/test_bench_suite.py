@@ -36,7 +36,7 @@ def bench_lists() -> tuple[list[str], list[tuple]]:
 def test_every_bench_script_is_listed_and_has_a_report_section() -> None:
     need("matplotlib", "pip install -e '.[dev]' (bench/report.py draws the plots)")
     scripts, sections = bench_lists()
-    on_disk = {p.stem for p in BENCH.glob("*.py")} - {"common", "report", "run_all"}
+    on_disk = {p.stem for p in BENCH.glob("*.py")} - {"common", "report", "run_all", "before_after"}  # before_after: a tool
     assert on_disk == set(scripts), "every bench script is in run_all's list (and only those)"
     assert {name.split("#")[0] for name, *_ in sections} == set(scripts), "and has a report section"
     assert set(HEAVY) <= set(scripts)

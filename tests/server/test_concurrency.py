@@ -57,15 +57,15 @@ def common_words(a: str, b: str) -> int:
 
 def test_sixteen_streams(server: BackgroundServer) -> None:
     (model,) = server.served.pool.models()
-    backend = model.backend
+    runner = model.runner
     hold = threading.Event()
-    step = backend.step
+    forward = runner.forward
 
-    def held_step(plan):  # noqa: ANN001, ANN202 - the real step, once every client has arrived
+    def held_forward(pieces, **kw):  # noqa: ANN001, ANN003, ANN202 - the real forward, once every client has arrived
         hold.wait()
-        return step(plan)
+        return forward(pieces, **kw)
 
-    backend.step = held_step
+    runner.forward = held_forward
     gate = server.served.gate(model)
     try:
         with ThreadPoolExecutor(16) as ex:
@@ -77,7 +77,7 @@ def test_sixteen_streams(server: BackgroundServer) -> None:
             hold.set()
             results = [f.result() for f in futures]
     finally:
-        backend.step = step
+        runner.forward = forward
     refused = [r for r in results if r[0] != 200]
     assert len(refused) == 4, [(r[0], r[1][:80]) for r in results]
     for status, body, headers in refused:
