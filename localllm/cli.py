@@ -542,9 +542,10 @@ def _print_stats(result: Any, llm: Any = None) -> None:
               file=sys.stderr)  # fmt: skip
 
 
-def _generate(llm: Any, request: Any, *, stream_out: bool) -> Any:
+def _generate(llm: Any, request: Any, *, stream_out: bool, thinking: bool = True) -> Any:
     """Stream one request to stdout; Ctrl-C cancels it and raises KeyboardInterrupt once the
-    stream has ended.
+    stream has ended. A thinking model's reasoning comes first, between `Thinking...` and
+    `...done thinking.` (dimmed on a terminal), unless `thinking` is False.
 
     While it runs, Ctrl-C only sets a flag and cancels the stream (a handler that never raises):
     a KeyboardInterrupt raised wherever the signal lands was lost when it landed in a fork
@@ -567,10 +568,15 @@ def _generate(llm: Any, request: Any, *, stream_out: bool) -> Any:
         stream = llm.submit(request)
         if stopped.is_set():  # pressed while the request was being prepared
             stream.cancel()
+        shown = _Thoughts(thinking and stream_out)
         for chunk in stream:
-            if stream_out and chunk.text and not stopped.is_set():
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
+            if stream_out and not stopped.is_set():
+                out = shown.feed(chunk.reasoning) + shown.end(chunk.text) + chunk.text
+                if out:
+                    sys.stdout.write(out)
+                    sys.stdout.flush()
+        if stream_out and shown.open:
+            sys.stdout.write(shown.end("."))
     finally:
         if handled:
             signal.signal(signal.SIGINT, previous)
@@ -579,6 +585,28 @@ def _generate(llm: Any, request: Any, *, stream_out: bool) -> Any:
     if stopped.is_set():
         raise KeyboardInterrupt
     return stream.result
+
+
+class _Thoughts:
+    """Reasoning as `run` prints it: opened by `Thinking...`, closed by `...done thinking.`."""
+
+    def __init__(self, show: bool) -> None:
+        self.show, self.open = show, False
+        tty = sys.stdout.isatty()
+        self.dim, self.plain = ("\x1b[2m", "\x1b[0m") if tty else ("", "")
+
+    def feed(self, text: str) -> str:
+        if not (self.show and text):
+            return ""
+        start = "" if self.open else f"{self.dim}Thinking...\n"
+        self.open = True
+        return start + text
+
+    def end(self, answer: str) -> str:
+        if not (self.open and answer):
+            return ""
+        self.open = False
+        return f"\n...done thinking.{self.plain}\n\n"
 
 
 @app.command()
@@ -629,6 +657,14 @@ def run(
     stats: Annotated[
         bool, typer.Option("--stats", help="Print TTFT, TPOT and tokens/s to stderr.")
     ] = False,
+    think: Annotated[
+        bool | None,
+        typer.Option("--think/--no-think", help="A thinking model thinks, or not (default: the "
+                     "model's own); --think on a model that cannot is refused."),  # fmt: skip
+    ] = None,
+    hide_thinking: Annotated[
+        bool, typer.Option("--hidethinking", help="Do not print a thinking model's reasoning.")
+    ] = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Chat with a model: the prompt is a user message rendered with the model's chat template."""
@@ -651,34 +687,32 @@ def run(
     interactive = prompt is None and sys.stdin.isatty()
     if prompt is None and not interactive:
         prompt = sys.stdin.read()
-    llm = load(model, options)
+    from localllm.home import default_home
+    from localllm.repl import Chat, Lines
+
+    def generate(llm: Any, request: Request) -> Any:
+        result = _generate(llm, request, stream_out=not json_out, thinking=not hide_thinking)
+        if stats:
+            _print_stats(result, llm)
+        return result
+
+    chat = Chat(load(model, options), options, load, generate, system=system, raw=raw,
+                sampling={k: v for k, v in given.items() if v is not None},
+                response_format=response_format, think=think)  # fmt: skip
     try:
-        sampling = llm.sampling(**given)  # over the model's own defaults (GGUF, else catalog)
-        note = getattr(getattr(llm.backend, "chat_template", None), "note", "")
+        note = getattr(getattr(chat.llm.backend, "chat_template", None), "note", "")
         if note and not raw and not json_out:
             print(f"note: {note}", file=sys.stderr)
-        history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-
-        def ask(text: str) -> Any:
-            if raw:
-                request = Request(prompt=(system or "") + text, sampling=sampling,
-                                  response_format=response_format)  # fmt: skip
-            else:
-                request = Request(messages=(*history, {"role": "user", "content": text}),
-                                  sampling=sampling, response_format=response_format)  # fmt: skip
-            result = _generate(llm, request, stream_out=not json_out)
-            if stats:
-                _print_stats(result, llm)
-            return result
-
         if not interactive:
-            result = ask(prompt or "")
+            result = generate(chat.llm, chat.request(prompt or ""))
             if json_out:
-                _emit_json(result.to_dict() | {"model": llm.name})
+                _emit_json(result.to_dict() | {"model": chat.llm.name})
             return
-        _repl(llm, history, ask, raw)
+        print(f"{chat.llm.name} (context {chat.llm.n_ctx}). /? for help, /bye or Ctrl-D to leave, "
+              'Ctrl-C stops an answer, """ begins and ends a multi-line message.', file=sys.stderr)  # fmt: skip
+        chat.loop(Lines.terminal(default_home() / "repl_history.jsonl"))
     finally:
-        llm.close()
+        chat.llm.close()
 
 
 @app.command()
@@ -1049,53 +1083,6 @@ def _json_schema_format(path: Path) -> dict[str, Any]:
     if not isinstance(schema, dict):
         raise LocalLLMError(f"--json-schema {path}: a JSON schema is an object")
     return {"type": "json_schema", "json_schema": {"name": path.stem or "schema", "schema": schema}}
-
-
-def _repl(llm: Any, history: list[dict[str, str]], ask: Any, raw: bool) -> None:
-    """Read prompts until EOF or /bye; Ctrl-C stops the current answer, not the REPL.
-
-    A Ctrl-C can land anywhere in a turn — while the line is read, in the instant between the
-    answer's end and the next prompt (the history update) — so each whole turn is inside one
-    `try`: wherever the KeyboardInterrupt is raised, the next prompt comes back (it had escaped
-    from the gap after an answer and ended the REPL with exit 130)."""
-    import contextlib
-
-    with contextlib.suppress(ImportError):
-        import readline  # noqa: F401 - line editing and history for input()
-    print(f"{llm.name} (context {llm.n_ctx}). /bye or Ctrl-D to leave, Ctrl-C stops an answer.",
-          file=sys.stderr)  # fmt: skip
-    while True:
-        try:
-            if not _repl_turn(history, ask, raw):
-                return
-        except KeyboardInterrupt:
-            print(file=sys.stderr)
-
-
-def _repl_turn(history: list[dict[str, str]], ask: Any, raw: bool) -> bool:
-    """One prompt and its answer; False to leave."""
-    try:
-        text = input(">>> ")
-    except EOFError:
-        print(file=sys.stderr)
-        return False
-    if text.strip() in ("/bye", "/exit", "/quit"):
-        return False
-    if not text.strip():
-        return True
-    try:
-        result = ask(text)
-    except KeyboardInterrupt:
-        return True  # the answer was stopped and its line ended
-    except LocalLLMError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return True
-    if not raw:
-        history += [
-            {"role": "user", "content": text},
-            {"role": "assistant", "content": result.text},
-        ]
-    return True
 
 
 @app.command()

@@ -229,6 +229,9 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     context: ContextPolicy = field(default_factory=ContextPolicy)
     speculative: str | None = None  # None: the model's (LoadOptions.speculative); "off" says off
+    # thinking models: None the model's default; True/False on/off; "low"|"medium"|"high" effort
+    # (engine.reasoning). False also keeps any reasoning out of the output
+    think: bool | str | None = None
 
     def __post_init__(self) -> None:
         if self.speculative is not None:
@@ -251,6 +254,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV was reused from the previous request
+    reasoning_tokens: int = 0  # of the completion tokens, those a thinking model thought in
 
     @property
     def total_tokens(self) -> int:
@@ -345,11 +349,13 @@ class Result:
     speculative: SpeculativeStats | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     error: str | None = None
+    reasoning: str | None = None  # a thinking model's reasoning, apart from `text` (the answer)
 
     def to_dict(self) -> dict[str, Any]:
         n = self.usage.completion_tokens
         return {
             "text": self.text,
+            "reasoning": self.reasoning,
             "finish_reason": self.finish_reason,
             "tool_calls": [t.to_openai() for t in self.tool_calls],
             "usage": {
@@ -386,3 +392,4 @@ class Chunk:
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
     result: Result | None = None
+    reasoning: str = ""  # new reasoning text (a thinking model's, apart from the answer)

@@ -29,6 +29,16 @@ CAPS = Capabilities(kv_cache_types=("f16",), streaming=False, speculative=("off"
                     batching=True, embeddings=False, grammar=False)  # fmt: skip
 
 
+# A thinking model's template, Qwen3's shape: the model opens its own `<think>` block, and
+# `enable_thinking=false` writes an empty one into the prompt
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+
+
 def script(ids: Sequence[int]) -> list[int]:
     """What a prompt makes the fake generate: the bytes after the last `say:`, then EOS."""
     text = bytes(t for t in ids if t < 256).decode("utf-8", "replace")

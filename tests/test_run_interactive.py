@@ -96,12 +96,13 @@ def test_ctrl_c_right_after_enter_stops_the_answer(default_model_path: Path) -> 
         os.close(fd)
 
 
-def test_a_ctrl_c_between_an_answer_and_the_next_prompt_keeps_the_repl(monkeypatch) -> None:
+def test_a_ctrl_c_between_an_answer_and_the_next_prompt_keeps_the_repl() -> None:
     """The gap after an answer (the history update) once let a Ctrl-C end the REPL with exit 130
     (a CI run's flake of test_repl_on_a_terminal); here the interrupt lands there on purpose."""
     from types import SimpleNamespace
 
-    from localllm.cli import _repl
+    from localllm.repl import Chat, Lines
+    from localllm.types import LoadOptions, SamplingParams
 
     class InterruptedOnce(list):
         hit = False
@@ -113,13 +114,14 @@ def test_a_ctrl_c_between_an_answer_and_the_next_prompt_keeps_the_repl(monkeypat
             return super().__iadd__(other)
 
     lines = iter(["hi", "again", "/bye"])
-    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     asked: list[str] = []
-    history = InterruptedOnce()
+    llm = SimpleNamespace(name="m", sampling=lambda **kw: SamplingParams.from_kwargs(**kw))
+    chat = Chat(llm, LoadOptions(), None,
+                lambda llm, r: asked.append(r.messages[-1]["content"]) or SimpleNamespace(text="ok"),
+                history=InterruptedOnce())  # fmt: skip
     try:
-        _repl(SimpleNamespace(name="m", n_ctx=8), history,
-              lambda text: asked.append(text) or SimpleNamespace(text="ok"), raw=False)  # fmt: skip
+        chat.loop(Lines(lambda prompt: next(lines)))
     except KeyboardInterrupt:  # uncaught, it would stop the whole test session
         pytest.fail("the Ctrl-C escaped the REPL (the command would exit 130)")
     assert asked == ["hi", "again"] and InterruptedOnce.hit
-    assert [m["content"] for m in history] == ["again", "ok"]
+    assert [m["content"] for m in chat.history] == ["again", "ok"]

@@ -86,7 +86,6 @@ class LocalLLMApp(App):
     #status { height: 1; color: $text-muted; padding: 0 1; }
     #status.warning { color: $warning; }
     #status.danger { color: $error; }
-    #prompt { dock: bottom; }
     MessageView:focus { background: $boost; border-left: thick $accent; }
     #dialog { width: 80%; height: auto; max-height: 90%; border: round $accent; padding: 1 2;
               background: $panel; }

@@ -24,8 +24,9 @@ from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
+from textual.message import Message
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Input, Markdown, Static
+from textual.widgets import Collapsible, Footer, Header, Markdown, Static, TextArea
 
 from localllm.errors import LocalLLMError
 from localllm.types import LoadOptions
@@ -40,31 +41,95 @@ UI_CPU_BUDGET = 0.03
 UI_MIN_S, UI_MAX_S = 0.1, 1.0
 
 
+PLACEHOLDER = "Message (Enter to send, Shift+Enter or Ctrl+J for a new line, Esc to stop)"
+
+
+class PromptArea(TextArea):
+    """The message box. Enter sends; Shift+Enter (where the terminal tells it apart) and Ctrl+J
+    insert a newline; a paste keeps every line and never sends by itself (Textual's bracketed
+    paste); the box grows with its text to 8 lines, then scrolls."""
+
+    DEFAULT_CSS = "PromptArea { height: auto; max-height: 10; }"  # 8 lines and the border
+
+    class Submitted(Message):
+        def __init__(self, area: PromptArea, value: str) -> None:
+            super().__init__()
+            self.area, self.value = area, value
+
+    async def _on_key(self, event: Any) -> None:
+        if event.key == "enter":
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.Submitted(self, self.text))
+        elif event.key in ("shift+enter", "ctrl+j"):
+            event.stop()
+            event.prevent_default()
+            self.insert("\n")
+        else:
+            await super()._on_key(event)
+
+
 class MessageView(Vertical, can_focus=True):
-    """One message. Focus it (Tab / Shift+Tab) to edit it (`e`) or to switch branches (← →)."""
+    """One message. Focus it (Tab / Shift+Tab) to edit it (`e`), copy it (`c`, to the terminal's
+    clipboard through OSC 52) or switch branches (← →)."""
 
     BINDINGS = [
         Binding("e", "edit", "Edit"),
+        Binding("c", "copy", "Copy"),
         Binding("left", "branch(-1)", "Prev branch"),
         Binding("right", "branch(1)", "Next branch"),
     ]
 
     def __init__(self, role: str, text: str = "", *, msg_id: int | None = None,
-                 note: str = "") -> None:  # fmt: skip
+                 note: str = "", reasoning: str = "", thought: str = "") -> None:  # fmt: skip
         super().__init__(classes="message")
         self.role, self.text, self.msg_id, self.note = role, text, msg_id, note
+        self.reasoning, self.thought = reasoning, thought  # a thinking model's, and its summary
 
     def compose(self) -> ComposeResult:
         yield Static(
             self.role + (f"  {self.note}" if self.note else ""), classes=f"role role-{self.role}"
         )
+        if self.reasoning:
+            yield self._thoughts()
         yield Markdown(self.text)
+
+    def _thoughts(self) -> Collapsible:
+        """The reasoning, collapsed under its summary ("Thinking…" while it streams)."""
+        return Collapsible(Static(self.reasoning, classes="thinking-text", markup=False),
+                           title=self.thought or "Thinking…", collapsed=True,
+                           classes="thinking")  # fmt: skip
+
+    async def think(self, text: str) -> None:
+        """More reasoning, as it streams."""
+        self.reasoning += text
+        found = self.query(Collapsible)
+        if found:
+            found.first().query_one(".thinking-text", Static).update(self.reasoning)
+        else:
+            await self.mount(self._thoughts(), before=self.query_one(Markdown))
+
+    def thought_for(self, summary: str) -> None:
+        self.thought = summary
+        for c in self.query(Collapsible):
+            c.title = summary
 
     def action_edit(self) -> None:
         self.screen.start_edit(self)
 
+    def action_copy(self) -> None:
+        self.app.copy_to_clipboard(self.text)
+        self.notify(f"copied the {self.role} message ({len(self.text):,} characters)")
+
     async def action_branch(self, step: int) -> None:
         await self.screen.switch_branch(self, step)
+
+
+def _summary(meta: dict[str, Any]) -> str:
+    """A thinking block's title: how long the model thought, once it is known."""
+    if "reasoning_tokens" not in meta:
+        return ""
+    return f"Thought for {meta['reasoning_tokens']:,} tokens, {meta.get('thinking_s', 0):.1f} s"
 
 
 class ChatScreen(Screen):
@@ -115,12 +180,12 @@ class ChatScreen(Screen):
         yield Header()
         yield VerticalScroll(id="messages")
         yield Static("", id="status")
-        yield Input(placeholder="Message (Enter to send, Esc to stop)", id="prompt")
+        yield PromptArea(placeholder=PLACEHOLDER, id="prompt", soft_wrap=True)
         yield Footer()
 
     async def on_mount(self) -> None:
         self.query_one("#messages").anchor()
-        self.query_one(Input).focus()
+        self.query_one(PromptArea).focus()
         if self.conv_id is not None:
             conv = self.db.get(self.conv_id)
             self.model_name = conv.model
@@ -165,16 +230,18 @@ class ChatScreen(Screen):
             if m.status in ("partial", "cancelled", "error"):
                 note.append({"partial": "(interrupted)", "cancelled": "(stopped)",
                              "error": "(error)"}[m.status])  # fmt: skip
-            views.append(MessageView(m.role, m.content, msg_id=m.id, note=" ".join(note)))
+            views.append(MessageView(m.role, m.content, msg_id=m.id, note=" ".join(note),
+                                     reasoning=m.meta.get("reasoning") or "",
+                                     thought=_summary(m.meta)))  # fmt: skip
         await box.mount_all(views)
 
     # -- sending -------------------------------------------------------------------------------
 
-    async def on_input_submitted(self, event: Input.Submitted) -> None:
-        text = event.value.strip()
-        if not text or self.generating:
+    async def on_prompt_area_submitted(self, event: PromptArea.Submitted) -> None:
+        text = event.value.strip("\n")
+        if not text.strip() or self.generating:
             return
-        event.input.value = ""
+        event.area.clear()
         if self.conv_id is None:
             conv = self.db.create(self.model_name, system_prompt=self.system_prompt,
                                   settings=self.saved_settings)  # fmt: skip
@@ -182,7 +249,7 @@ class ChatScreen(Screen):
         if self.editing is not None:
             msg = self.db.edit(self.editing, text)  # a new branch; the old one stays
             self.editing = None
-            event.input.placeholder = "Message (Enter to send, Esc to stop)"
+            event.area.placeholder = PLACEHOLDER
             await self._render_branch()
         else:
             msg = self.db.add_message(self.conv_id, "user", text)
@@ -206,8 +273,9 @@ class ChatScreen(Screen):
     def action_stop(self) -> None:
         if self.editing is not None and not self.generating:
             self.editing = None
-            prompt = self.query_one(Input)
-            prompt.value, prompt.placeholder = "", "Message (Enter to send, Esc to stop)"
+            prompt = self.query_one(PromptArea)
+            prompt.clear()
+            prompt.placeholder = PLACEHOLDER
             return
         self._stop = self.generating  # Esc while the model loads: stop as soon as it starts
         if self.stream is not None:
@@ -234,8 +302,9 @@ class ChatScreen(Screen):
         if self.generating or view.msg_id is None or view.role != "user":
             return
         self.editing = view.msg_id
-        prompt = self.query_one(Input)
-        prompt.value = view.text
+        prompt = self.query_one(PromptArea)
+        prompt.load_text(view.text)
+        prompt.move_cursor(prompt.document.end)
         prompt.placeholder = "Editing: Enter sends a new branch, Esc cancels"
         prompt.focus()
 
@@ -330,6 +399,7 @@ class ChatScreen(Screen):
     def _generate(self, messages: list[dict[str, str]], msg_id: int) -> None:
         call = self.app.call_from_thread
         text, status, meta = "", "error", {}
+        thinking: dict[str, Any] = {}  # a thinking model's reasoning, saved apart from the answer
         try:
             llm = self._model()
             request = self._request(llm, messages)
@@ -337,43 +407,66 @@ class ChatScreen(Screen):
             if self._stop:
                 self.stream.cancel()
             pending: list[str] = []
+            pending_thought: list[str] = []
             last_ui = last_save = time.monotonic()
+            t_think = 0.0
             for chunk in self.stream:
-                if not chunk.text:
+                if chunk.reasoning:
+                    t_think = t_think or time.monotonic()
+                    pending_thought.append(chunk.reasoning)
+                    thinking["reasoning"] = thinking.get("reasoning", "") + chunk.reasoning
+                    thinking["thinking_s"] = time.monotonic() - t_think
+                if not chunk.text and not chunk.reasoning:
                     continue
                 pending.append(chunk.text)
                 text += chunk.text
                 now = time.monotonic()
                 if now - last_ui >= self.ui_interval:  # batches, not one hand-over per token
-                    call(self._append, "".join(pending))
-                    pending, last_ui = [], now
+                    call(self._append, "".join(pending), "".join(pending_thought))
+                    pending, pending_thought, last_ui = [], [], now
                 if now - last_save >= SAVE_EVERY_S:
-                    self.db.update_message(msg_id, content=text)
+                    self.db.update_message(msg_id, content=text, meta=thinking or None)
                     last_save = now
-            if pending:
-                call(self._append, "".join(pending))
+            if pending or pending_thought:
+                call(self._append, "".join(pending), "".join(pending_thought))
             result = self.stream.result
             status = "cancelled" if result.finish_reason == "cancelled" else "complete"
+            if thinking:
+                thinking["reasoning_tokens"] = result.usage.reasoning_tokens
             meta = {"finish_reason": result.finish_reason, "usage": {
                 "prompt_tokens": result.usage.prompt_tokens,
                 "completion_tokens": result.usage.completion_tokens},
                 "ttft_s": result.timings.ttft_s,
-                "tokens_per_s": result.timings.tokens_per_s(result.usage.completion_tokens)}  # fmt: skip
+                "tokens_per_s": result.timings.tokens_per_s(result.usage.completion_tokens),
+                **thinking}  # fmt: skip
             self.db.update_message(msg_id, content=text, status=status, meta=meta)
+            if thinking and not self._gone:
+                call(self._thought, _summary(meta))
             if not self._gone:
                 call(self._finished, result, None)
         except Exception as e:  # noqa: BLE001 - one notification; the app stays alive
             said = str(e) if isinstance(e, LocalLLMError) else f"{type(e).__name__}: {e}"
-            self.db.update_message(msg_id, content=text, status="error", meta={"error": said})
+            self.db.update_message(msg_id, content=text, status="error",
+                                   meta={"error": said, **thinking})  # fmt: skip
             if not self._gone:  # a chat closed mid-load says nothing; its answer is saved as error
                 call(self._finished, None, said.splitlines()[0] if said else "failed")
         finally:
             self.stream = None
 
-    async def _append(self, text: str) -> None:
-        self.answer += text
-        await self.md_stream.write(text)
+    async def _append(self, text: str, reasoning: str = "") -> None:
+        if reasoning:
+            views = self.query(MessageView)
+            if views:
+                await views.last().think(reasoning)
+        if text:
+            self.answer += text
+            await self.md_stream.write(text)
         self._pace()
+
+    def _thought(self, summary: str) -> None:
+        views = self.query(MessageView)
+        if views:
+            views.last().thought_for(summary)
 
     def _pace(self) -> None:
         """Adapt the hand-over interval to what the UI thread has spent since the last one."""

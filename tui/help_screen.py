@@ -29,11 +29,11 @@ HELP = """\
 | Models | r        | read the store again |
 | Models | q        | quantize the selected model (type, calibration text, quality report) |
 | Models | b        | bench the selected model (latency, tokens/s, % of the decode ceiling); compare all |
-| Chat   | Enter    | send |
+| Chat   | Enter    | send (Shift+Enter or Ctrl+J: a new line; a paste keeps all its lines) |
 | Chat   | Esc      | stop the answer (or cancel an edit) |
 | Chat   | Ctrl+R   | regenerate the last answer (a new branch beside it) |
 | Chat   | F2       | edit the last question (a new branch) |
-| Chat   | Tab      | focus a message: `e` edits it, ← → switch its branches |
+| Chat   | Tab      | focus a message: `e` edits it, `c` copies it, ← → switch its branches |
 | Chat   | Ctrl+S   | settings: system prompt, sampling, context, KV cache, context shift |
 | Chat   | Ctrl+N   | new chat |
 | Chat   | Ctrl+L   | saved conversations |

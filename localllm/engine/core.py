@@ -27,6 +27,7 @@ from typing import Any
 from localllm.backends import Capabilities, check_options
 from localllm.backends.base import Piece, Runner
 from localllm.engine.output import Assembler, Step
+from localllm.engine.reasoning import Splitter, template_args, thinking_of
 from localllm.engine.sampling import Sampler, logprobs
 from localllm.engine.scheduler import Scheduler
 from localllm.engine.slots import Slot, Slots
@@ -93,18 +94,27 @@ def check_supported(request: Request, caps: Capabilities, backend: str) -> None:
 # -- prompts and context -------------------------------------------------------------------------
 
 
-def prompt_ids(backend: Runner, request: Request) -> list[int]:
-    """Render (chat) or take (raw) the prompt and tokenize it."""
+def prompt_ids(backend: Runner, request: Request,
+               model: str = "the model") -> tuple[list[int], Splitter | None]:  # fmt: skip
+    """Render (chat) or take (raw) the prompt and tokenize it. Returns its tokens and, where the
+    model thinks, what separates its reasoning: a chat's template says whether the model thinks
+    and takes `think` (`reasoning`); a raw prompt's output is split only when the request asks
+    for thinking."""
+    template = backend.chat_template
+    thinking = thinking_of(template)
     if request.messages is not None:
-        text = backend.chat_template.render(request.messages, tools=request.tools)
+        extra = template_args(thinking, request.think, model)
+        text = template.render(request.messages, tools=request.tools, **extra)
         bos = backend.bos_text()
         add_special = not (bos and text.startswith(bos))  # the template wrote BOS itself
     else:
+        template_args(thinking, request.think, model)  # refuses what the model cannot do
         text, add_special = request.prompt or "", True
+        thinking = thinking if request.think not in (None, False) else None
     ids = backend.tokenize(text, add_special=add_special)
     if not ids:
         raise LocalLLMError("the prompt is empty")
-    return ids
+    return ids, Splitter.for_prompt(thinking, text) if thinking is not None else None
 
 
 def check_context(
@@ -154,6 +164,7 @@ class _Job:
     submitted: float
     ids: list[int]  # the prompt's tokens
     constraint: Any = None  # structured.Constraint: the grammar its output follows
+    splitter: Splitter | None = None  # a thinking model's reasoning apart from its answer
     cancel: threading.Event = field(default_factory=threading.Event)
     out: queue.Queue | _AsyncOut = field(default_factory=queue.Queue)
 
@@ -406,7 +417,8 @@ class Model:
         try:
             request, ids = job.request, job.ids
             asm = Assembler(self.runner, request, len(ids), submitted=job.submitted,
-                            load_s=self.load_s if self._first else 0.0)  # fmt: skip
+                            load_s=self.load_s if self._first else 0.0,
+                            splitter=job.splitter)  # fmt: skip
             self._first = False
             if job.cancel.is_set() or request.sampling.max_tokens == 0:
                 job.out.put(asm.finish("cancelled" if job.cancel.is_set() else "length"))
@@ -657,9 +669,9 @@ class Model:
             request = replace(request, speculative="off")  # the model's default mode too
         elif request.speculative is None and self.options.speculative:
             request = replace(request, speculative=self.options.speculative)
-        ids = prompt_ids(self.runner, request)
+        ids, splitter = prompt_ids(self.runner, request, self.name)
         check_context(len(ids), self.runner.n_ctx, request.sampling, request.context)
-        job = _Job(request, submitted, ids, constraint=constraint)
+        job = _Job(request, submitted, ids, constraint=constraint, splitter=splitter)
         if loop is not None:
             job.out = _AsyncOut(loop)
         self._queue.put(job)
@@ -677,14 +689,15 @@ class Model:
         tool_choice = kw.pop("tool_choice", None)
         response_format = kw.pop("response_format", None)
         speculative = kw.pop("speculative", None)
+        think = kw.pop("think", None)
         parallel_calls = kw.pop("parallel_tool_calls", True)
         sampling = self.sampling(**kw)
         if isinstance(prompt, str):
             return Request(prompt=prompt, sampling=sampling, response_format=response_format,
-                           speculative=speculative)  # fmt: skip
+                           speculative=speculative, think=think)  # fmt: skip
         return Request(messages=tuple(prompt), tools=tuple(tools), tool_choice=tool_choice,
                        parallel_tool_calls=parallel_calls, response_format=response_format,
-                       speculative=speculative, sampling=sampling)  # fmt: skip
+                       speculative=speculative, sampling=sampling, think=think)  # fmt: skip
 
     def stream(self, prompt: str | Sequence[Message], **kw: Any) -> Iterator[Chunk]:
         """A string is a raw completion; a list of messages goes through the chat template."""

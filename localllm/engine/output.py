@@ -1,8 +1,9 @@
 """One sequence's output: tokens become text, chunks and a `Result`, the same for every runner.
 
 `Step` is one sampled token with what happened to get it; `Assembler` decodes UTF-8 pieces
-incrementally, finds stop strings across chunk borders (`StopMatcher`), ends the sequence at its
-limits and assembles timings, usage, logprobs, tool calls and speculative statistics.
+incrementally, finds stop strings across chunk borders (`StopMatcher`), separates a thinking
+model's reasoning from its answer (`reasoning.Splitter`), ends the sequence at its limits and
+assembles timings, usage, logprobs, tool calls and speculative statistics.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from localllm.chat import parse_tool_calls
+from localllm.engine.reasoning import Splitter
 from localllm.types import (
     Chunk,
     FinishReason,
@@ -83,7 +85,7 @@ class Assembler:
     """
 
     def __init__(self, runner: Any, request: Request, n_prompt: int, *, submitted: float,
-                 load_s: float = 0.0) -> None:  # fmt: skip
+                 load_s: float = 0.0, splitter: Splitter | None = None) -> None:  # fmt: skip
         self.runner = runner
         self.request = request
         self.n_prompt = n_prompt
@@ -96,6 +98,9 @@ class Assembler:
         self.out: list[int] = []
         self.pending: list[int] = []  # tokens not yet handed out in a chunk
         self.texts: list[str] = []
+        self.splitter = splitter  # a thinking model's: reasoning apart from the answer
+        self.thoughts: list[str] = []
+        self.thinking_tokens = 0
         self.logprobs: list[TokenLogprob] = []
         self.cached = self.shifts = self.discarded = 0
         self.finish_reason: FinishReason | None = None
@@ -140,10 +145,17 @@ class Assembler:
                                tuple((b.detokenize([t]), v) for t, v in step.top)),)  # fmt: skip
             self.logprobs.extend(lp)
         text, hit = self.stops.feed(piece)
+        if self.splitter is not None:
+            was = self.splitter.thinking
+            thought, text = self.splitter.feed(text)
+            self.thinking_tokens += was or self.splitter.thinking
+        else:
+            thought = ""
         chunk = None
-        if text or lp:
+        if text or thought or lp:
             self.texts.append(text)
-            chunk = Chunk(text, tuple(self.pending), lp)
+            self.thoughts.append(thought)
+            chunk = Chunk(text, tuple(self.pending), lp, reasoning=self._shown(thought))
             self.pending = []
         if hit:
             self.finish_reason, self.stop_hit = "stop", True
@@ -158,7 +170,13 @@ class Assembler:
         finish: FinishReason = "error" if error else reason or self.finish_reason or "length"
         # text held back as a possible stop-string prefix belongs to the answer unless one hit
         tail = "" if self.stop_hit else self.stops.flush() + self.decoder.decode(b"", final=True)
+        thought = ""
+        if self.splitter is not None:
+            thought, tail = self.splitter.feed(tail)
+            rest = self.splitter.flush()
+            thought, tail = thought + rest[0], tail + rest[1]
         self.texts.append(tail)
+        self.thoughts.append(thought)
         text = "".join(self.texts)
         tool_calls: tuple = ()
         if self.request.tools and self.request.tool_choice != "none" and finish == "stop":
@@ -175,15 +193,21 @@ class Assembler:
             total_s=now - self.submitted,
         )
         n = len(self.out)
-        usage = Usage(prompt_tokens=self.n_prompt, completion_tokens=n, cached_tokens=self.cached)
+        usage = Usage(prompt_tokens=self.n_prompt, completion_tokens=n, cached_tokens=self.cached,
+                      reasoning_tokens=self.thinking_tokens)  # fmt: skip
         result = Result(
             text=text, token_ids=tuple(self.out), finish_reason=finish, usage=usage,
             timings=timings, tool_calls=tool_calls, context_shifts=self.shifts,
             discarded_tokens=self.discarded, error=error,
+            reasoning=(self._shown("".join(self.thoughts)) or None) if self.splitter else None,
             logprobs=tuple(self.logprobs) if self.request.sampling.logprobs is not None else None,
             speculative=(SpeculativeStats(mode=self.request.speculative or "", **self.spec,
                                           switched_off=self.spec_off)
                          if speculative_mode(self.request.speculative) != "off" else None),
         )  # fmt: skip
         ids, self.pending = tuple(self.pending), []
-        return Chunk(tail, ids, result=result)
+        return Chunk(tail, ids, result=result, reasoning=self._shown(thought))
+
+    def _shown(self, thought: str) -> str:
+        """Reasoning is handed out unless the request said `think: false`."""
+        return "" if self.request.think is False else thought

@@ -71,8 +71,11 @@ def _parse(data: Any) -> tuple[Parsed, Body]:
         response_format = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
     elif fmt not in (None, ""):
         raise BadRequest('format must be "json" or a JSON schema object', "format")
+    think = b.get("think")
+    if think is not None and not (isinstance(think, bool) or think in ("low", "medium", "high")):
+        raise BadRequest('think must be true, false, "low", "medium" or "high"', "think")
     p = Parsed(model=model, stream=stream, include_usage=False, sampling=sampling,
-               response_format=response_format, ctx=ctx)  # fmt: skip
+               response_format=response_format, ctx=ctx, think=think)  # fmt: skip
     return p, b
 
 
@@ -170,18 +173,21 @@ def add_routes(app: FastAPI, server: Server) -> None:
             result = await server.to_end(started, request, route)
             if isinstance(result, Response):
                 return result
-            return JSONResponse(_final(name, result, shape(result.text, result)))
+            return JSONResponse(_final(name, result, shape(result.text, result.reasoning, result)))
         held = [] if tools else None  # with tools: the answer comes at the end (a call or text)
 
         def piece(chunk: Chunk) -> bytes:
-            if not chunk.text or held is not None:
-                if held is not None:
-                    held.append(chunk.text)
+            text = chunk.text
+            if held is not None:
+                held.append(text)
+                text = ""
+            if not (text or chunk.reasoning):
                 return b""
-            return _line({"model": name, "created_at": _now(), **shape(chunk.text, None), "done": False})
+            return _line({"model": name, "created_at": _now(), **shape(text, chunk.reasoning, None),
+                          "done": False})  # fmt: skip
 
         def last(result: Result) -> bytes:
-            return _line(_final(name, result, shape(result.text if held is not None else "", result)))
+            return _line(_final(name, result, shape(result.text if held is not None else "", "", result)))
 
         def failed(message: str) -> bytes:
             return _line({"error": scrub(message)})
@@ -198,8 +204,10 @@ def add_routes(app: FastAPI, server: Server) -> None:
             raise BadRequest("tools must be a list", "tools")
         parsed.tools = tools
 
-        def shape(text: str, result: Result | None) -> dict[str, Any]:
+        def shape(text: str, thinking: str | None, result: Result | None) -> dict[str, Any]:
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if thinking:
+                message["thinking"] = thinking
             if result is not None and result.tool_calls:
                 message["tool_calls"] = [{"function": {"name": t.name, "arguments": _args(t.arguments)}}
                                          for t in result.tool_calls]  # fmt: skip
@@ -226,8 +234,8 @@ def add_routes(app: FastAPI, server: Server) -> None:
             parsed.messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}]
 
-        def shape(text: str, _result: Result | None) -> dict[str, Any]:
-            return {"response": text}
+        def shape(text: str, thinking: str | None, _result: Result | None) -> dict[str, Any]:
+            return {"response": text, **({"thinking": thinking} if thinking else {})}
 
         return await run(request, parsed, "/api/generate", shape, False)
 

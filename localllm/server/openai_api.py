@@ -4,6 +4,11 @@ Parsing checks every field it takes (type and range) and refuses what it cannot 
 `logit_bias`, images, `echo`, `suffix`, `best_of`) with a 400 naming the field; fields it does not
 know are ignored, as OpenAI clients send many (`user`, `metadata`, `store`, ...). Extensions: `top_k`,
 `min_p`, `repeat_penalty`, `kv_cache` and `speculative` in the body.
+
+A thinking model's reasoning comes apart from its answer, as llama.cpp's server and vLLM return it:
+`message.reasoning_content`, streamed as `delta.reasoning_content`. Thinking is switched with
+`chat_template_kwargs: {"enable_thinking": false}` (vLLM's and llama.cpp's way), `think` (Ollama's)
+or `reasoning_effort` (where the template takes an effort).
 """
 
 from __future__ import annotations
@@ -110,6 +115,7 @@ class Parsed:
     ctx: int | None = None  # Ollama's num_ctx
     logprobs: bool = False
     parallel_tool_calls: bool = True
+    think: bool | str | None = None
 
     def request(self, model: Any) -> Request:
         sampling = model.sampling(**self.sampling)
@@ -118,9 +124,9 @@ class Parsed:
             return Request(messages=tuple(self.messages), tools=tools, tool_choice=self.tool_choice,
                            parallel_tool_calls=self.parallel_tool_calls,
                            response_format=self.response_format, sampling=sampling,
-                           speculative=self.speculative)  # fmt: skip
+                           speculative=self.speculative, think=self.think)  # fmt: skip
         return Request(prompt=self.prompt, response_format=self.response_format, sampling=sampling,
-                       speculative=self.speculative)  # fmt: skip
+                       speculative=self.speculative, think=self.think)  # fmt: skip
 
 
 def _common(b: Body) -> Parsed:
@@ -265,7 +271,33 @@ def parse_chat(data: Any) -> Parsed:
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     if p.logprobs:
         p.sampling["logprobs"] = top or 0
+    p.think = _think(b)
     return p
+
+
+def _think(b: Body) -> bool | str | None:
+    """A chat's thinking switch: `think`, `chat_template_kwargs.enable_thinking` or
+    `reasoning_effort` (the engine refuses what the model cannot do)."""
+    think = b.get("think")
+    if think is not None and not isinstance(think, (bool, str)):
+        raise BadRequest("think must be true, false, or low, medium or high", "think")
+    kwargs = b.obj("chat_template_kwargs")
+    if kwargs is not None:
+        unknown = set(kwargs.data) - {"enable_thinking"}
+        if unknown:
+            raise BadRequest(f"chat_template_kwargs {', '.join(sorted(unknown))} is not supported "
+                             "(enable_thinking is)", "chat_template_kwargs")  # fmt: skip
+        enable = kwargs.get("enable_thinking")
+        if enable is not None and not isinstance(enable, bool):
+            raise BadRequest("chat_template_kwargs.enable_thinking must be a boolean",
+                             "chat_template_kwargs.enable_thinking")  # fmt: skip
+        think = enable if think is None else think
+    effort = b.text("reasoning_effort")
+    if effort is not None:
+        if effort not in ("low", "medium", "high"):
+            raise BadRequest("reasoning_effort must be low, medium or high", "reasoning_effort")
+        think = effort if think in (None, True) else think
+    return think
 
 
 def parse_completion(data: Any) -> Parsed:
@@ -304,7 +336,8 @@ def usage(result: Result) -> dict[str, Any]:
     u = result.usage
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}  # fmt: skip
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}}  # fmt: skip
 
 
 def finish_reason(result: Result) -> str:
@@ -333,6 +366,8 @@ def completion_logprobs(lps: tuple[TokenLogprob, ...] | None, start: int = 0) ->
 
 def chat_completion(rid: str, model: str, fingerprint: str, result: Result) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": result.text, "refusal": None}
+    if result.reasoning:
+        message["reasoning_content"] = result.reasoning
     if result.tool_calls:
         message["tool_calls"] = [t.to_openai() for t in result.tool_calls]
         message["content"] = result.text or None
@@ -422,9 +457,10 @@ class ChatStream(_Stream):
     def piece(self, chunk: Chunk, logprobs: bool) -> bytes:
         text = self.hold.feed(chunk.text)
         lp = chat_logprobs(chunk.logprobs) if logprobs and chunk.logprobs else None
+        out = self._chunk({"reasoning_content": chunk.reasoning}) if chunk.reasoning else b""
         if not text and lp is None:
-            return b""
-        return self._chunk({"content": text}, logprobs=lp)
+            return out
+        return out + self._chunk({"content": text}, logprobs=lp)
 
     def last(self, result: Result) -> bytes:
         out = b""

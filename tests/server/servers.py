@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fakebackend import FakeRunner
+from fakebackend import THINKING_TEMPLATE, FakeRunner
 
 from conftest import need
 
@@ -45,6 +45,10 @@ def fake_loader(step_s: float = 0.0, n_ctx: int = 256, max_batch: int = 64,
         if not name.startswith("fake"):
             raise ModelNotFound(f"unknown model {name!r}: not in the store nor in the catalog")
         backend = HeldBatch(hold, n_ctx=n_ctx, n_slots=options.parallel, step_s=step_s, max_batch=max_batch)
+        if name.startswith("fake-thinker"):  # a thinking model (Qwen3's template)
+            from localllm.chat import ChatTemplate
+
+            backend.chat_template = ChatTemplate(THINKING_TEMPLATE)
         return Model(backend, name, options=options)
 
     return load

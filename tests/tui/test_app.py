@@ -21,6 +21,8 @@ BUILT_IN = "smollm2:135m-instruct-q4_1"  # the default model, from the llm-smoll
 
 
 class FakeStream:
+    """Streams `tokens`; a token ("think", TEXT) is reasoning (a thinking model's)."""
+
     def __init__(self, tokens: list[str], delay: float) -> None:
         self.tokens, self.delay = tokens, delay
         self.cancelled = threading.Event()
@@ -31,19 +33,25 @@ class FakeStream:
 
     def __iter__(self):  # noqa: ANN204
         t0 = time.monotonic()
-        out = []
+        out, thought = [], []
         reason = "stop"
         for tok in self.tokens:
             if self.cancelled.is_set():
                 reason = "cancelled"
                 break
             time.sleep(self.delay)
+            if isinstance(tok, tuple):
+                thought.append(tok[1])
+                yield Chunk("", reasoning=tok[1])
+                continue
             out.append(tok)
             yield Chunk(tok)
-        n = len(out)
-        self.result = Result("".join(out), tuple(range(n)), reason, Usage(10, n),
+        n = len(out) + len(thought)
+        self.result = Result("".join(out), tuple(range(n)), reason,
+                             Usage(10, n, reasoning_tokens=len(thought)),
                              Timings(ttft_s=0.01, decode_s=max(1, n - 1) * self.delay,
-                                     total_s=time.monotonic() - t0))  # fmt: skip
+                                     total_s=time.monotonic() - t0),
+                             reasoning="".join(thought) or None)  # fmt: skip
 
 
 class FakeLLM:
@@ -210,8 +218,8 @@ def test_conversation_saved_branched_and_reopened(tiny_llama: Path) -> None:
             await pilot.press(*"2+2?", "enter")
             await wait_for(pilot, lambda: not screen.generating and screen.history)
             await pilot.press("f2")  # edit the last question
-            assert screen.query_one("#prompt").value == "2+2?"
-            screen.query_one("#prompt").value = "3+3?"
+            assert screen.query_one("#prompt").text == "2+2?"
+            screen.query_one("#prompt").text = "3+3?"
             await pilot.press("enter")
             await wait_for(pilot, lambda: not screen.generating and
                            screen.history[-1]["content"] == "Six")  # fmt: skip
@@ -794,3 +802,89 @@ def test_escape_while_the_model_loads_stops_the_answer(tiny_llama: Path) -> None
             assert "stopped" in str(chat.query_one("#status").render())
 
     asyncio.run(go())
+
+
+def test_a_pasted_block_arrives_whole_and_new_lines_do_not_send(tiny_llama: Path) -> None:
+    """Issue 34: the prompt kept only the first line of a paste (a one-line Input)."""
+    from textual import events
+
+    from localllm.tui.chat_screen import PromptArea
+
+    Store().add_file(tiny_llama, "tiny", source="file:x")
+    fake = FakeLLM([["ok"], ["ok2"]], n_ctx=4000)
+    code = "\n".join(f"    line_{i} = {i}  # a code block" for i in range(40))
+
+    async def go() -> None:
+        app = app_with(fake, chat_model="tiny")
+        async with app.run_test(size=(100, 30)) as pilot:
+            screen = app.screen
+            box = screen.query_one(PromptArea)
+            assert box.has_focus and box.region.height == 3  # one line and its border
+            app.post_message(events.Paste(code))  # as the terminal driver sends it
+            await pilot.pause()
+            assert box.text == code and not fake.requests  # a paste never sends by itself
+            assert box.region.height == 10  # grew to 8 lines, then scrolls
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: not screen.generating and len(screen.history) == 2)
+            assert fake.requests[0].messages[-1]["content"] == code  # every line, indentation too
+            assert box.text == ""
+            await pilot.press(*"one", "shift+enter", *"two", "ctrl+j", *"three")
+            assert box.text == "one\ntwo\nthree" and not fake.requests[1:]
+            assert box.region.height == 5
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: not screen.generating and len(screen.history) == 4)
+            assert fake.requests[1].messages[-1]["content"] == "one\ntwo\nthree"
+            view = [v for v in screen.query(MessageView) if v.role == "user"][-1]
+            view.focus()
+            await pilot.press("c")  # copy it (OSC 52 on a real terminal)
+            assert app.clipboard == "one\ntwo\nthree"
+            await pilot.press("e")  # edit it: the whole message comes back, lines and all
+            assert box.text == "one\ntwo\nthree" and box.has_focus
+
+    asyncio.run(go())
+
+
+def test_thinking_streams_into_a_collapsed_block_saved_apart_from_the_answer(tiny_llama: Path) -> None:
+    """Issue 34: reasoning streamed into the answer and into the saved conversation."""
+    from textual.widgets import Collapsible
+
+    Store().add_file(tiny_llama, "tiny", source="file:x")
+    thinking = [("think", "Two and "), ("think", "two make four.")]
+    fake = FakeLLM([[*thinking, "Four", "."], ["Again."]])
+
+    async def go() -> int:
+        app = app_with(fake, chat_model="tiny")
+        async with app.run_test(size=(100, 30)) as pilot:
+            screen = app.screen
+            await pilot.press(*"2+2?", "enter")
+            await wait_for(pilot, lambda: not screen.generating and len(screen.history) == 2)
+            assert screen.history[1] == {"role": "assistant", "content": "Four."}  # the answer only
+            answer = list(screen.query(MessageView))[-1]
+            block = answer.query_one(Collapsible)
+            assert block.collapsed and block.title.startswith("Thought for 2 tokens, ")
+            assert answer.reasoning == "Two and two make four."
+            await pilot.press(*"more", "enter")  # the next request sends the answer, not the thoughts
+            await wait_for(pilot, lambda: not screen.generating and len(screen.history) == 4)
+            assert fake.requests[1].messages[1] == {"role": "assistant", "content": "Four."}
+            return screen.conv_id
+
+    from localllm.conversations import Conversations
+
+    conv_id = asyncio.run(go())
+    with Conversations() as db:
+        saved = db.branch(conv_id)[1]
+    assert saved.content == "Four." and saved.meta["reasoning"] == "Two and two make four."
+    assert saved.meta["reasoning_tokens"] == 2
+
+    async def reopen() -> None:  # the block comes back when the conversation is opened again
+        app = app_with(FakeLLM([]))
+        async with app.run_test(size=(100, 30)) as pilot:
+            from localllm.tui.chat_screen import ChatScreen as Chat
+
+            await app.push_screen(Chat("tiny", conv_id))
+            await pilot.pause()
+            view = list(app.screen.query(MessageView))[1]
+            assert view.reasoning == "Two and two make four."
+            assert view.query_one(Collapsible).title.startswith("Thought for 2 tokens")
+
+    asyncio.run(reopen())

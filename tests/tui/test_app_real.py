@@ -23,9 +23,9 @@ def test_real_model_chat_flow(default_model_path: Path) -> None:
             pieces: list[str] = []
             append = chat._append
 
-            async def spy(text: str) -> None:
+            async def spy(text: str, reasoning: str = "") -> None:
                 pieces.append(text)
-                await append(text)
+                await append(text, reasoning)
 
             chat._append = spy
             await pilot.press(*"Say hello", "enter")

@@ -94,6 +94,44 @@ def test_chat(snap_compare, fixed_store: Store, size, theme) -> None:  # noqa: A
 
 
 @pytest.mark.parametrize("size", SIZES)
+def test_chat_multi_line_prompt(snap_compare, fixed_store: Store, size) -> None:  # noqa: ANN001
+    """Issue 34: the message box grows with a message of several lines (Ctrl+J: a new line)."""
+
+    async def type_lines(pilot) -> None:  # noqa: ANN001
+        pilot.app.screen.query_one("#prompt").cursor_blink = False
+        await pilot.press(*"Explain this code:", "ctrl+j", *"def double(x):", "ctrl+j")
+        await pilot.press(*"    return x * 2")
+        await pilot.pause(0.2)
+
+    assert snap_compare(make_app("textual-dark", chat=True), terminal_size=size, run_before=type_lines)
+
+
+@pytest.mark.parametrize("opened", [False, True], ids=["collapsed", "open"])
+def test_chat_thinking_block(snap_compare, fixed_store: Store, opened: bool) -> None:  # noqa: ANN001
+    """Issue 34: a thinking model's reasoning folds under how long it thought."""
+    thoughts = [("think", "The user asks for the capital of France. "), ("think", "That is Paris.")]
+    fake = FakeLLM([[*thoughts, "The capital is ", "**Paris**."]], delay=0.001)
+    app = LocalLLMApp(loader=lambda name, options: fake, chat_model="tiny")
+    app.theme = "textual-dark"
+
+    async def ask(pilot) -> None:  # noqa: ANN001
+        screen = pilot.app.screen
+        screen.query_one("#prompt").cursor_blink = False
+        await pilot.press(*"What is the capital of France?", "enter")
+        end = time.monotonic() + 10
+        while (screen.generating or not screen.answer) and time.monotonic() < end:
+            await pilot.pause(0.05)
+        from textual.widgets import Collapsible
+
+        block = screen.query_one(Collapsible)
+        block.title = "Thought for 2 tokens, 0.1 s"  # the measured time varies: fixed here
+        block.collapsed = not opened
+        await pilot.pause(0.2)
+
+    assert snap_compare(app, terminal_size=(80, 24), run_before=ask)
+
+
+@pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("theme", THEMES)
 def test_conversations(snap_compare, fixed_store: Store, size, theme) -> None:  # noqa: ANN001
     app = make_app(theme)
