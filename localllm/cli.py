@@ -1230,9 +1230,13 @@ def serve(
         list[str] | None, typer.Option("--cors", help="Origin allowed to call from a browser (repeatable).")
     ] = None,
     max_body: Annotated[int, typer.Option("--max-body", help="Largest request body in bytes.")] = 8 * 1024 * 1024,
+    keep_alive: Annotated[
+        str, typer.Option("--keep-alive", help="How long a model no request holds stays loaded: "
+                          "5m, 1h, 30s, 0 (unload at once), -1 (until `localllm stop`).")  # fmt: skip
+    ] = "5m",
 ) -> None:
     """Serve the OpenAI and Ollama APIs on this machine (127.0.0.1:11435 by default)."""
-    from localllm.server.config import ServerConfig, read_api_key
+    from localllm.server.config import ServerConfig, keep_alive_seconds, read_api_key
     from localllm.types import LoadOptions
 
     missing = _server_missing()
@@ -1242,7 +1246,8 @@ def serve(
                           speculative=speculative, parallel=parallel)  # fmt: skip
     config = ServerConfig(host=host, port=port, models=tuple(model or ()), cors=tuple(cors or ()),
                           api_key=read_api_key(api_key, api_key_file), options=options,
-                          queue=queue, max_body=max_body)  # fmt: skip
+                          queue=queue, max_body=max_body,
+                          keep_alive=keep_alive_seconds(keep_alive, "--keep-alive"))  # fmt: skip
     from localllm.server.runner import serve_forever
 
     serve_forever(config, announce=lambda line: print(line, file=sys.stderr, flush=True))
@@ -1256,29 +1261,10 @@ def ps(
     json_out: JsonFlag = False,
 ) -> None:
     """What a running server has loaded."""
-    import urllib.error
-    import urllib.request
-
     from localllm.model_info import human_bytes
 
-    if url is None:
-        from localllm.server.runner import running_url
-
-        url = running_url() or "http://127.0.0.1:11435"
-    key = api_key or os.environ.get("LOCALLLM_API_KEY")
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url.rstrip("/") + "/api/ps", headers=headers),
-                                    timeout=10) as r:  # fmt: skip
-            models = json.loads(r.read()).get("models", [])
-    except urllib.error.HTTPError as e:
-        try:
-            message = json.loads(e.read())["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = f"HTTP {e.code}"
-        raise LocalLLMError(f"{url}: {message}") from None
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise LocalLLMError(f"no localllm server answers at {url} ({type(e).__name__})") from None
+    url, reply = _ask_server(url, api_key, "/api/ps")
+    models = reply.get("models", [])
     if json_out:
         _emit_json({"url": url, "models": models})
         return
@@ -1291,6 +1277,48 @@ def ps(
         print(f"{m['name']:34} {x.get('backend', '?'):9} {x.get('ctx', 0):>6} {x.get('kv_cache', ''):>6} "
               f"{x.get('running', 0):>4} {x.get('waiting', 0):>4} {human_bytes(m.get('size', 0)):>9}  "
               f"{m.get('expires_at', '')[:19]}")
+
+
+@app.command()
+def stop(
+    model: Annotated[str, typer.Argument(help="The model to unload, e.g. smollm2.")],
+    url: Annotated[str | None, typer.Option("--url", help="The server (default: the running one, "
+                                            "else http://127.0.0.1:11435).")] = None,
+    api_key: Annotated[str | None, typer.Option("--api-key", help="Its API key (else $LOCALLLM_API_KEY).")] = None,
+) -> None:
+    """Unload a model from the running server (as soon as its requests end)."""
+    url, reply = _ask_server(url, api_key, "/api/generate", {"model": model, "keep_alive": 0})
+    print(f"{reply.get('model', model)}: unloaded from {url}")
+
+
+def _ask_server(url: str | None, api_key: str | None, path: str,
+                body: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:  # fmt: skip
+    """(the server's URL, its JSON reply) for GET `path` (POST with `body`); errors are one line."""
+    import urllib.error
+    import urllib.request
+
+    if url is None:
+        from localllm.server.runner import running_url
+
+        url = running_url() or "http://127.0.0.1:11435"
+    key = api_key or os.environ.get("LOCALLLM_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    data = None
+    if body is not None:
+        data, headers = json.dumps(body).encode(), headers | {"Content-Type": "application/json"}
+    try:
+        request = urllib.request.Request(url.rstrip("/") + path, data=data, headers=headers)
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return url, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            said = json.loads(e.read())["error"]
+            message = said if isinstance(said, str) else said["message"]
+        except (ValueError, KeyError, TypeError):
+            message = f"HTTP {e.code}"
+        raise LocalLLMError(f"{url}: {message}") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise LocalLLMError(f"no localllm server answers at {url} ({type(e).__name__})") from None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,7 @@ lock: acquiring a loaded model never waits for another model's load. Thread-safe
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -42,6 +43,7 @@ class _Entry:
     model: Any = None
     held: int = 0  # bytes, by the estimate at load time (0: unknown)
     idle_since: float | None = None
+    keep_s: float | None = None  # how long it stays loaded once idle (None: the pool's idle_s)
     ready: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -59,6 +61,7 @@ class Loaded:
     refs: int
     held_bytes: int
     idle_s: float | None  # seconds since the last release; None while in use
+    keep_s: float  # seconds it stays loaded once idle (inf: until unloaded)
 
 
 def registry_fit(store: Any = None) -> Fit:
@@ -181,8 +184,10 @@ class ModelPool:
         except LocalLLMError:
             return name  # the load says what is wrong with it
 
-    def release(self, model: Any) -> None:
-        """Give back a model from `acquire`. The last release starts its idle time."""
+    def release(self, model: Any, keep_s: float | None = None) -> None:
+        """Give back a model from `acquire`. The last release starts its idle time; `keep_s`
+        (Ollama's `keep_alive`) sets how long it then stays loaded: 0 unloads it at once,
+        `math.inf` keeps it until `unload`, None leaves what was set (at first, `idle_s`)."""
         to_close = None
         with self._cond:
             if self._closed:  # close() unloaded everything already
@@ -192,9 +197,11 @@ class ModelPool:
             if entry is None:
                 raise ValueError("release() of a model this pool did not hand out (or released twice)")
             entry.refs -= 1
+            if keep_s is not None:
+                entry.keep_s = max(0.0, keep_s)
             if entry.refs == 0:
                 entry.idle_since = self._clock()
-                if self.idle_s == 0:
+                if self._keep(entry) == 0:
                     self._entries.pop(entry.key, None)
                     to_close = entry.model
                 else:
@@ -218,8 +225,23 @@ class ModelPool:
         now = self._clock()
         with self._cond:
             return [Loaded(e.name, e.options, e.refs, e.held,
-                           None if e.idle_since is None else now - e.idle_since)
+                           None if e.idle_since is None else now - e.idle_since, self._keep(e))
                     for e in self._entries.values() if e.model is not None]  # fmt: skip
+
+    def unload(self, name: str) -> int:
+        """Unload the models loaded under `name` (any options): at once when nobody holds them,
+        else at their last release. Returns how many there were."""
+        name = self.canonical(name)
+        with self._cond:
+            found = [e for e in self._entries.values() if e.name == name and e.model is not None]
+            idle = [e for e in found if e.refs == 0]
+            for e in found:
+                e.keep_s = 0.0
+            for e in idle:
+                del self._entries[e.key]
+            self._cond.notify_all()
+        self._close_all([e.model for e in idle])
+        return len(found)
 
     def models(self) -> list[Any]:
         """The loaded models themselves (for a server's metrics)."""
@@ -282,13 +304,14 @@ class ModelPool:
 
     # -- idle unloading --------------------------------------------------------------------------
 
+    def _keep(self, e: _Entry) -> float:
+        return self.idle_s if e.keep_s is None else e.keep_s
+
     def _take_expired(self) -> list[Any]:
-        """(Under the lock.) Remove the entries idle past the timeout; their models, to close."""
-        if self.idle_s == 0:
-            return []
+        """(Under the lock.) Remove the entries idle past their time; their models, to close."""
         now = self._clock()
         gone = [e for e in self._entries.values() if e.refs == 0 and e.model is not None
-                and e.idle_since is not None and now - e.idle_since >= self.idle_s]  # fmt: skip
+                and e.idle_since is not None and now - e.idle_since >= self._keep(e)]  # fmt: skip
         for e in gone:
             del self._entries[e.key]
         return [e.model for e in gone]
@@ -305,13 +328,14 @@ class ModelPool:
                 if self._closed:
                     return
                 expired = self._take_expired()
-                idle = [e.idle_since for e in self._entries.values()
-                        if e.refs == 0 and e.idle_since is not None]  # fmt: skip
+                due = [e.idle_since + self._keep(e) for e in self._entries.values()
+                       if e.refs == 0 and e.idle_since is not None
+                       and math.isfinite(self._keep(e))]  # fmt: skip
                 if not expired:
-                    if not idle:
+                    if not due:
                         self._reaper = None
                         return
-                    wait = min(idle) + self.idle_s - self._clock()
+                    wait = min(due) - self._clock()
                     self._cond.wait(timeout=max(0.01, wait))
                     continue
             self._close_all(expired)

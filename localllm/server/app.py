@@ -86,7 +86,7 @@ class Server:
         return Started(lease, stream, parsed)
 
     def finished(self, started: Started, route: str, result: Result | None) -> None:
-        started.lease.close()
+        started.lease.close(started.parsed.keep_alive if started.parsed else None)
         if result is None:
             return
         self.metrics.observe(started.lease.name, result)
@@ -128,7 +128,7 @@ class Server:
         if result is None:
             return Response(status_code=499)
         if result.finish_reason == "error":
-            return error(500, result.error or "generation failed", "server_error")
+            return error(500, result.error or "generation failed", "server_error", path=route)
         return result
 
     async def events(self, started: Started, route: str, first: bytes,
@@ -171,13 +171,13 @@ def create_app(config: ServerConfig, served: Served | None = None) -> FastAPI:
     app.state.server = server
 
     @app.exception_handler(Exception)
-    async def _any(_request: Request, e: Exception) -> JSONResponse:
-        return error_of(e)
+    async def _any(request: Request, e: Exception) -> JSONResponse:
+        return error_of(e, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error(e.status_code, str(e.detail), kind)
+        return error(e.status_code, str(e.detail), kind, path=request.url.path)
 
     for exc in (LocalLLMError, BadRequest, BodyTooLarge):
         app.add_exception_handler(exc, _any)  # type: ignore[arg-type]

@@ -7,7 +7,9 @@ no CORS headers unless an origin is named; a cap on request bodies.
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +21,30 @@ DEFAULT_PORT = 11435
 DEFAULT_QUEUE = 16  # requests waiting for a slot, per model, before 503
 DEFAULT_MAX_BODY = 8 * 1024 * 1024  # bytes
 KEY_ENV = "LOCALLLM_API_KEY"
+DEFAULT_KEEP_ALIVE = 300.0  # seconds a model no request holds stays loaded (Ollama's 5m)
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(value: object, what: str = "keep_alive") -> float:
+    """Ollama's `keep_alive`: seconds (a number) or a duration ("5m", "1h30m", "10s"); negative
+    keeps the model loaded until it is stopped (inf); 0 unloads it once its requests end."""
+    if isinstance(value, bool):
+        raise LocalLLMError(f"{what} must be a number of seconds or a duration like 5m")
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return math.inf if value < 0 else float(value)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return keep_alive_seconds(float(text), what)
+        except ValueError:
+            pass
+        sign, body = (-1, text[1:]) if text.startswith("-") else (1, text)
+        parts = _DURATION.findall(body)
+        if parts and "".join(n + u for n, u in parts) == body:
+            seconds = sum(float(n) * _UNIT[u] for n, u in parts)
+            return math.inf if sign < 0 and seconds > 0 else seconds
+    raise LocalLLMError(f"{what} must be a number of seconds or a duration like 5m, not {value!r}")
 
 
 def is_loopback(host: str) -> bool:
@@ -39,12 +65,14 @@ class ServerConfig:
         host, port: where to listen. A non-loopback host refuses to start without `api_key`.
         models: names served (loaded at start, listed first); the first is the default when a
             request names none. Requests may also name any model in the local store.
-        api_key: required on every route but `/health` when set (`Authorization: Bearer` or
+        api_key: required on every route but `/health` and `/` when set (`Authorization: Bearer` or
             `x-api-key`).
         cors: origins that get CORS headers; none by default.
         options: how models load (backend, context, KV cache, `parallel` running sequences).
         queue: requests per model that may wait for a slot; more get 503 with Retry-After.
         max_body: the largest request body in bytes; larger gets 413.
+        keep_alive: seconds a model no request holds stays loaded (a request's `keep_alive`
+            overrides it; inf: until stopped). The `models` served stay loaded regardless.
     """
 
     host: str = DEFAULT_HOST
@@ -55,6 +83,7 @@ class ServerConfig:
     options: LoadOptions = field(default_factory=LoadOptions)
     queue: int = DEFAULT_QUEUE
     max_body: int = DEFAULT_MAX_BODY
+    keep_alive: float = DEFAULT_KEEP_ALIVE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))

@@ -1,5 +1,5 @@
 """HTTP plumbing both APIs share (OpenAI's routes in `app`, Ollama's in `ollama_api`): errors as
-one scrubbed line in OpenAI's shape, reading a JSON body, and a streamed response that notices a
+one scrubbed line in the route's API's shape, reading a JSON body, and a streamed response that notices a
 client leaving."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from fastapi.responses import JSONResponse, Response
 
 from localllm.errors import ContextOverflow, DoesNotFit, LocalLLMError, ModelNotFound, Unsupported
 from localllm.server.openai_api import BadRequest
-from localllm.server.security import BodyTooLarge
+from localllm.server.security import BodyTooLarge, error_shape
 from localllm.server.served import Busy
 
 __all__ = ["LiveResponse", "error", "error_of", "read_json", "scrub", "until_disconnect"]
 
-# -- errors: OpenAI-shaped, one line, no paths ---------------------------------------------------
+# -- errors: one line, no paths, in the route's API's shape -----------------------------------------
 
 _PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.\-+@~]+){2,}")
 
@@ -32,32 +32,33 @@ def scrub(message: str) -> str:
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-          param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
-    return JSONResponse({"error": {"message": scrub(message), "type": kind, "param": param, "code": code}},
-                        status_code=status, headers=headers)  # fmt: skip
+          param: str | None = None, headers: dict[str, str] | None = None,
+          path: str = "") -> JSONResponse:  # fmt: skip
+    """An error response; `path` (the route's) picks the shape: Ollama's on `/api/*`."""
+    return JSONResponse(error_shape(path, scrub(message), kind, code, param), status_code=status,
+                        headers=headers)  # fmt: skip
 
 
-def error_of(e: BaseException) -> JSONResponse:
+def error_of(e: BaseException, path: str = "") -> JSONResponse:
     """The response for an exception a route raised."""
     if isinstance(e, BadRequest):
-        return error(400, str(e), code=e.code, param=e.param)
+        return error(400, str(e), code=e.code, param=e.param, path=path)
     if isinstance(e, BodyTooLarge):
-        return error(413, "the request body is too large", code="request_too_large")
+        return error(413, "the request body is too large", code="request_too_large", path=path)
     if isinstance(e, Busy):
-        return error(
-            503, str(e), "server_busy", "server_busy", headers={"Retry-After": str(e.retry_after)}
-        )
+        return error(503, str(e), "server_busy", "server_busy",
+                     headers={"Retry-After": str(e.retry_after)}, path=path)  # fmt: skip
     if isinstance(e, ModelNotFound):
-        return error(404, str(e), code="model_not_found", param="model")
+        return error(404, str(e), code="model_not_found", param="model", path=path)
     if isinstance(e, DoesNotFit):
-        return error(503, str(e), "server_error", "insufficient_memory")
+        return error(503, str(e), "server_error", "insufficient_memory", path=path)
     if isinstance(e, ContextOverflow):
-        return error(400, str(e), code="context_length_exceeded")
+        return error(400, str(e), code="context_length_exceeded", path=path)
     if isinstance(e, Unsupported):
-        return error(400, str(e), code="unsupported")
+        return error(400, str(e), code="unsupported", path=path)
     if isinstance(e, LocalLLMError):
-        return error(400, str(e))
-    return error(500, f"internal error ({type(e).__name__})", "server_error")
+        return error(400, str(e), path=path)
+    return error(500, f"internal error ({type(e).__name__})", "server_error", path=path)
 
 
 async def read_json(request: Request) -> Any:

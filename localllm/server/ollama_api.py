@@ -1,12 +1,15 @@
 """Ollama's routes, so Ollama clients work against localllm: tags, show, ps, version, chat,
-generate (NDJSON streaming, on by default as in Ollama) and embed. Same engine, same admission,
-same metrics as the OpenAI routes; only the shapes differ. Durations are nanoseconds, as Ollama's.
+generate (NDJSON streaming, on by default as in Ollama), embed and the legacy embeddings, `GET /`.
+Same engine, same admission, same metrics as the OpenAI routes; only the shapes differ. Durations
+are nanoseconds, as Ollama's; errors are `{"error": "text"}`. A documented field this server
+does not honour is a 400 naming it (the README's parity table lists each one); `keep_alive` sets
+how long the model stays loaded after the request (0 unloads it, negative keeps it).
 """
 
 from __future__ import annotations
 
 import json
-import time
+import math
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from localllm import __version__
+from localllm.errors import LocalLLMError, ModelNotFound
+from localllm.server.config import keep_alive_seconds
 from localllm.server.http import LiveResponse, read_json, scrub
 from localllm.server.openai_api import BadRequest, Body, Parsed, _messages
 from localllm.types import Chunk, Result
@@ -32,6 +37,12 @@ _OPTIONS = {  # Ollama option → (SamplingParams field, lo, hi, integer)
     "frequency_penalty": ("frequency_penalty", -2, 2, False),
     "seed": ("seed", -(2**63), 2**64 - 1, True),
 }
+# Ollama's documented options this server does not honour: refused, never silently ignored
+_REFUSED_OPTIONS = ("num_keep", "typical_p", "penalize_newline", "numa", "num_batch", "num_gpu",
+                    "main_gpu", "use_mmap", "num_thread", "mirostat", "mirostat_tau",
+                    "mirostat_eta", "tfs_z", "low_vram", "vocab_only", "use_mlock")  # fmt: skip
+_KNOWN_OPTIONS = {*_OPTIONS, "num_predict", "stop", "num_ctx"}
+FOREVER = "9999-12-31T23:59:59Z"  # expires_at of a model kept loaded until stopped
 
 
 def _now() -> str:
@@ -52,6 +63,10 @@ def _parse(data: Any) -> tuple[Parsed, Body]:
     opts = b.obj("options")
     ctx = None
     if opts is not None:
+        for key in opts.data:
+            if key not in _KNOWN_OPTIONS:
+                why = "not supported" if key in _REFUSED_OPTIONS else "not an option this server knows"
+                raise BadRequest(f"options.{key} is {why}", f"options.{key}")
         for key, (name, lo, hi, integer) in _OPTIONS.items():
             v = opts.number(key, lo, hi, integer=integer)
             if v is not None:
@@ -71,11 +86,12 @@ def _parse(data: Any) -> tuple[Parsed, Body]:
         response_format = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
     elif fmt not in (None, ""):
         raise BadRequest('format must be "json" or a JSON schema object', "format")
+    keep_alive = _keep_alive(b)
     think = b.get("think")
     if think is not None and not (isinstance(think, bool) or think in ("low", "medium", "high")):
         raise BadRequest('think must be true, false, "low", "medium" or "high"', "think")
     p = Parsed(model=model, stream=stream, include_usage=False, sampling=sampling,
-               response_format=response_format, ctx=ctx, think=think)  # fmt: skip
+               response_format=response_format, ctx=ctx, think=think, keep_alive=keep_alive)  # fmt: skip
     return p, b
 
 
@@ -113,6 +129,17 @@ def add_routes(app: FastAPI, server: Server) -> None:
     async def version() -> dict[str, Any]:
         return {"version": __version__}
 
+    # Ollama's model-management routes this server does not take: refused by name, with the way
+    # to do it here (a 404 would read as "no server")
+    for method, path, instead in (
+        ("POST", "/api/pull", "localllm pull MODEL"), ("POST", "/api/push", "localllm import to add models (it pushes none)"),
+        ("POST", "/api/create", "localllm import FILE.gguf or localllm quantize"),
+        ("POST", "/api/copy", "localllm import"), ("DELETE", "/api/delete", "localllm rm MODEL"),
+        ("POST", "/api/blobs/{digest}", "localllm import FILE.gguf"),
+        ("HEAD", "/api/blobs/{digest}", "localllm import FILE.gguf"),
+    ):  # fmt: skip
+        app.add_api_route(path, _refuse(path.split("/")[2], instead), methods=[method])
+
     @app.get("/api/tags")
     async def tags() -> dict[str, Any]:
         return {"models": [_tag(r) for r in served.store.list()]}
@@ -149,16 +176,18 @@ def add_routes(app: FastAPI, server: Server) -> None:
         out = []
         store = served.store
         held = {e.name: e for e in served.pool.loaded()}
+        expiry = served.expires()
         for name, model in served.loaded():
             record = find_local(name, store)
             entry = held.get(name)
-            idle = entry.idle_s if entry is not None else None
-            expires = time.time() + (served.pool.idle_s - idle if idle is not None else served.pool.idle_s)
+            until = expiry.get(name, math.inf)
+            expires = (FOREVER if not math.isfinite(until)
+                       else datetime.fromtimestamp(until, UTC).isoformat().replace("+00:00", "Z"))  # fmt: skip
             opts = model.options
             out.append({"name": name, "model": name, "size": entry.held_bytes if entry else 0,
                         "digest": record.digest if record else "",
                         "details": _details(record.info) if record else {},
-                        "expires_at": datetime.fromtimestamp(expires, UTC).isoformat().replace("+00:00", "Z"),
+                        "expires_at": expires,
                         "size_vram": 0,
                         "localllm": {"backend": model.backend.name, "ctx": model.n_ctx,
                                      "kv_cache": opts.kv_cache, "parallel": model.parallel,
@@ -195,9 +224,38 @@ def add_routes(app: FastAPI, server: Server) -> None:
         body = server.events(started, route, b"", piece, last, failed, b"")
         return LiveResponse(body, "application/x-ndjson")
 
+    async def load_or_unload(parsed: Parsed) -> Response:
+        """A request with nothing to say loads the model (`keep_alive: 0`: unloads it)."""
+        if parsed.keep_alive == 0:
+            name = parsed.model or served.default
+            if not served.stop(name):
+                raise ModelNotFound(f"{name} is not loaded, so there is nothing to stop")
+            return JSONResponse({"model": name, "created_at": _now(), "message":
+                                 {"role": "assistant", "content": ""}, "response": "", "done": True,
+                                 "done_reason": "unload"})  # fmt: skip
+        lease = await served.lease(parsed.model, served.options(ctx=parsed.ctx))
+        lease.close(parsed.keep_alive)
+        return JSONResponse({"model": lease.name, "created_at": _now(), "message":
+                             {"role": "assistant", "content": ""}, "response": "", "done": True,
+                             "done_reason": "load"})  # fmt: skip
+
+    @app.get("/")
+    async def root() -> Response:
+        return Response("Ollama is running", media_type="text/plain")
+
+    @app.head("/")
+    async def root_head() -> Response:
+        return Response(media_type="text/plain")
+
     @app.post("/api/chat")
     async def chat(request: Request) -> Response:
         parsed, b = _parse(await read_json(request))
+        if b.get("messages") in (None, []):
+            return await load_or_unload(parsed)
+        for i, m in enumerate(b.get("messages") or []):
+            if isinstance(m, dict) and m.get("images"):
+                raise BadRequest(f"messages[{i}].images: {parsed.model or served.default} has no "
+                                 "vision projector, so it cannot see images", f"messages[{i}].images")  # fmt: skip
         parsed.messages = _messages(b.get("messages"))
         tools = b.get("tools") or []
         if not isinstance(tools, list):
@@ -222,12 +280,13 @@ def add_routes(app: FastAPI, server: Server) -> None:
         system = b.text("system")
         raw = b.flag("raw")
         if b.get("images"):
-            raise BadRequest("images are not supported (text only)", "images")
+            raise BadRequest(f"images: {parsed.model or served.default} has no vision projector, so "
+                             "it cannot see images", "images")  # fmt: skip
+        for name in ("suffix", "template", "context"):  # documented, not honoured here
+            if b.get(name):
+                raise BadRequest(f"{name} is not supported", name)
         if not prompt:  # Ollama: an empty prompt loads the model and answers done
-            lease = await served.lease(parsed.model, served.options(ctx=parsed.ctx))
-            lease.close()
-            return JSONResponse({"model": lease.name, "created_at": _now(), "response": "", "done": True,
-                                 "done_reason": "load"})  # fmt: skip
+            return await load_or_unload(parsed)
         if raw:
             parsed.prompt = prompt
         else:
@@ -249,12 +308,55 @@ def add_routes(app: FastAPI, server: Server) -> None:
             inputs = [inputs]
         if not isinstance(inputs, list) or not inputs or not all(isinstance(t, str) and t for t in inputs):
             raise BadRequest("input must be a string or a list of non-empty strings", "input")
+        if b.get("dimensions") is not None:
+            raise BadRequest("dimensions is not supported: the model's own size is returned", "dimensions")
+        if b.get("options"):
+            raise BadRequest("options are not supported on /api/embed", "options")
+        if b.get("truncate") is True:
+            raise BadRequest("truncate is not supported: an input longer than the context is refused",
+                             "truncate")  # fmt: skip
+        keep = _keep_alive(b)
         lease = await served.lease(b.text("model"), served.options())
         try:
             vectors = await asyncio.to_thread(lease.model.embed, inputs)
         finally:
-            lease.close()
+            lease.close(keep)
         return {"model": lease.name, "embeddings": vectors}
+
+    @app.post("/api/embeddings")
+    async def embeddings(request: Request) -> dict[str, Any]:
+        """The legacy route: one `prompt`, one `embedding`."""
+        import asyncio
+
+        b = Body(await read_json(request))
+        prompt = b.text("prompt")
+        if not prompt:
+            raise BadRequest("prompt must be a non-empty string", "prompt")
+        if b.get("options"):
+            raise BadRequest("options are not supported on /api/embeddings", "options")
+        keep = _keep_alive(b)
+        lease = await served.lease(b.text("model"), served.options())
+        try:
+            (vector,) = await asyncio.to_thread(lease.model.embed, [prompt])
+        finally:
+            lease.close(keep)
+        return {"embedding": vector}
+
+
+def _refuse(name: str, instead: str) -> Any:
+    async def refused() -> Response:  # (error messages lose paths: the route goes by its name)
+        raise BadRequest(f"Ollama's {name} route is not supported by this server; use {instead}", name)
+
+    return refused
+
+
+def _keep_alive(b: Body) -> float | None:
+    if b.get("keep_alive") is None:
+        return None
+    try:
+        return keep_alive_seconds(b.get("keep_alive"))
+    except LocalLLMError as e:
+        raise BadRequest(str(e), "keep_alive") from None
 
 
 def _args(arguments: str) -> Any:

@@ -116,6 +116,7 @@ class Parsed:
     logprobs: bool = False
     parallel_tool_calls: bool = True
     think: bool | str | None = None
+    keep_alive: float | None = None  # Ollama's: seconds the model stays loaded after this request
 
     def request(self, model: Any) -> Request:
         sampling = model.sampling(**self.sampling)

@@ -6,8 +6,8 @@ behind the same checks and none can forget them:
 - a body over `max_body` bytes is 413 (by Content-Length at once; chunked bodies as they arrive);
 - while bound to loopback, a Host header that is not this machine is 403 (DNS rebinding: a web page
   on evil.example that resolves to 127.0.0.1 must not reach the server with the browser's help);
-- with an API key, every route but `/health` needs `Authorization: Bearer KEY` or `x-api-key: KEY`,
-  compared in constant time.
+- with an API key, every route but `/health` and `/` (Ollama's "is it up") needs
+  `Authorization: Bearer KEY` or `x-api-key: KEY`, compared in constant time.
 """
 
 from __future__ import annotations
@@ -24,18 +24,21 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-PUBLIC = ("/health",)
+PUBLIC = ("/health", "/")  # Ollama clients ask `/` whether a server is up
 
 
-def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> bytes:
-    """OpenAI's error shape."""
-    return json.dumps({"error": {"message": message, "type": kind, "param": param,
-                                 "code": code}}).encode()  # fmt: skip
+def error_shape(path: str, message: str, kind: str, code: str | None = None,
+                param: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """An error as the route's API words it: Ollama's `{"error": "text"}` on `/api/*` (its official
+    client reads `error` as the text), else OpenAI's nested object."""
+    if path == "/api" or path.startswith("/api/"):
+        return {"error": message}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 async def send_error(send: Send, status: int, message: str, kind: str, code: str | None = None,
-                     headers: list[tuple[bytes, bytes]] | None = None) -> None:  # fmt: skip
-    body = error_body(message, kind, code)
+                     headers: list[tuple[bytes, bytes]] | None = None, path: str = "") -> None:  # fmt: skip
+    body = json.dumps(error_shape(path, message, kind, code)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode()), *(headers or [])]})  # fmt: skip
@@ -80,7 +83,7 @@ class Door:
         if refusal is not None:
             status, message, kind, code = refusal
             extra = [(b"www-authenticate", b"Bearer")] if status == 401 else []
-            await send_error(send, status, message, kind, code, extra)
+            await send_error(send, status, message, kind, code, extra, path)
             return
         seen = 0
         started = False
@@ -104,7 +107,7 @@ class Door:
         except BodyTooLarge:
             if not started:
                 await send_error(send, 413, f"the request body is over {self.max_body} bytes",
-                                 "invalid_request_error", "request_too_large")  # fmt: skip
+                                 "invalid_request_error", "request_too_large", path=path)  # fmt: skip
 
     def _check(self, headers: dict[str, str], path: str) -> tuple[int, str, str, str] | None:
         if self.loopback and not local_host(headers.get("host", "")):

@@ -74,11 +74,14 @@ class Lease:
     since: float
     closed: bool = False
 
-    def close(self) -> None:
+    def close(self, keep_s: float | None = None) -> None:
+        """Give the model back; it then stays loaded `keep_s` seconds (None: the server's
+        `keep_alive`)."""
         if not self.closed:
             self.closed = True
             self.gate.leave(self.since)
-            self.served.pool.release(self.model)
+            keep = self.served.config.keep_alive if keep_s is None else keep_s
+            self.served.pool.release(self.model, keep)
 
 
 class Served:
@@ -108,6 +111,30 @@ class Served:
         for model in self._held:
             self.pool.release(model)
         self._held.clear()
+
+    def stop(self, name: str) -> bool:
+        """Unload `name` (`localllm stop`, `keep_alive: 0` with no prompt): at once when no
+        request holds it, else as its last request ends; a served model stops being held.
+        False when it was not loaded."""
+        name = self.pool.canonical(name)
+        held = [m for m in self._held if getattr(m, "name", None) == name]
+        for model in held:
+            self._held.remove(model)
+            self.pool.release(model, 0.0)
+        return self.pool.unload(name) > 0 or bool(held)
+
+    def expires(self) -> dict[str, float]:
+        """Per loaded model's name: when (epoch seconds) it unloads if no request comes; inf for
+        a served model or a `keep_alive` < 0."""
+        now = time.time()
+        held = {getattr(m, "name", None) for m in self._held}
+        out = {}
+        for e in self.pool.loaded():
+            if e.name in held:
+                out[e.name] = math.inf
+            else:
+                out[e.name] = now + e.keep_s - (e.idle_s or 0.0)
+        return out
 
     def options(self, **changes: Any) -> LoadOptions:
         given = {k: v for k, v in changes.items() if v is not None}

@@ -59,6 +59,7 @@ def fake_server(*, step_s: float = 0.0, n_ctx: int = 256, max_batch: int = 64,
                 hold: threading.Event | None = None, **config: Any) -> Iterator[BackgroundServer]:  # fmt: skip
     config.setdefault("models", ("fake",))
     config.setdefault("port", 0)
+    config.setdefault("keep_alive", 0.0)  # a model no request holds goes at once (tests' pools)
     cfg = ServerConfig(**config)
     pool = ModelPool(fake_loader(step_s, n_ctx, max_batch, hold), fit=None, idle_s=0)
     server = BackgroundServer(cfg, Served(cfg, pool))

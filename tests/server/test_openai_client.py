@@ -169,6 +169,9 @@ def test_ollama_generate_tags_show_ps_version(server: BackgroundServer) -> None:
     assert httpx.get(u + "/api/version").json()["version"]
     emb = httpx.post(u + "/api/embed", json={"model": "smollm2", "input": ["hi", "there"]}).json()
     assert len(emb["embeddings"]) == 2
+    legacy = httpx.post(u + "/api/embeddings", json={"model": "smollm2", "prompt": "hi"}).json()
+    # the legacy route: one prompt, one vector (a batch of two may round a little otherwise)
+    assert max(abs(a - b) for a, b in zip(legacy["embedding"], emb["embeddings"][0], strict=True)) < 1e-3
 
 
 def test_metrics_after_traffic(server: BackgroundServer, client: openai.OpenAI) -> None:

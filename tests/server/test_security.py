@@ -67,12 +67,17 @@ def test_api_key_sources(tmp_path, monkeypatch) -> None:
         read_api_key(None, tmp_path / "empty")
 
 
-def test_the_key_is_required_everywhere_but_health() -> None:
+def test_the_key_is_required_everywhere_but_health_and_root() -> None:
     with fake_server(api_key="s3cret") as s:
         assert httpx.get(s.url + "/health").status_code == 200
-        for path in ("/v1/models", "/metrics", "/api/tags", "/api/ps"):
+        for path in ("/v1/models", "/metrics"):
             err = openai_error(httpx.get(s.url + path), 401)
             assert err["code"] == "missing_api_key"
+        for path in ("/api/tags", "/api/ps"):  # Ollama's routes, Ollama's shape
+            r = httpx.get(s.url + path)
+            assert r.status_code == 401 and r.json() == {"error": r.json()["error"]}
+            assert "API key is required" in r.json()["error"]
+        assert httpx.get(s.url + "/").status_code == 200  # Ollama clients' "is it up"
         r = httpx.post(s.url + "/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer nope"})
         assert openai_error(r, 401)["code"] == "invalid_api_key"
         r = httpx.get(s.url + "/v1/models", headers={"x-api-key": "s3cret-but-longer"})
@@ -192,8 +197,11 @@ def test_malformed_requests_are_400_fast_and_the_server_lives() -> None:
         r = c.post("/v1/chat/completions", json=CHAT | {"model": "no-such-model"})
         assert openai_error(r, 404)["code"] == "model_not_found"
         assert openai_error(c.get("/v1/nothing-here"), 404)["type"] == "not_found_error"
-        assert openai_error(c.get("/api/pull"), 404)  # no download over HTTP
-        assert openai_error(c.delete("/api/delete"), 404)
+        # no download or deletion over HTTP: refused by name, in Ollama's shape
+        r = c.post("/api/pull", json={"model": "x"})
+        assert r.status_code == 400 and "localllm pull" in r.json()["error"]
+        r = c.request("DELETE", "/api/delete", json={"model": "x"})
+        assert r.status_code == 400 and "localllm rm" in r.json()["error"]
         alive(s.url)
 
 
