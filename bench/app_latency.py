@@ -10,7 +10,7 @@
 2. Keypress → render while the model generates at full speed (target: p95 ≤ 50 ms). (a) In
    process, headless (`App.run_test`, 100x30), the real model streaming an unbounded answer: each
    key event is posted the way the pilot posts it and timed to the first screen update
-   (`App._display`) that shows the Input holding the new character; keys 50–100 ms apart. Not
+   (`App._display`) that shows the prompt box holding the new character; keys 50–100 ms apart. Not
    `pilot.press` + `pilot.pause`: both wait for the *process* CPU to go idle (up to 1 s each),
    which never happens while the model decodes — a few such samples are kept to show it. (b) The
    real binary in tmux: `send-keys` → `capture-pane` shows the character (real terminal output;
@@ -204,15 +204,14 @@ async def until(cond: Any, timeout: float, what: str) -> None:
 
 
 async def send(app: Any, pilot: Any, text: str) -> None:
-    from textual.widgets import Input
+    from localllm.tui.chat_screen import PromptArea
 
-    app.screen.query_one(Input).value = text
+    app.screen.query_one(PromptArea).text = text
     await pilot.press("enter")
 
 
 async def keys_in_process(keys: int, pilot_samples: int) -> dict[str, Any]:
     from textual import events
-    from textual.widgets import Input
 
     from localllm.engine import load
     from localllm.tui.app import LocalLLMApp
@@ -227,7 +226,9 @@ async def keys_in_process(keys: int, pilot_samples: int) -> dict[str, Any]:
     out: dict[str, Any] = {"samples_ms": [], "answer_chars_at_key": [], "restarts": 0}
     async with app.run_test(size=SIZE) as pilot:
         screen = app.screen
-        inp = screen.query_one(Input)
+        from localllm.tui.chat_screen import PromptArea
+
+        inp = screen.query_one(PromptArea)
         await send(app, pilot, "Say hi.")  # loads the model
         await until(lambda: not screen.generating, 120, "the warm-up answer")
 
@@ -237,7 +238,7 @@ async def keys_in_process(keys: int, pilot_samples: int) -> dict[str, Any]:
 
         def display(scr: Any, renderable: Any) -> None:
             original(scr, renderable)
-            if renderable is not None and want["t"] is None and inp.value == want["value"]:
+            if renderable is not None and want["t"] is None and inp.text == want["value"]:
                 want["t"] = time.perf_counter()
                 done.set()
 
@@ -254,7 +255,7 @@ async def keys_in_process(keys: int, pilot_samples: int) -> dict[str, Any]:
                 out["restarts"] += 1
                 await long_answer()
             ch = "abcdefghij"[i % 10]
-            want["value"], want["t"] = inp.value + ch, None
+            want["value"], want["t"] = inp.text + ch, None
             done.clear()
             t0 = time.perf_counter()
             key = events.Key(ch, ch)
@@ -271,11 +272,11 @@ async def keys_in_process(keys: int, pilot_samples: int) -> dict[str, Any]:
         for _ in range(pilot_samples):  # the naive pilot measure, to show why it is not used
             if not screen.generating:
                 break
-            before = inp.value
+            before = inp.text
             t0 = time.perf_counter()
             await pilot.press("z")
             await pilot.pause()
-            assert inp.value == before + "z"
+            assert inp.text == before + "z"
             pilot_ms.append((time.perf_counter() - t0) * 1000)
         out["pilot_press_pause_ms"] = pilot_ms
         was_generating = screen.generating

@@ -158,6 +158,7 @@ class ChatScreen(Screen):
         self.stream: Any = None
         self.md_stream: Any = None
         self.answer = ""
+        self.answer_view: MessageView | None = None  # the answer streaming (or last streamed)
         self.generating = False
         self.editing: int | None = None  # id of the message being edited
         self.ui_interval = UI_MIN_S * 2
@@ -259,7 +260,7 @@ class ChatScreen(Screen):
     async def _start_answer(self, parent_id: int) -> None:
         msg = self.db.add_message(self.conv_id, "assistant", "", parent_id=parent_id,
                                   status="streaming")  # fmt: skip
-        view = MessageView("assistant", msg_id=msg.id)
+        view = self.answer_view = MessageView("assistant", msg_id=msg.id)
         await self.query_one("#messages").mount(view)
         self.md_stream = Markdown.get_stream(view.query_one(Markdown))
         self.answer = ""
@@ -454,19 +455,19 @@ class ChatScreen(Screen):
             self.stream = None
 
     async def _append(self, text: str, reasoning: str = "") -> None:
-        if reasoning:
-            views = self.query(MessageView)
-            if views:
-                await views.last().think(reasoning)
+        view = self.answer_view  # the streaming answer's (its text is what `c` copies)
+        if reasoning and view is not None:
+            await view.think(reasoning)
         if text:
             self.answer += text
+            if view is not None:
+                view.text += text
             await self.md_stream.write(text)
         self._pace()
 
     def _thought(self, summary: str) -> None:
-        views = self.query(MessageView)
-        if views:
-            views.last().thought_for(summary)
+        if self.answer_view is not None:
+            self.answer_view.thought_for(summary)
 
     def _pace(self) -> None:
         """Adapt the hand-over interval to what the UI thread has spent since the last one."""

@@ -834,6 +834,10 @@ def test_a_pasted_block_arrives_whole_and_new_lines_do_not_send(tiny_llama: Path
             await pilot.press("enter")
             await wait_for(pilot, lambda: not screen.generating and len(screen.history) == 4)
             assert fake.requests[1].messages[-1]["content"] == "one\ntwo\nthree"
+            answer = list(screen.query(MessageView))[-1]
+            answer.focus()
+            await pilot.press("c")  # a streamed answer copies whole too
+            assert app.clipboard == "ok2"
             view = [v for v in screen.query(MessageView) if v.role == "user"][-1]
             view.focus()
             await pilot.press("c")  # copy it (OSC 52 on a real terminal)
