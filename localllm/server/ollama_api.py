@@ -227,17 +227,15 @@ def add_routes(app: FastAPI, server: Server) -> None:
     async def load_or_unload(parsed: Parsed) -> Response:
         """A request with nothing to say loads the model (`keep_alive: 0`: unloads it)."""
         if parsed.keep_alive == 0:
-            name = parsed.model or served.default
+            name, reason = parsed.model or served.default, "unload"
             if not served.stop(name):
                 raise ModelNotFound(f"{name} is not loaded, so there is nothing to stop")
-            return JSONResponse({"model": name, "created_at": _now(), "message":
-                                 {"role": "assistant", "content": ""}, "response": "", "done": True,
-                                 "done_reason": "unload"})  # fmt: skip
-        lease = await served.lease(parsed.model, served.options(ctx=parsed.ctx))
-        lease.close(parsed.keep_alive)
-        return JSONResponse({"model": lease.name, "created_at": _now(), "message":
-                             {"role": "assistant", "content": ""}, "response": "", "done": True,
-                             "done_reason": "load"})  # fmt: skip
+        else:
+            lease = await served.lease(parsed.model, served.options(ctx=parsed.ctx))
+            lease.close(parsed.keep_alive)
+            name, reason = lease.name, "load"
+        return JSONResponse({"model": name, "created_at": _now(), "message": {"role": "assistant", "content": ""},
+                             "response": "", "done": True, "done_reason": reason})  # fmt: skip
 
     @app.get("/")
     async def root() -> Response:
