@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from localllm.chat import CHATML, ChatTemplate, parse_tool_calls, render_limited
+from localllm.chat import (
+    CHATML,
+    WALL_LIMIT_S,
+    ChatTemplate,
+    _cpu_seconds,
+    parse_tool_calls,
+    render_limited,
+)
 from localllm.errors import TemplateError
 from localllm.gguf_file import read_gguf
 
@@ -94,9 +103,32 @@ def test_hostile_templates_are_stopped(case: str) -> None:
     with pytest.raises(TemplateError) as exc:
         ChatTemplate(HOSTILE[case], time_limit=2.0).render([{"role": "user", "content": "hi"}])
     elapsed = time.monotonic() - t0
-    assert elapsed < 3.0, f"{case} took {elapsed:.1f}s"
+    assert elapsed < WALL_LIMIT_S, f"{case} took {elapsed:.1f}s"
     assert "\n" not in str(exc.value)
     assert not marker.exists()  # nothing executed
+
+
+def test_the_limit_counts_the_childs_cpu_not_the_clock() -> None:
+    """A busy machine (sixteen requests at once on two cores) slows a render without it spinning:
+    the limit reads the child's CPU time, so a sleeping child has used none and a spinning one its share."""
+    code = "import time, sys\nt = time.monotonic()\nwhile time.monotonic() - t < 0.4: pass\nsys.stdin.read()"
+    spinner = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+    sleeper = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    try:
+        time.sleep(0.1)
+        idle = _cpu_seconds(sleeper.pid)
+        deadline = time.monotonic() + 30
+        while (used := _cpu_seconds(spinner.pid)) is not None and used < 0.3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert idle is not None and idle < 0.3
+        assert used is not None and used >= 0.3
+    finally:
+        for p in (spinner, sleeper):
+            p.communicate(b"")
+    assert _cpu_seconds(spinner.pid) is None  # reaped: nothing to read
 
 
 def test_process_stays_responsive_after_a_bomb() -> None:
