@@ -665,10 +665,18 @@ def run(
     hide_thinking: Annotated[
         bool, typer.Option("--hidethinking", help="Do not print a thinking model's reasoning.")
     ] = False,
+    local: Annotated[
+        bool,
+        typer.Option("--local", help="Load the model in this process even while `localllm serve` "
+                     "runs (by default a running server's copy answers when it suits the options)."),
+    ] = False,
     json_out: JsonFlag = False,
 ) -> None:
-    """Chat with a model: the prompt is a user message rendered with the model's chat template."""
-    from localllm.engine import check_supported, load
+    """Chat with a model: the prompt is a user message rendered with the model's chat template.
+
+    While `localllm serve` runs on this machine, its copy of the model answers (one copy in memory,
+    one prefix cache) unless --local is given or an engine option differs from the server's."""
+    from localllm.engine import check_supported
     from localllm.types import LoadOptions, Request, SamplingParams
 
     # `run` decodes one sequence at a time: no memory is set aside for more (PRODUCT: --parallel
@@ -696,7 +704,13 @@ def run(
             _print_stats(result, llm)
         return result
 
-    chat = Chat(load(model, options), options, load, generate, system=system, raw=raw,
+    def open_model(name: str, opts: LoadOptions) -> Any:  # the REPL's /load and num_ctx too
+        from localllm.remote import open_model
+
+        return open_model(name, opts, local=local,
+                          say=None if json_out else lambda why: print(f"note: {why}", file=sys.stderr))  # fmt: skip
+
+    chat = Chat(open_model(model, options), options, open_model, generate, system=system, raw=raw,
                 sampling={k: v for k, v in given.items() if v is not None},
                 response_format=response_format, think=think)  # fmt: skip
     try:
@@ -708,7 +722,8 @@ def run(
             if json_out:
                 _emit_json(result.to_dict() | {"model": chat.llm.name})
             return
-        print(f"{chat.llm.name} (context {chat.llm.n_ctx}). /? for help, /bye or Ctrl-D to leave, "
+        where = f", served by {chat.llm.url}" if hasattr(chat.llm, "url") else ""
+        print(f"{chat.llm.name} (context {chat.llm.n_ctx}{where}). /? for help, /bye or Ctrl-D to leave, "
               'Ctrl-C stops an answer, """ begins and ends a multi-line message.', file=sys.stderr)  # fmt: skip
         chat.loop(Lines.terminal(default_home() / "repl_history.jsonl"))
     finally:
@@ -1297,11 +1312,13 @@ def _ask_server(url: str | None, api_key: str | None, path: str,
     import urllib.error
     import urllib.request
 
-    if url is None:
-        from localllm.server.runner import running_url
-
-        url = running_url() or "http://127.0.0.1:11435"
     key = api_key or os.environ.get("LOCALLLM_API_KEY")
+    if url is None:
+        from localllm.server.runner import running
+
+        up = running()
+        url = up.url if up else "http://127.0.0.1:11435"
+        key = key or (up.key if up else None)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     data = None
     if body is not None:

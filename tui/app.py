@@ -6,8 +6,9 @@ built from small parts: a screen per job (`models_screen.py`, `chat_screen.py`),
 JSON file beside the store, and one `ModelPool` (`localllm.pool`) that owns the loaded models:
 screens acquire a model for (name, LoadOptions) and release it, so two chats with the same model
 and options share one, and reopening a chat within the idle time does not load it again. The pool's
-`loader` turns a name and options into something with `submit(Request) -> stream` (the engine's
-`localllm.load`, or a fake in tests).
+`loader` turns a name and options into something with `submit(Request) -> stream`: the copy a
+running `localllm serve` holds when it suits (`localllm.remote`), else the engine's `localllm.load`
+(or a fake in tests).
 """
 
 from __future__ import annotations
@@ -102,12 +103,32 @@ class LocalLLMApp(App):
             keep = float(self.settings.get("keep_loaded_s", KEEP_LOADED_S))
         except (TypeError, ValueError):
             keep = KEEP_LOADED_S
-        self.pool = pool or ModelPool(loader, idle_s=max(0.0, keep), store=self.store)
+        fit: Any = "registry"
+        if pool is None and loader is None and self.settings.get("use_server", True):
+            loader, fit = self._server_first()
+        self.pool = pool or ModelPool(loader, idle_s=max(0.0, keep), store=self.store, fit=fit)
         self.chat_model = chat_model
         self._conversations: Any = None
         self.server: Any = None  # the in-app server (localllm.server.runner.BackgroundServer)
         self._said: set[str] = set()  # notes already shown this session (template, ignored keys)
         self.theme = self.settings.get("theme", "textual-dark")
+
+    def _server_first(self) -> tuple[Loader, Any]:
+        """The pool's loader and memory check while `localllm serve` may run on this machine: a
+        chat uses the server's copy of its model when it suits the chat's options (settings:
+        `use_server: false` always loads here); the server's copy costs this process no memory."""
+        from localllm.pool import registry_fit
+        from localllm.remote import open_model, serving
+
+        registry = registry_fit(self.store)
+
+        def fit(name: str, options: Any) -> tuple[int, int] | None:
+            return None if serving() is not None else registry(name, options)
+
+        def load(name: str, options: Any) -> Any:
+            return open_model(name, options, say=lambda why: self.call_from_thread(self.notify, why))
+
+        return load, fit
 
     def on_mount(self) -> None:
         from localllm.tui.models_screen import ModelsScreen

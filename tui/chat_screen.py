@@ -392,8 +392,9 @@ class ChatScreen(Screen):
         note = getattr(getattr(getattr(llm, "backend", None), "chat_template", None), "note", "")
         if note:
             self.app.call_from_thread(self.app.say_once, f"template:{llm.name}", f"{llm.name}: {note}")
+        where = f", served by {llm.url}" if getattr(llm, "url", None) else ""  # localllm.remote
         self.app.call_from_thread(self._status,
-                                  f"{self.model_name} ready in {time.monotonic() - t0:.1f} s")  # fmt: skip
+                                  f"{self.model_name} ready in {time.monotonic() - t0:.1f} s{where}")  # fmt: skip
         return llm
 
     @work(thread=True, exclusive=True, group="generate")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -192,7 +193,8 @@ def add_routes(app: FastAPI, server: Server) -> None:
                         "localllm": {"backend": model.backend.name, "ctx": model.n_ctx,
                                      "kv_cache": opts.kv_cache, "parallel": model.parallel,
                                      "running": model.running, "waiting": model.waiting,
-                                     "kv_bytes": model.kv_bytes(), "speculative": opts.speculative or "off"}})  # fmt: skip
+                                     "kv_bytes": model.kv_bytes(), "speculative": opts.speculative or "off",
+                                     "options": asdict(opts)}})  # fmt: skip
         return {"models": out}
 
     async def run(request: Request, parsed: Parsed, route: str, shape: Any, tools: bool) -> Response:

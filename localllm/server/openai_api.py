@@ -3,7 +3,7 @@
 Parsing checks every field it takes (type and range) and refuses what it cannot honour (`n` > 1,
 `logit_bias`, images, `echo`, `suffix`, `best_of`) with a 400 naming the field; fields it does not
 know are ignored, as OpenAI clients send many (`user`, `metadata`, `store`, ...). Extensions: `top_k`,
-`min_p`, `repeat_penalty`, `kv_cache` and `speculative` in the body.
+`min_p`, `repeat_penalty`, `repeat_last_n`, `kv_cache` and `speculative` in the body.
 
 A thinking model's reasoning comes apart from its answer, as llama.cpp's server and vLLM return it:
 `message.reasoning_content`, streamed as `delta.reasoning_content`. Thinking is switched with
@@ -149,6 +149,7 @@ def _common(b: Body) -> Parsed:
         "top_k": b.number("top_k", 0, 1 << 20, integer=True),
         "min_p": b.number("min_p", 0, 1),
         "repeat_penalty": b.number("repeat_penalty", 0.01, 10),
+        "repeat_last_n": b.number("repeat_last_n", -1, 1 << 20, integer=True),
         "presence_penalty": b.number("presence_penalty", -2, 2),
         "frequency_penalty": b.number("frequency_penalty", -2, 2),
         "seed": b.number("seed", -(2**63), 2**64 - 1, integer=True),

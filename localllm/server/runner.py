@@ -2,7 +2,8 @@
 
 The socket is bound here, before uvicorn starts, so a port in use is one line (not a log record
 and an exit from inside uvicorn), and port 0 picks a free port whose URL is then known. A running
-server leaves `server.json` in the localllm home (its URL and pid) for `localllm ps` to find.
+server leaves `server.json` in the localllm home (its URL, pid and API key, private to the user)
+for `localllm run`, `ps` and `stop` to find.
 SIGTERM (what `systemctl stop` and `launchctl bootout` send) stops it as cleanly as Ctrl-C, with
 exit status 0: a service manager that restarts on failure leaves it stopped.
 """
@@ -16,6 +17,7 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +102,7 @@ class BackgroundServer:
             self.stop()
             raise LocalLLMError(f"the server did not start: {self.error or 'timed out'}")
         if self.record:
-            _write_state(self.url)
+            _write_state(self.url, self.config.api_key)
         return self
 
     def _serve(self) -> None:
@@ -145,9 +147,9 @@ def serve_forever(config: ServerConfig, *, announce: Any = print) -> None:
             app = create_app(config, served)
             url = f"http://{config.host}:{sock.getsockname()[1]}"
             names = ", ".join(config.models) or f"{served.default} (on first request)"
+            _write_state(url, config.api_key)  # before the announcement: who reads it finds the server
             announce(f"localllm {url} — models: {names}; parallel {config.options.parallel}, queue {config.queue}"
                      + ("; API key required" if config.api_key else ""))  # fmt: skip
-            _write_state(url)
             try:
                 uvicorn.Server(_uvicorn_config(app)).run(sockets=[sock])
             finally:
@@ -192,12 +194,16 @@ def _uvicorn_config(app: Any) -> Any:
                           timeout_graceful_shutdown=3, timeout_keep_alive=5)  # fmt: skip
 
 
-def _write_state(url: str) -> None:
+def _write_state(url: str, key: str | None) -> None:
+    """server.json: the URL, the pid and (readable by this user only) the API key, so `localllm
+    run`, `ps` and `stop` on this machine reach the server without being given the key."""
     with contextlib.suppress(OSError):
         path = state_file()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"url": url, "pid": os.getpid(), "key": key}))
         tmp.replace(path)
 
 
@@ -208,11 +214,20 @@ def _clear_state(url: str) -> None:
             path.unlink()
 
 
-def running_url() -> str | None:
-    """The URL in `server.json` when the server that wrote it is still alive."""
+@dataclass(frozen=True)
+class Running:
+    """The `localllm serve` that `server.json` names: where it listens and its API key."""
+
+    url: str
+    pid: int
+    key: str | None = field(default=None, repr=False)  # never shown
+
+
+def running() -> Running | None:
+    """The server in `server.json` when the process that wrote it is still alive."""
     try:
         data = json.loads(state_file().read_text())
-        pid, url = int(data["pid"]), str(data["url"])
+        pid, url, key = int(data["pid"]), str(data["url"]), data.get("key")
     except (OSError, ValueError, KeyError, TypeError):
         return None
     try:
@@ -221,4 +236,4 @@ def running_url() -> str | None:
         return None
     except PermissionError:
         pass
-    return url
+    return Running(url, pid, key if isinstance(key, str) and key else None)
