@@ -81,13 +81,14 @@ def default_db_path() -> Path:
 class ChatSettings:
     """A conversation's sampling and engine options, as saved in its `settings`.
 
-    Stored as `{"sampling": {...}, "load": LoadOptions.to_dict()}`; the flat dicts of earlier
-    versions (`{"temperature": 0.2, "ctx": 2048, "kv_cache": "q8_0"}`) read the same way.
+    Stored as `{"sampling": {...}, "load": LoadOptions.to_dict(), "think": bool}`; the flat dicts
+    of earlier versions (`{"temperature": 0.2, "ctx": 2048, "kv_cache": "q8_0"}`) read the same way.
     """
 
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams keywords
     options: LoadOptions = field(default_factory=LoadOptions)
     ignored: tuple[str, ...] = ()  # saved keys dropped on reading: unknown here, or bad values
+    think: bool | None = None  # a thinking model thinks, or not; None: the model's own default
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -95,12 +96,18 @@ class ChatSettings:
             out["sampling"] = dict(self.sampling)
         if load := self.options.to_dict():
             out["load"] = load
+        if self.think is not None:
+            out["think"] = self.think
         return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> ChatSettings:
         d = dict(d or {})
         ignored: list[str] = []
+        think = d.pop("think", None)
+        if not isinstance(think, bool | None):
+            ignored.append("think")
+            think = None
         if "sampling" in d or "load" in d:
             sampling = d.pop("sampling", None)
             load = d.pop("load", None)
@@ -130,7 +137,7 @@ class ChatSettings:
                     options = options.replace(**{k: v})
                 except (LocalLLMError, TypeError, ValueError, AttributeError):
                     ignored.append(prefix[1] + k)
-        return cls(kept, options, tuple(ignored))
+        return cls(kept, options, tuple(ignored), think)
 
 
 @dataclass(frozen=True)

@@ -239,3 +239,84 @@ def copy_gguf(src: Path, dst: Path, changes: dict[str, object]) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+def byte_tokens() -> list[str]:
+    """GPT-2's byte-level alphabet: the token text of each byte 0..255 (`bytes_to_unicode`)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def write_scripted_qwen3(path: Path, chain: list[str], template: str, *, n_embd: int = 64,
+                         seed: int = 0) -> Path:  # fmt: skip
+    """A Qwen3-architecture GGUF that answers by a script, whatever the prompt: every block adds
+    nothing (attention and feed-forward outputs are zero), so the last hidden state is the last
+    token's embedding, and the output head maps each token of `chain` to the next one. A prompt
+    that ends in `chain[0]` makes greedy decoding produce the rest of `chain`.
+
+    The vocabulary is GPT-2's 256 byte tokens (and one merge no text uses) and, as Qwen3's GGUF files have them,
+    `<|im_start|>`, `<|im_end|>` (control; the end of generation) and `<think>`, `</think>` (user
+    defined: text the detokenizer writes out)."""
+    import gguf
+
+    alphabet = byte_tokens()
+    merged = alphabet[0] + alphabet[1]  # one merge (llama.cpp wants some), of bytes no text has
+    tokens = [*alphabet, "<|im_start|>", "<|im_end|>", "<think>", "</think>", merged]
+    types = ([gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL] * 2
+             + [gguf.TokenType.USER_DEFINED] * 2 + [gguf.TokenType.NORMAL])  # fmt: skip
+    n_vocab, n_head, n_kv, head_dim, n_ff, n_layer = len(tokens), 4, 2, 16, 128, 2
+    # a special token by its text, any other step by its one byte
+    ids = [tokens.index(t) if t in tokens[256:-1] else t.encode()[0] for t in chain]
+    assert all(len(t.encode()) == 1 or t in tokens[256:-1] for t in chain), chain
+    rng = np.random.default_rng(seed)
+    embd = rng.standard_normal((n_vocab, n_embd)).astype(np.float32)
+    out = rng.standard_normal((n_vocab, n_embd)).astype(np.float32) * 0.01
+    for prev, nxt in zip(ids, ids[1:], strict=False):
+        out[nxt] = embd[prev]  # logit of `nxt` after `prev`: |e_prev|² against ~N(0, |e|) for others
+    w = gguf.GGUFWriter(str(path), arch="qwen3")
+    w.add_name("scripted-qwen3")
+    w.add_context_length(512)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(1000000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges([f"{alphabet[0]} {alphabet[1]}"])
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(template)
+
+    def small(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+
+    ones = np.ones(n_embd, dtype=np.float32)
+    w.add_tensor("token_embd.weight", embd)
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
+        w.add_tensor(f"blk.{i}.attn_q.weight", small(n_head * head_dim, n_embd))
+        w.add_tensor(f"blk.{i}.attn_k.weight", small(n_kv * head_dim, n_embd))
+        w.add_tensor(f"blk.{i}.attn_v.weight", small(n_kv * head_dim, n_embd))
+        w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+        w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
+        w.add_tensor(f"blk.{i}.attn_output.weight", np.zeros((n_embd, n_head * head_dim), np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", small(n_ff, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", small(n_ff, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", np.zeros((n_embd, n_ff), np.float32))
+    w.add_tensor("output_norm.weight", ones)
+    w.add_tensor("output.weight", out)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

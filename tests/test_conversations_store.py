@@ -509,6 +509,8 @@ def test_chat_settings_round_trip(store: Conversations) -> None:
     back = store.get(c.id).chat_settings
     assert back == cs and back.ignored == ()
     assert ChatSettings().to_dict() == {}
+    off = ChatSettings(think=False)
+    assert off.to_dict() == {"think": False} and ChatSettings.from_dict(off.to_dict()) == off
 
 
 def test_chat_settings_read_the_flat_form_of_earlier_versions() -> None:
@@ -530,8 +532,9 @@ def test_unknown_or_bad_saved_options_are_dropped_and_listed() -> None:
         "sampling": {"temperature": 0.3, "top_p": 7, "mirostat": 2},
         "load": {"ctx": 1024, "kv_cache": "q9_9", "mlx_layers": 3, "backend": "vllm"},
         "theme": "dark",
+        "think": "very",
     })  # fmt: skip
     assert cs.sampling == {"temperature": 0.3}
-    assert cs.options == LoadOptions(ctx=1024)
+    assert cs.options == LoadOptions(ctx=1024) and cs.think is None
     assert sorted(cs.ignored) == ["load.backend", "load.kv_cache", "load.mlx_layers",
-                                  "sampling.mirostat", "sampling.top_p", "theme"]  # fmt: skip
+                                  "sampling.mirostat", "sampling.top_p", "theme", "think"]  # fmt: skip

@@ -138,6 +138,7 @@ class ChatScreen(Screen):
         Binding("ctrl+r", "regenerate", "Regenerate"),
         Binding("f2", "edit_last", "Edit last"),
         Binding("ctrl+s", "settings", "Settings"),
+        Binding("ctrl+t", "think", "Thinking"),
         Binding("ctrl+n", "new_chat", "New chat"),
         Binding("ctrl+l", "conversations", "Chats"),
         Binding("ctrl+o", "models", "Models"),
@@ -152,6 +153,7 @@ class ChatScreen(Screen):
         self.sampling: dict[str, Any] = {}  # SamplingParams keywords over the model's defaults
         self.options = LoadOptions()  # the conversation's engine options
         self.system_prompt: str | None = None
+        self.think: bool | None = None  # a thinking model thinks, or not (None: its default)
         self._llm_lock = threading.Lock()  # the worker acquires, unmount releases
         self._gone = False
         self._stop = False  # Esc came before the answer's stream existed
@@ -192,7 +194,7 @@ class ChatScreen(Screen):
             self.model_name = conv.model
             self.system_prompt = conv.system_prompt
             saved = conv.chat_settings
-            self.sampling, self.options = dict(saved.sampling), saved.options
+            self.sampling, self.options, self.think = dict(saved.sampling), saved.options, saved.think
             if saved.ignored:  # saved by another localllm: it still opens, and the user knows
                 self.app.say_once(f"ignored:{self.conv_id}",
                                   "this conversation's saved settings include options this localllm "
@@ -217,7 +219,7 @@ class ChatScreen(Screen):
     def saved_settings(self) -> dict[str, Any]:
         from localllm.conversations import ChatSettings
 
-        return ChatSettings(self.sampling, self.options).to_dict()
+        return ChatSettings(self.sampling, self.options, think=self.think).to_dict()
 
     async def _render_branch(self) -> None:
         box = self.query_one("#messages")
@@ -341,6 +343,15 @@ class ChatScreen(Screen):
         self.app.push_screen(SettingsScreen(self.system_prompt, self.sampling, self.options),
                              self._apply_settings)  # fmt: skip
 
+    def action_think(self) -> None:
+        """Ctrl+T: thinking as the model does by default → on → off → the model's default again
+        (a model that cannot think refuses "on" in one line at the next message)."""
+        self.think = {None: True, True: False, False: None}[self.think]
+        if self.conv_id is not None:
+            self.db.update_settings(self.conv_id, settings=self.saved_settings)
+        said = {None: "as the model does by default", True: "on", False: "off"}[self.think]
+        self._status(f"thinking: {said} (from the next message)")
+
     def _apply_settings(self, result: tuple[str | None, dict[str, Any], LoadOptions] | None) -> None:
         if result is None:
             return
@@ -363,7 +374,8 @@ class ChatScreen(Screen):
         sampling_for = getattr(llm, "sampling", None)
         sampling = sampling_for(**given) if callable(sampling_for) else \
             SamplingParams.from_kwargs(**given)  # fmt: skip
-        return Request(messages=tuple(messages), sampling=sampling, context=self.options.context)
+        return Request(messages=tuple(messages), sampling=sampling, context=self.options.context,
+                       think=self.think)  # fmt: skip
 
     def _model(self) -> Any:
         """(Worker thread.) The model for this conversation's options, from the app's pool."""

@@ -35,6 +35,7 @@ HELP = """\
 | Chat   | F2       | edit the last question (a new branch) |
 | Chat   | Tab      | focus a message: `e` edits it, `c` copies it, ← → switch its branches |
 | Chat   | Ctrl+S   | settings: system prompt, sampling, context, KV cache, context shift |
+| Chat   | Ctrl+T   | thinking (a thinking model's): its default → on → off |
 | Chat   | Ctrl+N   | new chat |
 | Chat   | Ctrl+L   | saved conversations |
 | Chat   | Ctrl+O   | back to Models |

@@ -892,3 +892,41 @@ def test_thinking_streams_into_a_collapsed_block_saved_apart_from_the_answer(tin
             assert view.query_one(Collapsible).title.startswith("Thought for 2 tokens")
 
     asyncio.run(reopen())
+
+
+def test_ctrl_t_switches_thinking_per_conversation(tiny_llama: Path) -> None:
+    """Thinking as the model does by default, on, off: sent as the request's `think`, kept with
+    the conversation (a reopened chat thinks as it was left)."""
+    Store().add_file(tiny_llama, "tiny", source="file:x")
+    fake = FakeLLM([["a"], ["b"], ["c"], ["d"]])
+
+    async def go() -> int:
+        app = app_with(fake, chat_model="tiny")
+        async with app.run_test(size=(100, 30)) as pilot:
+            screen = app.screen
+            for n, key in enumerate([None, "ctrl+t", "ctrl+t"], start=1):
+                if key:
+                    await pilot.press(key)
+                await pilot.press(*"hi", "enter")
+                await wait_for(pilot, lambda n=n: not screen.generating and len(screen.history) == 2 * n)
+            assert [r.think for r in fake.requests] == [None, True, False]
+            return screen.conv_id
+
+    conv_id = asyncio.run(go())
+    from localllm.conversations import Conversations
+
+    with Conversations() as db:
+        assert db.get(conv_id).chat_settings.think is False
+
+    async def reopen() -> None:
+        app = app_with(fake)
+        async with app.run_test(size=(100, 30)) as pilot:
+            from localllm.tui.chat_screen import ChatScreen as Chat
+
+            await app.push_screen(Chat("tiny", conv_id))
+            await pilot.pause()
+            await pilot.press("ctrl+t")  # off → the model's default
+            assert app.screen.think is None
+            assert "thinking: as the model does by default" in str(app.screen.query_one("#status").render())
+
+    asyncio.run(reopen())
