@@ -1,9 +1,9 @@
 """The benchmark suite cannot rot: `bench/run_all.py --quick` runs the scripts' smoke modes (into a
 temporary results folder) and renders BENCHMARKS.md from what they wrote.
 
-Every suite runs the scripts whose smoke run takes seconds; the five that take a minute or more
-each (HEAVY: loading transformers, tuning self-speculation, two servers, quantizing beside
-llama.cpp) run with the rest under `-m slow` (about 8 minutes on 2 cores). Every script is in
+Every suite runs the scripts whose smoke run takes seconds; the heavy ones (HEAVY: loading
+transformers, tuning self-speculation, two servers, quantizing beside llama.cpp, the GEMV and
+agreement measurements) run with the rest under `-m slow` (about 9 minutes on 2 cores). Every script is in
 run_all's list and has a report section either way."""
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ import pytest
 from conftest import need
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
-# smoke runs of 50-85 s each on the 2-core machines (the rest: 2-30 s)
-HEAVY = ("torch_engine", "kv_cache", "speculative", "server", "quantize")
+# smoke runs of 50-85 s each on the 2-core machines, and the two measurements of 20-35 s whose
+# every number the tests hold elsewhere (torch_gemv: tests/backends/torch/test_quantized.py;
+# llamacpp_agreement: tests/backends/torch/test_vs_llamacpp.py); the rest take 2-20 s
+HEAVY = ("torch_engine", "kv_cache", "speculative", "server", "quantize", "torch_gemv", "llamacpp_agreement")
 
 
 def bench_lists() -> tuple[list[str], list[tuple]]:
