@@ -163,6 +163,7 @@ def _record_json(r: Any) -> dict[str, Any]:
         "parameters": i.parameters,
         "quant": i.quant,
         "context_length": i.context_length,
+        "projector": f"sha256:{r.projector}" if r.projector else None,  # a vision projector
     }
 
 
@@ -454,23 +455,37 @@ def import_model(
         bool,
         typer.Option("--scan", help="Find models in the Hugging Face cache, Ollama and LM Studio."),
     ] = False,
+    mmproj: Annotated[
+        Path | None,
+        typer.Option("--mmproj", help="The model's vision projector (an mmproj GGUF): it reads "
+                     "images. With --name and no PATH, given to a model already stored."),
+    ] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Register a GGUF file (hard link, no copy where possible), or --scan for other tools' models."""
     from localllm.model_info import human_bytes
+    from localllm.models_registry.store import check_projector
 
-    if scan == (path is not None):
-        raise click_exc.UsageError("give a PATH or --scan (not both)")
-    if scan:
-        if name is not None:
-            raise click_exc.UsageError("--name goes with PATH, not with --scan")
-        return _import_scan(json_out)
-    record = _store().import_file(path, name)
+    if mmproj is not None and path is None and name is not None and not scan:
+        record = _store().add_projector(name, mmproj)
+    else:
+        if scan == (path is not None):
+            raise click_exc.UsageError("give a PATH or --scan (not both)")
+        if scan:
+            if name is not None or mmproj is not None:
+                raise click_exc.UsageError("--name and --mmproj go with PATH, not with --scan")
+            return _import_scan(json_out)
+        if mmproj is not None:
+            check_projector(mmproj)  # before the model: a bad projector imports nothing
+        record = _store().import_file(path, name)
+        if mmproj is not None:
+            record = _store().add_projector(record.name, mmproj)
     if json_out:
         _emit_json(_record_json(record))
         return
+    vision = ", reads images" if record.projector else ""
     print(f"imported {record.name} ({record.info.architecture}, {record.info.quant}, "
-          f"{human_bytes(record.size)})")  # fmt: skip
+          f"{human_bytes(record.size)}{vision})")  # fmt: skip
 
 
 def _import_scan(json_out: bool) -> None:
@@ -587,6 +602,16 @@ def _generate(llm: Any, request: Any, *, stream_out: bool, thinking: bool = True
     return stream.result
 
 
+def _read_image(path: Path) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise LocalLLMError(f"cannot read the image {path}: {e.strerror or e}") from None
+    if len(data) > 64 << 20:
+        raise LocalLLMError(f"the image {path} is over 64 MiB")
+    return data
+
+
 class _Thoughts:
     """Reasoning as `run` prints it: opened by `Thinking...`, closed by `...done thinking.`."""
 
@@ -665,6 +690,11 @@ def run(
     hide_thinking: Annotated[
         bool, typer.Option("--hidethinking", help="Do not print a thinking model's reasoning.")
     ] = False,
+    image: Annotated[
+        list[Path] | None,
+        typer.Option("--image", help="An image (PNG, JPEG, GIF or BMP) for the first message; "
+                     "repeat for more. The model needs its vision projector (import --mmproj)."),
+    ] = None,
     local: Annotated[
         bool,
         typer.Option("--local", help="Load the model in this process even while `localllm serve` "
@@ -710,9 +740,10 @@ def run(
         return open_model(name, opts, local=local,
                           say=None if json_out else lambda why: print(f"note: {why}", file=sys.stderr))  # fmt: skip
 
+    images = [_read_image(p) for p in image or ()]  # a missing file is one line before loading
     chat = Chat(open_model(model, options), options, open_model, generate, system=system, raw=raw,
                 sampling={k: v for k, v in given.items() if v is not None},
-                response_format=response_format, think=think)  # fmt: skip
+                response_format=response_format, think=think, images=images)  # fmt: skip
     try:
         note = getattr(getattr(chat.llm.backend, "chat_template", None), "note", "")
         if note and not raw and not json_out:

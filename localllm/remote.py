@@ -248,10 +248,12 @@ def body(name: str, request: Request) -> tuple[str, dict[str, Any]]:
     if request.speculative is not None:
         out["speculative"] = request.speculative
     if request.prompt is not None:
+        if request.images:
+            raise LocalLLMError("a raw prompt with images goes to a model loaded here (--local)")
         if s.logprobs is not None:
             out["logprobs"] = s.logprobs
         return "/v1/completions", out | {"prompt": request.prompt}
-    out["messages"] = list(request.messages or ())
+    out["messages"] = [_openai_message(m) for m in request.messages or ()]
     if s.logprobs is not None:
         out |= {"logprobs": True, "top_logprobs": s.logprobs}
     if request.tools:
@@ -261,6 +263,29 @@ def body(name: str, request: Request) -> tuple[str, dict[str, Any]]:
     if request.think is not None:
         out["think"] = request.think
     return "/v1/chat/completions", out
+
+
+def _openai_message(m: Any) -> dict[str, Any]:
+    """A message as the OpenAI route takes it: images as `image_url` parts (data: URLs) where its
+    text places them, else before the text."""
+    import base64
+
+    from localllm.backends.base import MEDIA_MARKER
+
+    images = list(m.get("images") or ())
+    if not images:
+        return dict(m)
+    urls = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(i).decode()}}
+            for i in images]  # fmt: skip
+    texts = (m.get("content") or "").split(MEDIA_MARKER)
+    placed = len(texts) - 1
+    parts = urls[: len(urls) - placed]  # those the text does not place
+    for k, text in enumerate(texts):
+        if text:
+            parts.append({"type": "text", "text": text})
+        if k < placed:
+            parts.append(urls[len(urls) - placed + k])
+    return {k: v for k, v in m.items() if k != "images"} | {"content": parts}
 
 
 class RemoteStream:

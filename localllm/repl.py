@@ -143,7 +143,8 @@ class Chat:
     sampling: dict[str, Any] = field(default_factory=dict)  # over the model's defaults
     response_format: dict[str, Any] | None = None
     think: bool | None = None  # None: the model's own default
-    history: list[dict[str, str]] = field(default_factory=list)  # user and assistant turns
+    images: list[bytes] = field(default_factory=list)  # `run --image`: for the next message
+    history: list[dict[str, Any]] = field(default_factory=list)  # user and assistant turns
 
     def say(self, text: str) -> None:
         print(text, flush=True)
@@ -161,9 +162,13 @@ class Chat:
         self.ask(text)
         return True
 
-    def messages(self, text: str) -> tuple[dict[str, str], ...]:
+    def messages(self, text: str) -> tuple[dict[str, Any], ...]:
         system = [{"role": "system", "content": self.system}] if self.system else []
-        return (*system, *self.history, {"role": "user", "content": text})
+        return (*system, *self.history, self.user(text))
+
+    def user(self, text: str) -> dict[str, Any]:
+        """The user's message; the images given for it go with it (and stay in the history)."""
+        return {"role": "user", "content": text} | ({"images": list(self.images)} if self.images else {})
 
     def request(self, text: str) -> Any:
         """The Request a message makes: the conversation so far and this message, under the
@@ -172,7 +177,7 @@ class Chat:
 
         sampling = self.llm.sampling(**self.sampling)
         if self.raw:
-            return Request(prompt=(self.system or "") + text, sampling=sampling,
+            return Request(prompt=(self.system or "") + text, sampling=sampling, images=tuple(self.images),
                            response_format=self.response_format, think=self.think)  # fmt: skip
         return Request(messages=self.messages(text), sampling=sampling,
                        response_format=self.response_format, think=self.think)  # fmt: skip
@@ -188,8 +193,8 @@ class Chat:
             print(f"error: {e}", file=sys.stderr)
             return None
         if not self.raw:
-            self.history += [{"role": "user", "content": text},
-                             {"role": "assistant", "content": result.text}]  # fmt: skip
+            self.history += [self.user(text), {"role": "assistant", "content": result.text}]
+        self.images = []  # they went with this message
         return result
 
     # -- commands ----------------------------------------------------------------------------

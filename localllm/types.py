@@ -232,6 +232,9 @@ class Request:
     # thinking models: None the model's default; True/False on/off; "low"|"medium"|"high" effort
     # (engine.reasoning). False also keeps any reasoning out of the output
     think: bool | str | None = None
+    # a raw prompt's images (encoded PNG/JPEG/GIF/BMP bytes); a chat's go in its messages'
+    # `images` (engine.core.placed_images)
+    images: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         if self.speculative is not None:
@@ -243,6 +246,11 @@ class Request:
             for m in self.messages:
                 if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                     raise LocalLLMError("each message needs a 'role'")
+                if not all(isinstance(i, bytes) for i in m.get("images") or ()):
+                    raise LocalLLMError("a message's images are the bytes of image files")
+        elif self.images and not all(isinstance(i, bytes) for i in self.images):
+            raise LocalLLMError("images are the bytes of image files")
+        object.__setattr__(self, "images", tuple(self.images))
         object.__setattr__(self, "tools", tuple(self.tools))
 
     def with_sampling(self, **kw: Any) -> Request:

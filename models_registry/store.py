@@ -65,6 +65,7 @@ class ModelRecord:
     added: float = field(default_factory=time.time)
     ref: str | None = None  # absolute path of a file another tool owns; None: the bytes are a blob
     ref_mtime_ns: int | None = None  # the referenced file's st_mtime_ns when it was registered
+    projector: str | None = None  # sha256 of its vision projector's blob (an mmproj GGUF), if any
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -78,6 +79,8 @@ class ModelRecord:
             d["ref"] = self.ref
         if self.ref_mtime_ns is not None:
             d["ref_mtime_ns"] = self.ref_mtime_ns
+        if self.projector is not None:
+            d["projector"] = self.projector
         return d
 
     @classmethod
@@ -91,6 +94,7 @@ class ModelRecord:
             added=float(d.get("added", 0)),
             ref=str(d["ref"]) if d.get("ref") is not None else None,
             ref_mtime_ns=int(d["ref_mtime_ns"]) if d.get("ref_mtime_ns") is not None else None,
+            projector=check_digest(d["projector"]) if d.get("projector") is not None else None,
         )
 
 
@@ -251,6 +255,47 @@ class Store:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
 
+    def add_projector(self, name: str, source: str | os.PathLike[str]) -> ModelRecord:
+        """Give the stored model `name` its vision projector: the mmproj GGUF at `source` (a
+        `clip` file, checked before anything is copied) becomes a blob the record names."""
+        key = full_name(name)
+        if self.get(key) is None:
+            raise LocalLLMError(f"model {key} is not in the store")
+        path = Path(source)
+        if not path.is_file():
+            raise LocalLLMError(f"no such file: {path}")
+        check_projector(path)
+        self.blobs.mkdir(parents=True, exist_ok=True)
+        tmp = self.temp_path()
+        try:
+            if not _try_link(path, tmp):
+                _copy_parts([path], tmp, key)
+            digest = sha256_file(tmp)
+            with self.lock():
+                final = self.blob_path(digest)
+                if final.exists():
+                    tmp.unlink()
+                else:
+                    os.replace(tmp, final)
+                    _fsync_dir(self.blobs)
+                models = self._read_index()
+                if key not in models:
+                    raise LocalLLMError(f"model {key} was removed meanwhile")
+                models[key] = dict(models[key], projector=digest)
+                self._write_index(models)
+        except OSError as e:
+            raise self._write_error(key, e) from None
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        record = self.get(key)
+        assert record is not None
+        return record
+
+    def projector_of(self, record: ModelRecord) -> Path | None:
+        """The model's vision projector file, None when it has none."""
+        return self.blob_path(record.projector) if record.projector else None
+
     def adopt(self, path: Path, name: str, *, source: str, digest: str) -> ModelRecord:
         """Register a file the caller wrote inside `blobs/` and has verified by re-reading it
         from disk (a pull checks the hub's sha256 while the bytes arrive). It is parsed as GGUF,
@@ -372,7 +417,9 @@ class Store:
         if not self.blobs.is_dir():
             return removed
         with self.lock():
-            used = {d.get("digest") for d in self._read_index().values() if _is_blob_record(d)}
+            index = self._read_index().values()
+            used = {d.get("digest") for d in index if _is_blob_record(d)}
+            used |= {d.get("projector") for d in index if d.get("projector")}
             for p in [*self.blobs.iterdir(), *self.home.iterdir()]:
                 writer = temp_writer(p.name)
                 orphan = (
@@ -385,6 +432,21 @@ class Store:
                         p.unlink()
                         removed.append(p)
         return removed
+
+
+def check_projector(path: Path) -> None:
+    """A vision projector (llama.cpp's mmproj GGUF: architecture `clip`, a vision encoder), read
+    by our own parser before llama.cpp ever opens it; else one line saying what it is."""
+    from localllm.gguf_file import GGUFFile
+
+    with GGUFFile(path) as gf:
+        arch = gf.get("general.architecture")
+        vision = gf.get("clip.has_vision_encoder")
+    if arch != "clip":
+        raise LocalLLMError(f"{path.name} is not a vision projector (an mmproj GGUF has architecture "
+                            f"'clip'; this one has {arch!r})")  # fmt: skip
+    if vision is False:
+        raise LocalLLMError(f"{path.name} has no vision encoder (an audio projector?)")
 
 
 # -- file helpers ------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from localllm.backends import Availability, BackendSpec, Capabilities
-from localllm.backends.base import Forward, Piece
+from localllm.backends.base import Forward, Piece, TextOnly
 from localllm.chat import CHATML, ChatTemplate
 from localllm.types import ContextPolicy
 
@@ -52,7 +52,7 @@ def fail_at(ids: Sequence[int]) -> int | None:
     return int(m.group(1)) if m else None
 
 
-class _Tokens:
+class _Tokens(TextOnly):
     name = "fake"
     capabilities = CAPS
     has_template = True

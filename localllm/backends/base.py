@@ -21,6 +21,9 @@ and evaluates tokens:
                                              gives (else the slot is cleared and False returned)
     save/restore/split                       prefix-cache handles (`localllm.prefix_cache`)
     embed(texts)                             pooled, normalised vectors (a context of its own)
+    tokenize_media(text, images)             where `media` has "image" (a vision projector): the
+                                             tokens of a text whose MEDIA_MARKERs stand for the
+                                             images, each image's positions as media ids
 
 `forward` either evaluates every piece or raises with every slot's cache as it was (but for what
 a context shift already forgot: that is final). `restore` of "full" handles gets [(handle, the
@@ -45,7 +48,45 @@ from localllm.backends import Capabilities
 from localllm.chat import ChatTemplate
 from localllm.types import ContextPolicy
 
-__all__ = ["RUNNER_MEMBERS", "Capabilities", "Forward", "Piece", "Runner"]
+__all__ = ["MEDIA_MARKER", "RUNNER_MEMBERS", "Capabilities", "Forward", "Piece", "Runner", "TextOnly",
+           "media_cut", "media_id", "media_of"]
+
+
+# -- images in a prompt ----------------------------------------------------------------------
+# A runner that reads images gives the positions of each image ids below zero: the k-th image it
+# has encoded, at offset j, is -(k * MEDIA_SPAN + j + 1). They key slots and the prefix cache as
+# tokens do (the same image bytes, the same ids) and never meet a vocabulary. An image is
+# evaluated whole (a model may attend across it both ways): no step ends inside one.
+MEDIA_MARKER = "<__media__>"  # where an image goes in a rendered prompt (libmtmd's own marker)
+MEDIA_SPAN = 1 << 16  # positions one image may take
+
+
+def media_id(key: int, offset: int) -> int:
+    return -(key * MEDIA_SPAN + offset + 1)
+
+
+def media_of(token: int) -> tuple[int, int] | None:
+    """(image key, offset) of a media id; None for a token."""
+    if token >= 0:
+        return None
+    key, offset = divmod(-token - 1, MEDIA_SPAN)
+    return key, offset
+
+
+def media_cut(ids: Sequence[int], start: int, n: int) -> int:
+    """The tokens of ids[start:] a step may take: `n`, unless that ends inside an image; then up
+    to the image (when it does not begin the step) or through its end."""
+    end = start + n
+    if n <= 0 or end >= len(ids) or ids[end] >= 0:
+        return n
+    key, offset = media_of(ids[end])  # type: ignore[misc]
+    begin = end - offset  # where that image's positions begin
+    if offset == 0 or begin > start:
+        return begin - start
+    stop = end
+    while stop < len(ids) and media_of(ids[stop]) == (key, stop - begin):
+        stop += 1
+    return stop - start
 
 
 class Piece(NamedTuple):
@@ -107,6 +148,11 @@ class Runner(Protocol):
     def split(self, handle: Any, k: int) -> tuple[Any, Any]: ...
 
     def embed(self, texts: Sequence[str]) -> list[list[float]]: ...
+
+    media: tuple[str, ...]  # what a prompt may hold beside text: ("image",) with a projector
+
+    def tokenize_media(self, text: str, images: Sequence[bytes], *,
+                       add_special: bool = True) -> list[int]: ...  # fmt: skip
     def kv_bytes(self) -> int: ...
     def kv_stats(self, slot: int) -> dict[str, float]: ...
     def decode_weight_bytes(self) -> int | None:
@@ -114,6 +160,19 @@ class Runner(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class TextOnly:
+    """What a runner without a vision projector says about images (the engine asks `media` first)."""
+
+    media: tuple[str, ...] = ()
+
+    def tokenize_media(self, text: str, images: Sequence[bytes], *,
+                       add_special: bool = True) -> list[int]:  # fmt: skip
+        from localllm.errors import Unsupported
+
+        raise Unsupported(f"the {getattr(self, 'name', 'this')} backend has no vision projector "
+                          "loaded: it cannot read images")  # fmt: skip
 
 
 def _members() -> frozenset[str]:

@@ -20,12 +20,20 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from localllm.backends import LLAMACPP as CAPABILITIES
-from localllm.backends.base import Forward, Piece
+from localllm.backends.base import (
+    MEDIA_MARKER,
+    MEDIA_SPAN,
+    Forward,
+    Piece,
+    TextOnly,
+    media_id,
+    media_of,
+)
 from localllm.chat import template_for
 from localllm.errors import ContextOverflow, LocalLLMError
 from localllm.gguf_file import GGML_TYPE_BY_NAME
@@ -37,17 +45,18 @@ _GGML_TYPE = {t: GGML_TYPE_BY_NAME[t.upper()].id for t in kv_types("llama.cpp")}
 
 
 def open_runner(path: str | Path, options: Any, *, name: str, digest: str,
-                home: Path | None = None) -> LlamaCppRunner:  # fmt: skip
+                home: Path | None = None, projector: Path | None = None) -> LlamaCppRunner:  # fmt: skip
     """The registry's factory: the first load of a file runs in a child (a file llama.cpp would
-    abort on is refused there), then the model loads here with the options' context and cache.
-    A draft model is opened the same way, by the engine, as a runner of its own."""
+    abort on is refused there), then the model loads here with the options' context and cache,
+    and its vision projector (`projector`, an mmproj GGUF) when it has one. A draft model is
+    opened the same way, by the engine, as a runner of its own."""
     from localllm.backends.llamacpp_guard import check_load
 
     n_gpu_layers = 0 if options.device == "cpu" else -1
     check_load(path, digest, name, n_gpu_layers=n_gpu_layers, home=home)
     return LlamaCppRunner(path, n_ctx=options.ctx or 4096, n_slots=options.parallel,
                           kv_cache=options.kv_cache, n_threads=options.threads,
-                          n_gpu_layers=n_gpu_layers)  # fmt: skip
+                          n_gpu_layers=n_gpu_layers, projector=projector)  # fmt: skip
 
 
 NO_LAYER_SKIP = "llama.cpp cannot leave layers out (layer-skip drafts need --backend torch)"
@@ -106,9 +115,11 @@ def _on_log(level: int, text: bytes, _user: object) -> None:
             _log_state["seq"] = seq
             _recent.append((seq, level, ln))
             if f is not None:
-                f.write(f"{stamp} {_LEVELS.get(level, level)} {ln}\n")  # type: ignore[attr-defined]
+                with contextlib.suppress(ValueError, OSError):  # closed at the interpreter's exit
+                    f.write(f"{stamp} {_LEVELS.get(level, level)} {ln}\n")  # type: ignore[attr-defined]
         if done and f is not None:
-            f.flush()  # type: ignore[attr-defined]
+            with contextlib.suppress(ValueError, OSError):
+                f.flush()  # type: ignore[attr-defined]
 
 
 def log_mark() -> int:
@@ -226,6 +237,7 @@ class LlamaCppRunner:
         n_threads: int | None = None,
         n_gpu_layers: int = -1,
         flash_attn: bool | None = None,
+        projector: str | Path | None = None,
     ) -> None:
         """Args:
         n_ctx: cells per sequence (llama.cpp rounds it up to a multiple of 256).
@@ -234,6 +246,7 @@ class LlamaCppRunner:
         kv_cache: the K and V cache types ("q8_0", "k=q8_0,v=f16").
         n_gpu_layers: layers offloaded to the GPU (-1: all; 0: the CPU only).
         flash_attn: None is on (see below); a quantized V cache needs it.
+        projector: a vision projector (mmproj GGUF) for this model: prompts may hold images.
         """
         llama_cpp = quiet_llama_log()
         from llama_cpp import _internals
@@ -319,6 +332,16 @@ class LlamaCppRunner:
             eos_token=self._piece(eos) if eos >= 0 else "",
         )
         self.has_template = "tokenizer.chat_template" in meta
+        self._vision: _Vision | None = None
+        self.media: tuple[str, ...] = ()
+        if projector is not None:
+            try:
+                self._vision = _Vision(llama_cpp, self._model.model, str(projector), self.n_threads,
+                                       gpu=gpu, max_batch=self.max_batch)  # fmt: skip
+            except LocalLLMError:
+                self.close()
+                raise
+            self.media = ("image",)
 
     # -- tokens --------------------------------------------------------------------------------
 
@@ -347,6 +370,15 @@ class LlamaCppRunner:
     def bos_text(self) -> str:
         return self.chat_template.bos_token
 
+    def tokenize_media(self, text: str, images: Sequence[bytes], *,
+                       add_special: bool = True) -> list[int]:  # fmt: skip
+        """The tokens of `text`, each MEDIA_MARKER in it one of `images` (encoded by the
+        projector now, once per distinct image): its positions as media ids."""
+        if self._vision is None:
+            return TextOnly.tokenize_media(self, text, images, add_special=add_special)  # type: ignore[arg-type]
+        with self._lock:
+            return self._vision.tokenize(text, images, add_special=add_special)
+
     # -- the forward pass ----------------------------------------------------------------------
 
     def forward(self, pieces: Sequence[Piece], *, skip: frozenset[int] = frozenset()) -> Forward:
@@ -363,6 +395,8 @@ class LlamaCppRunner:
         """
         if skip:
             raise LocalLLMError(NO_LAYER_SKIP)
+        if self._vision is not None and any(min(p.tokens, default=0) < 0 for p in pieces):
+            return self._forward_media(pieces)
         rows = self._check(pieces)
         out = np.empty((rows, self.n_vocab), np.float32)
         first = list(itertools.accumulate((p.logits for p in pieces), initial=0))
@@ -400,6 +434,50 @@ class LlamaCppRunner:
                     self._n_past[slot] = start
                 raise
         return Forward(out, shifted)
+
+    def _forward_media(self, pieces: Sequence[Piece]) -> Forward:
+        """Pieces that hold images: one piece at a time, its text as a batch of tokens and each
+        image through libmtmd's decoder of encoded images (in one batch where the model attends
+        across an image both ways). No logits are given for an image's positions."""
+        vision = self._vision
+        assert vision is not None
+        total = 0
+        for p in pieces:
+            if self._policy[p.slot] is not None:
+                raise LocalLLMError("images cannot be combined with --streaming yet")
+            total += p.logits
+            vision.check(p.tokens, p.logits)
+        out = np.empty((total, self.n_vocab), np.float32)
+        base = {p.slot: self._n_past[p.slot] for p in pieces}
+        row = 0
+        try:
+            for p in pieces:
+                owed_from = len(p.tokens) - p.logits
+                for a, b, key in vision.runs(p.tokens):
+                    if key is None:
+                        owed = max(0, b - max(a, owed_from))
+                        got = self.forward([Piece(p.slot, p.tokens[a:b], owed)]).logits
+                        out[row : row + owed] = got
+                        row += owed
+                        continue
+                    with self._lock:
+                        if self._n_past[p.slot] + (b - a) > self.n_ctx:
+                            raise ContextOverflow(f"{self._n_past[p.slot] + (b - a)} positions do "
+                                                  f"not fit the context of {self.n_ctx}")  # fmt: skip
+                        mark = log_mark()
+                        rc = vision.decode(self._ctx.ctx, key, self._n_past[p.slot], p.slot)
+                        if rc != 0:
+                            said = recent_errors(mark)
+                            why = f": {_strip_prefix(said[-1])}" if said else ""
+                            raise LocalLLMError(f"llama.cpp could not evaluate an image (returned {rc}{why})")
+                        self._n_past[p.slot] += b - a
+        except BaseException:
+            with self._lock:
+                for slot, start in base.items():
+                    self._lib.llama_memory_seq_rm(self._mem, slot, start, -1)
+                    self._n_past[slot] = start
+            raise
+        return Forward(out, {})
 
     def _check(self, pieces: Sequence[Piece]) -> int:
         """Refuse what cannot be evaluated, before anything is; the rows of logits asked for."""
@@ -637,6 +715,9 @@ class LlamaCppRunner:
                 self._embedder.close()
                 self._embedder = None
         with self._lock:
+            vision, self._vision = getattr(self, "_vision", None), None
+            if vision is not None:
+                vision.close()
             if self._ctx is not None:
                 self._ctx.close()
                 self._model.close()
@@ -668,3 +749,214 @@ class _Batch:
     def decode(self, ctx: Any, n: int) -> int:
         self.batch.n_tokens = n
         return int(self._lib.llama_decode(ctx, self.batch))
+
+
+class _Image(NamedTuple):
+    chunk: Any  # an mtmd_input_chunk of this runner's (owned: freed with the runner)
+    embd: Any  # the projector's output for it: (n_tokens · n_embd) floats
+    n_tokens: int
+
+
+class _Vision:
+    """A model's vision projector through libmtmd (llama.cpp's multimodal library): images in,
+    positions of encoded image embeddings out. Each distinct image (by its bytes' sha256) is
+    encoded once and keeps its key, so its media ids are the same in every prompt (the prefix
+    cache and slot reuse see the same image as the same tokens); the encodings of the
+    `KEEP` images used last are held."""
+
+    KEEP = 32  # encoded images held (a Gemma 3 image: 256 positions · 640 floats = 0.6 MiB)
+    MAX_SIDE = 8192  # pixels: a larger image is refused before it is decoded
+
+    def __init__(self, lib: Any, model: Any, path: str, n_threads: int, *, gpu: bool,
+                 max_batch: int) -> None:  # fmt: skip
+        import llama_cpp.mtmd_cpp as mtmd
+
+        self._m, self._lib = mtmd, lib
+        with _log_lock:  # libmtmd's log (and its helpers') into the store's log, as llama.cpp's
+            callback = _log_state.get("callback")
+            if callback is not None and "mtmd" not in _log_state:
+                mtmd.mtmd_log_set(callback, ctypes.c_void_p(0))
+                mtmd.mtmd_helper_log_set(callback, ctypes.c_void_p(0))
+                _log_state["mtmd"] = True
+        params = mtmd.mtmd_context_params_default()
+        params.use_gpu = gpu
+        params.n_threads = n_threads
+        params.print_timings = False
+        params.warmup = False
+        params.media_marker = MEDIA_MARKER.encode()
+        mark = log_mark()
+        self._ctx = mtmd.mtmd_init_from_file(path.encode(), model, params)
+        if not self._ctx:
+            said = recent_errors(mark)
+            why = f": {_strip_prefix(said[-1])}" if said else ""
+            raise LocalLLMError(f"llama.cpp cannot load the vision projector {Path(path).name}{why}")
+        if not mtmd.mtmd_support_vision(self._ctx):
+            self.close()
+            raise LocalLLMError(f"{Path(path).name} is not a vision projector (it reads no images)")
+        if mtmd.mtmd_decode_use_mrope(self._ctx):
+            self.close()
+            raise LocalLLMError("this model places image positions in two dimensions (M-RoPE): "
+                                "not supported yet")  # fmt: skip
+        self._n_embd = int(lib.llama_model_n_embd_inp(model))
+        self._max_batch = max_batch
+        self._keys: dict[str, int] = {}  # sha256 of an image's bytes -> its key
+        self._images: collections.OrderedDict[int, _Image] = collections.OrderedDict()
+
+    def tokenize(self, text: str, images: Sequence[bytes], *, add_special: bool) -> list[int]:
+        import hashlib
+
+        m = self._m
+        if text.count(MEDIA_MARKER) != len(images):
+            raise LocalLLMError(f"the prompt places {text.count(MEDIA_MARKER)} images but "
+                                f"{len(images)} were given")  # fmt: skip
+        bitmaps, digests = [], []
+        chunks = m.mtmd_input_chunks_init()
+        try:
+            for data in images:
+                check_image(data, self.MAX_SIDE)
+                buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+                bitmap = m.mtmd_helper_bitmap_init_from_buf(self._ctx, buf, len(data), False)
+                if not bitmap:
+                    raise LocalLLMError("an image could not be decoded (a PNG, JPEG, GIF or BMP file "
+                                        "is expected)")  # fmt: skip
+                bitmaps.append(bitmap)
+                digests.append(hashlib.sha256(data).hexdigest())
+            raw = text.encode("utf-8")
+            given = m.mtmd_input_text(raw, len(raw), add_special, True)
+            array = (m.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
+            rc = m.mtmd_tokenize(self._ctx, chunks, ctypes.byref(given), array, len(bitmaps))
+            if rc != 0:
+                raise LocalLLMError(f"llama.cpp could not read the prompt's images (mtmd_tokenize returned {rc})")
+            ids: list[int] = []
+            seen = 0
+            for i in range(m.mtmd_input_chunks_size(chunks)):
+                chunk = m.mtmd_input_chunks_get(chunks, i)
+                if m.mtmd_input_chunk_get_type(chunk) == m.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                    n = ctypes.c_size_t(0)
+                    toks = m.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
+                    ids += [int(toks[j]) for j in range(n.value)]
+                    continue
+                if m.mtmd_input_chunk_get_type(chunk) != m.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+                    raise LocalLLMError("only images are read here (not audio)")
+                key = self._encoded(chunk, digests[seen])
+                seen += 1
+                ids += [media_id(key, j) for j in range(self._images[key].n_tokens)]
+            return ids
+        finally:
+            m.mtmd_input_chunks_free(chunks)
+            for bitmap in bitmaps:
+                m.mtmd_bitmap_free(bitmap)
+
+    def _encoded(self, chunk: Any, digest: str) -> int:
+        """The key of this image, encoding it unless its encoding is held."""
+        m = self._m
+        key = self._keys.setdefault(digest, len(self._keys))
+        if key in self._images:
+            self._images.move_to_end(key)
+            return key
+        n_tokens = int(m.mtmd_input_chunk_get_n_tokens(chunk))
+        if n_tokens > MEDIA_SPAN or (n_tokens > self._max_batch and m.mtmd_decode_use_non_causal(self._ctx, chunk)):
+            raise LocalLLMError(f"an image takes {n_tokens} positions here; one batch holds {self._max_batch}")
+        if m.mtmd_encode_chunk(self._ctx, chunk) != 0:
+            raise LocalLLMError("the vision projector could not encode an image")
+        size = n_tokens * self._n_embd
+        embd = (ctypes.c_float * size)()
+        ctypes.memmove(embd, m.mtmd_get_output_embd(self._ctx), size * ctypes.sizeof(ctypes.c_float))
+        self._images[key] = _Image(m.mtmd_input_chunk_copy(chunk), embd, n_tokens)
+        while len(self._images) > self.KEEP:
+            _, old = self._images.popitem(last=False)
+            m.mtmd_input_chunk_free(old.chunk)
+        return key
+
+    def runs(self, tokens: Sequence[int]) -> Iterator[tuple[int, int, int | None]]:
+        """(start, end, image key or None for text) of each run of `tokens`."""
+        start = 0
+        while start < len(tokens):
+            got = media_of(tokens[start])
+            end = start + 1
+            if got is None:
+                while end < len(tokens) and tokens[end] >= 0:
+                    end += 1
+                yield start, end, None
+            else:
+                end = start + self._images[got[0]].n_tokens
+                yield start, end, got[0]
+            start = end
+
+    def check(self, tokens: Sequence[int], logits: int) -> None:
+        """Every image in `tokens` whole, known, and asked for no logits."""
+        i = 0
+        while i < len(tokens):
+            got = media_of(tokens[i])
+            if got is None:
+                i += 1
+                continue
+            key, offset = got
+            image = self._images.get(key)
+            if image is None:
+                raise LocalLLMError("an image of this prompt is no longer held; send the request again")
+            whole = [media_id(key, j) for j in range(image.n_tokens)]
+            if offset or list(tokens[i : i + image.n_tokens]) != whole:
+                raise LocalLLMError("an image was split across forward passes (evaluate it whole)")
+            i += image.n_tokens
+            if i > len(tokens) - logits:
+                raise LocalLLMError("no logits are given for an image's positions")
+
+    def decode(self, ctx: Any, key: int, n_past: int, seq: int) -> int:
+        image = self._images[key]
+        self._images.move_to_end(key)
+        new = self._lib.llama_pos(0)
+        no_callback = self._m.mtmd_helper_post_decode_callback()  # a NULL function pointer
+        return int(self._m.mtmd_helper_decode_image_chunk(self._ctx, ctx, image.chunk, image.embd, n_past, seq,
+                                                          self._max_batch, ctypes.byref(new), no_callback, None))  # fmt: skip
+
+    def close(self) -> None:
+        for image in self._images.values():
+            self._m.mtmd_input_chunk_free(image.chunk)
+        self._images.clear()
+        if self._ctx:
+            self._m.mtmd_free(self._ctx)
+            self._ctx = None
+
+
+IMAGE_KINDS = {b"\x89PNG\r\n\x1a\n": "png", b"\xff\xd8\xff": "jpeg", b"GIF87a": "gif", b"GIF89a": "gif", b"BM": "bmp"}
+
+
+def check_image(data: bytes, max_side: int) -> None:
+    """A PNG, JPEG, GIF or BMP (what libmtmd decodes) no larger than `max_side` a side, by its
+    header: a hostile file is refused before a decoder allocates for it."""
+    kind = next((k for magic, k in IMAGE_KINDS.items() if data.startswith(magic)), None)
+    if kind is None:
+        raise LocalLLMError("an image must be a PNG, JPEG, GIF or BMP file")
+    size = _image_size(data, kind)
+    if size is None:
+        raise LocalLLMError(f"the {kind.upper()} image is damaged (its size cannot be read)")
+    w, h = size
+    if not (0 < w <= max_side and 0 < h <= max_side):
+        raise LocalLLMError(f"the image is {w}x{h} pixels; at most {max_side} a side is read")
+
+
+def _image_size(data: bytes, kind: str) -> tuple[int, int] | None:
+    import struct
+
+    try:
+        if kind == "png":
+            return struct.unpack(">II", data[16:24])
+        if kind == "gif":
+            return struct.unpack("<HH", data[6:10])
+        if kind == "bmp":
+            w, h = struct.unpack("<ii", data[18:26])
+            return w, abs(h)
+        i = 2  # JPEG: walk the segments to a start-of-frame
+        while i + 9 < len(data):
+            if data[i] != 0xFF:
+                return None
+            marker = data[i + 1]
+            length = struct.unpack(">H", data[i + 2 : i + 4])[0]
+            if marker in (0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF):
+                h, w = struct.unpack(">HH", data[i + 5 : i + 9])
+                return w, h
+            i += 2 + length
+    except struct.error:
+        return None
+    return None

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from localllm.backends import Capabilities, check_options
-from localllm.backends.base import Piece, Runner
+from localllm.backends.base import MEDIA_MARKER, Piece, Runner
 from localllm.engine.output import Assembler, Step
 from localllm.engine.reasoning import Splitter, template_args, thinking_of
 from localllm.engine.sampling import Sampler, logprobs
@@ -102,19 +102,48 @@ def prompt_ids(backend: Runner, request: Request,
     for thinking."""
     template = backend.chat_template
     thinking = thinking_of(template)
-    if request.messages is not None:
+    messages, images = placed_images(request)
+    if images and "image" not in backend.media:
+        raise Unsupported(f"{model} cannot read images here: that needs its vision projector "
+                          "(`localllm import --mmproj`) and the llama.cpp backend")  # fmt: skip
+    if messages is not None:
         extra = template_args(thinking, request.think, model)
-        text = template.render(request.messages, tools=request.tools, **extra)
+        text = template.render(messages, tools=request.tools, **extra)
         bos = backend.bos_text()
         add_special = not (bos and text.startswith(bos))  # the template wrote BOS itself
     else:
         template_args(thinking, request.think, model)  # refuses what the model cannot do
-        text, add_special = request.prompt or "", True
+        text, add_special = "".join(MEDIA_MARKER + "\n" for _ in images) + (request.prompt or ""), True
         thinking = thinking if request.think not in (None, False) else None
-    ids = backend.tokenize(text, add_special=add_special)
+    if images:
+        ids = backend.tokenize_media(text, images, add_special=add_special)
+    else:
+        ids = backend.tokenize(text, add_special=add_special)
     if not ids:
         raise LocalLLMError("the prompt is empty")
     return ids, Splitter.for_prompt(thinking, text) if thinking is not None else None
+
+
+def placed_images(request: Request) -> tuple[tuple[Message, ...] | None, list[bytes]]:
+    """The request's messages with a MEDIA_MARKER where each of their images goes, and the images
+    in prompt order. A message's `images` go where its content has markers (OpenAI's image parts
+    leave one each), the rest before its text (Ollama's `images`); a raw prompt's go first."""
+    if request.messages is None:
+        return None, list(request.images)
+    out, images = [], []
+    for m in request.messages:
+        mine = list(m.get("images") or ())
+        if not mine:
+            out.append(m)
+            continue
+        content = m.get("content") or ""
+        missing = len(mine) - content.count(MEDIA_MARKER)
+        if missing < 0:
+            raise LocalLLMError(f"a message places {content.count(MEDIA_MARKER)} images but has {len(mine)}")
+        out.append({k: v for k, v in m.items() if k != "images"}
+                   | {"content": MEDIA_MARKER * missing + ("\n" if missing and content else "") + content})  # fmt: skip
+        images += mine
+    return tuple(out), images
 
 
 def check_context(
@@ -917,9 +946,8 @@ def load(model: str, options: LoadOptions | None = None, *, check_memory: bool =
             raise LocalLLMError(f"{record.name}: {said}") from None
         t0 = time.perf_counter()
         try:
-            runner = chosen.open(
-                path, opts, name=record.name, digest=record.digest, home=store.home
-            )
+            runner = chosen.open(path, opts, name=record.name, digest=record.digest,
+                                 home=store.home, projector=store.projector_of(record))  # fmt: skip
             break
         except LocalLLMError as e:
             reason = str(e).removeprefix(f"{record.name}: ")

@@ -50,7 +50,7 @@ class Sampler:
         if not len(recent):
             return logits
         ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
-        inside = ids < logits.shape[-1]
+        inside = (ids >= 0) & (ids < logits.shape[-1])  # an image's positions are no tokens
         ids, counts = ids[inside], counts[inside]
         x = logits[ids]
         if s.repeat_penalty != 1.0:

@@ -7,10 +7,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from localllm.backends.base import media_cut
+
 __all__ = ["Scheduler"]
 
 
 class _Running(Protocol):
+    ids: list[int]  # the prompt
     left: int  # prompt tokens not yet evaluated (0: decoding)
     fed: int  # prompt tokens evaluated (or reused from a cache)
 
@@ -81,6 +84,7 @@ class Scheduler:
                 if n < r.left:  # end on the grid where the budget allows (see GRID)
                     aligned = (r.fed + n) // self.GRID * self.GRID - r.fed
                     n = aligned if aligned > 0 else n
+                    n = media_cut(r.ids, r.fed, n)  # never inside an image (it goes whole)
                 plan[r] = n
                 budget -= n
         return plan

@@ -186,7 +186,9 @@ class Lookup:
         for n in range(min(self.max_n, n_text), self.min_n - 1, -1):
             e = self.ends.get(tuple(text[n_text - n :]))
             if e is not None:
-                return list(text[e + 1 : e + 1 + k])
+                follow = list(text[e + 1 : e + 1 + k])
+                images = [i for i, t in enumerate(follow) if t < 0]  # an image's positions: no draft
+                return follow[: images[0]] if images else follow
         return []
 
 

@@ -21,7 +21,7 @@ from localllm import __version__
 from localllm.errors import LocalLLMError, ModelNotFound
 from localllm.server.config import keep_alive_seconds
 from localllm.server.http import LiveResponse, read_json, scrub
-from localllm.server.openai_api import BadRequest, Body, Parsed, _messages
+from localllm.server.openai_api import BadRequest, Body, Parsed, _messages, image_bytes
 from localllm.types import Chunk, Result
 
 if TYPE_CHECKING:
@@ -252,11 +252,10 @@ def add_routes(app: FastAPI, server: Server) -> None:
         parsed, b = _parse(await read_json(request))
         if b.get("messages") in (None, []):
             return await load_or_unload(parsed)
-        for i, m in enumerate(b.get("messages") or []):
-            if isinstance(m, dict) and m.get("images"):
-                raise BadRequest(f"messages[{i}].images: {parsed.model or served.default} has no "
-                                 "vision projector, so it cannot see images", f"messages[{i}].images")  # fmt: skip
         parsed.messages = _messages(b.get("messages"))
+        for i, m in enumerate(b.get("messages") or []):
+            if isinstance(m, dict) and m.get("images") is not None:
+                parsed.messages[i]["images"] = _images(m.get("images"), f"messages[{i}].images")
         tools = b.get("tools") or []
         if not isinstance(tools, list):
             raise BadRequest("tools must be a list", "tools")
@@ -279,19 +278,17 @@ def add_routes(app: FastAPI, server: Server) -> None:
         prompt = b.text("prompt") or ""
         system = b.text("system")
         raw = b.flag("raw")
-        if b.get("images"):
-            raise BadRequest(f"images: {parsed.model or served.default} has no vision projector, so "
-                             "it cannot see images", "images")  # fmt: skip
+        images = _images(b.get("images"), "images") if b.get("images") is not None else []
         for name in ("suffix", "template", "context"):  # documented, not honoured here
             if b.get(name):
                 raise BadRequest(f"{name} is not supported", name)
         if not prompt:  # Ollama: an empty prompt loads the model and answers done
             return await load_or_unload(parsed)
         if raw:
-            parsed.prompt = prompt
+            parsed.prompt, parsed.images = prompt, images
         else:
             parsed.messages = ([{"role": "system", "content": system}] if system else []) + [
-                {"role": "user", "content": prompt}]
+                {"role": "user", "content": prompt} | ({"images": images} if images else {})]
 
         def shape(text: str, thinking: str | None, _result: Result | None) -> dict[str, Any]:
             return {"response": text, **({"thinking": thinking} if thinking else {})}
@@ -348,6 +345,13 @@ def _refuse(name: str, instead: str) -> Any:
         raise BadRequest(f"Ollama's {name} route is not supported by this server; use {instead}", name)
 
     return refused
+
+
+def _images(raw: Any, where: str) -> list[bytes]:
+    """Ollama's `images`: a list of base64-encoded image files."""
+    if not isinstance(raw, list):
+        raise BadRequest(f"{where} must be a list of base64 images", where)
+    return [image_bytes(x, f"{where}[{j}]") for j, x in enumerate(raw)]
 
 
 def _keep_alive(b: Body) -> float | None:

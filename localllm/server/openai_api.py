@@ -1,7 +1,8 @@
 """OpenAI's request and response shapes, turned into our `Request` and back.
 
 Parsing checks every field it takes (type and range) and refuses what it cannot honour (`n` > 1,
-`logit_bias`, images, `echo`, `suffix`, `best_of`) with a 400 naming the field; fields it does not
+`logit_bias`, `echo`, `suffix`, `best_of`, an image for a model without a vision projector, an
+image by URL: nothing is fetched) with a 400 naming the field; fields it does not
 know are ignored, as OpenAI clients send many (`user`, `metadata`, `store`, ...). Extensions: `top_k`,
 `min_p`, `repeat_penalty`, `repeat_last_n`, `kv_cache` and `speculative` in the body.
 
@@ -117,6 +118,7 @@ class Parsed:
     parallel_tool_calls: bool = True
     think: bool | str | None = None
     keep_alive: float | None = None  # Ollama's: seconds the model stays loaded after this request
+    images: list[bytes] = field(default_factory=list)  # a raw prompt's (Ollama's generate)
 
     def request(self, model: Any) -> Request:
         sampling = model.sampling(**self.sampling)
@@ -127,7 +129,7 @@ class Parsed:
                            response_format=self.response_format, sampling=sampling,
                            speculative=self.speculative, think=self.think)  # fmt: skip
         return Request(prompt=self.prompt, response_format=self.response_format, sampling=sampling,
-                       speculative=self.speculative, think=self.think)  # fmt: skip
+                       speculative=self.speculative, think=self.think, images=tuple(self.images))  # fmt: skip
 
 
 def _common(b: Body) -> Parsed:
@@ -178,22 +180,58 @@ def _common(b: Body) -> Parsed:
                   response_format=response_format, speculative=speculative, kv_cache=kv_cache)  # fmt: skip
 
 
-def _content(m: Body, i: int) -> str | None:
+MAX_IMAGE_BYTES = 20 << 20  # one image, decoded
+
+
+def image_bytes(data: Any, where: str) -> bytes:
+    """An image sent as base64 (Ollama's `images`) or a `data:` URL (OpenAI's `image_url`)."""
+    import base64
+    import binascii
+
+    if not isinstance(data, str) or not data:
+        raise BadRequest(f"{where} must be a base64 image or a data: URL", where)
+    if data.startswith(("http://", "https://", "file:")):
+        raise BadRequest(f"{where}: images are not fetched from URLs here; send the image itself "
+                         "(a data: URL or base64)", where)  # fmt: skip
+    if data.startswith("data:"):
+        head, sep, data = data.partition(",")
+        if not sep or not head.endswith(";base64"):
+            raise BadRequest(f"{where}: a data: URL of an image must be base64 (data:image/png;base64,...)", where)
+    if len(data) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise BadRequest(f"{where}: an image may be at most {MAX_IMAGE_BYTES >> 20} MiB", where)
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest(f"{where} is not valid base64", where) from None
+
+
+def _content(m: Body, i: int) -> tuple[str | None, list[bytes]]:
+    """A message's text, with MEDIA_MARKER where each of its image parts was, and the images."""
+    from localllm.backends.base import MEDIA_MARKER
+
     c = m.get("content")
+    where = f"messages[{i}].content"
     if c is None or isinstance(c, str):
-        return c
+        return c, []
     if isinstance(c, list):
-        parts = []
-        for part in c:
-            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise BadRequest(f"messages[{i}].content: {kind!r} parts are not supported (text only)",
-                                 f"messages[{i}].content")  # fmt: skip
+        parts, images = [], []
+        for j, part in enumerate(c):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                images.append(image_bytes(url, f"{where}[{j}].image_url"))
+                parts.append(MEDIA_MARKER)
+                continue
+            if kind not in ("text", "input_text"):
+                raise BadRequest(f"{where}: {kind!r} parts are not supported (text and image_url are)", where)
             if not isinstance(part.get("text"), str):
-                raise BadRequest(f"messages[{i}].content: a text part needs its text", f"messages[{i}].content")
+                raise BadRequest(f"{where}: a text part needs its text", where)
+            if MEDIA_MARKER in part["text"]:
+                raise BadRequest(f"{where}: the text may not contain {MEDIA_MARKER} (it places images)", where)
             parts.append(part["text"])
-        return "".join(parts)
-    raise BadRequest(f"messages[{i}].content must be a string or a list of parts", f"messages[{i}].content")
+        return "".join(parts), images
+    raise BadRequest(f"{where} must be a string or a list of parts", where)
 
 
 def _messages(raw: Any) -> list[dict[str, Any]]:
@@ -205,8 +243,12 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
         role = m.text("role")
         if role not in ROLES:
             raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}", f"messages[{i}].role")
-        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                               "content": _content(m, i)}  # fmt: skip
+        content, images = _content(m, i)
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+        if images:
+            if role != "user":
+                raise BadRequest(f"messages[{i}]: images go in user messages", f"messages[{i}].content")
+            msg["images"] = images
         if msg["content"] is None and not (role == "assistant" and m.get("tool_calls")):
             raise BadRequest(f"messages[{i}].content is missing", f"messages[{i}].content")
         if role == "assistant" and m.get("tool_calls") is not None:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from localllm.backends import TORCH
-from localllm.backends.base import Forward, Piece
+from localllm.backends.base import Forward, Piece, TextOnly
 from localllm.backends.torch.cache import KVCache, Rows
 from localllm.chat import template_for
 from localllm.errors import ContextOverflow, LocalLLMError
@@ -143,7 +143,7 @@ class _Block:
         )
 
 
-class TorchRunner:
+class TorchRunner(TextOnly):
     """A model file on one torch device: tokenizer, stateless model, one cache set per slot."""
 
     name = "torch"
@@ -587,9 +587,10 @@ class TorchRunner:
 
 
 def open_runner(path: str | Path, options: Any, *, name: str, digest: str,
-                home: Path | None = None) -> TorchRunner:  # fmt: skip
-    """The registry's factory (a draft model is a second runner the engine opens)."""
-    del name, digest, home  # the torch runner runs in this process and keeps nothing on disk
+                home: Path | None = None, projector: Path | None = None) -> TorchRunner:  # fmt: skip
+    """The registry's factory (a draft model is a second runner the engine opens). A vision
+    projector is not read here: the engine refuses a request with images in one line."""
+    del name, digest, home, projector  # the torch runner runs in this process, keeps nothing on disk
     return TorchRunner(path, n_ctx=options.ctx, n_slots=options.parallel, device=options.device,
                        dtype=options.dtype, kv_cache=options.kv_cache, evict=options.evict,
                        threads=options.threads or _default_threads())  # fmt: skip
