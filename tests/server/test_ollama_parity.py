@@ -54,9 +54,10 @@ def test_errors_are_ollama_shaped_and_name_what_is_refused() -> None:
         refused = {
             "options.num_gpu": {"model": "fake", "messages": SAY, "options": {"num_gpu": 1}},
             "options.warmth": {"model": "fake", "messages": SAY, "options": {"warmth": 1}},
-            "messages[0].images": {"model": "fake", "messages": [SAY[0] | {"images": ["aGk="]}]},
+            "messages[0].images": {"model": "fake", "messages": [SAY[0] | {"images": "aGk="}]},
             "keep_alive": {"model": "fake", "messages": SAY, "keep_alive": "soon"},
             "think": {"model": "fake", "messages": SAY, "think": "very"},
+            "cannot read images": {"model": "fake", "messages": [SAY[0] | {"images": ["aGk="]}]},
         }
         for field, body in refused.items():
             r = httpx.post(s.url + "/api/chat", json=body)

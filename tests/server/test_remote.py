@@ -258,3 +258,17 @@ def test_a_real_server_and_run_give_the_same_greedy_answer(localllm_home: Path,
     finally:
         server.terminate()
         server.wait(30)
+
+
+def test_images_go_to_the_server_as_image_url_parts() -> None:
+    from localllm.backends.base import MEDIA_MARKER
+    from localllm.remote import body
+
+    placed = Request(messages=({"role": "user", "content": f"a {MEDIA_MARKER} b", "images": [b"x", b"y"]},),
+                     sampling=GREEDY)  # fmt: skip
+    _, sent = body("m", placed)
+    parts = sent["messages"][0]["content"]
+    assert [p["type"] for p in parts] == ["image_url", "text", "image_url", "text"]
+    assert parts[0]["image_url"]["url"] == "data:image/png;base64,eA=="  # b"x": before the text
+    assert parts[2]["image_url"]["url"] == "data:image/png;base64,eQ==" and parts[3]["text"] == " b"
+    json.dumps(sent)  # bytes never reach the wire

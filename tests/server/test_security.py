@@ -182,7 +182,10 @@ BAD = [
     (json.dumps(CHAT | {"response_format": {"type": "yaml"}}).encode(), "response_format"),
     (json.dumps(CHAT | {"kv_cache": "q3_weird"}).encode(), "KV cache"),
     (json.dumps(CHAT | {"max_tokens": 10**9}).encode(), "exceeds the context"),
-    (json.dumps(CHAT | {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(), "text only"),
+    (json.dumps(CHAT | {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(),
+     "image_url must be a base64 image or a data: URL"),
+    (json.dumps(CHAT | {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}).encode(),
+     "'input_audio' parts are not supported"),
 ]
 
 
