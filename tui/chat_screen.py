@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from textual import work
@@ -139,6 +140,7 @@ class ChatScreen(Screen):
         Binding("f2", "edit_last", "Edit last"),
         Binding("ctrl+s", "settings", "Settings"),
         Binding("ctrl+t", "think", "Thinking"),
+        Binding("f4", "attach", "Attach image"),
         Binding("ctrl+n", "new_chat", "New chat"),
         Binding("ctrl+l", "conversations", "Chats"),
         Binding("ctrl+o", "models", "Models"),
@@ -154,6 +156,7 @@ class ChatScreen(Screen):
         self.options = LoadOptions()  # the conversation's engine options
         self.system_prompt: str | None = None
         self.think: bool | None = None  # a thinking model thinks, or not (None: its default)
+        self.attached: list[tuple[str, bytes]] = []  # images (name, bytes) for the next message
         self._llm_lock = threading.Lock()  # the worker acquires, unmount releases
         self._gone = False
         self._stop = False  # Esc came before the answer's stream existed
@@ -173,10 +176,10 @@ class ChatScreen(Screen):
     @property
     def history(self) -> list[dict[str, str]]:
         """The current branch as chat messages (the system prompt first)."""
-        msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         if self.conv_id is not None:
-            msgs += [{"role": m.role, "content": m.content} for m in self.db.branch(self.conv_id)
-                     if m.status != "error"]  # fmt: skip
+            msgs += [{"role": m.role, "content": m.content} | _images(m.meta)
+                     for m in self.db.branch(self.conv_id) if m.status != "error"]  # fmt: skip
         return msgs
 
     def compose(self) -> ComposeResult:
@@ -255,7 +258,12 @@ class ChatScreen(Screen):
             event.area.placeholder = PLACEHOLDER
             await self._render_branch()
         else:
-            msg = self.db.add_message(self.conv_id, "user", text)
+            import base64
+
+            meta = {"images": [base64.b64encode(data).decode() for _, data in self.attached],
+                    "image_names": [name for name, _ in self.attached]} if self.attached else None  # fmt: skip
+            self.attached = []
+            msg = self.db.add_message(self.conv_id, "user", text, meta=meta)
             await self.query_one("#messages").mount(MessageView("user", text, msg_id=msg.id))
         await self._start_answer(parent_id=msg.id)
 
@@ -342,6 +350,29 @@ class ChatScreen(Screen):
 
         self.app.push_screen(SettingsScreen(self.system_prompt, self.sampling, self.options),
                              self._apply_settings)  # fmt: skip
+
+    def action_attach(self) -> None:
+        """F4: an image (a path) goes with the next message; the model reads it when it has its
+        vision projector, else the message is refused in one line (never sent without it)."""
+        from localllm.tui.dialogs import Ask
+
+        def done(path: str | None) -> None:
+            if not path:
+                return
+            file = Path(path).expanduser()
+            try:
+                data = file.read_bytes()
+            except OSError as e:
+                self.app.fail(f"cannot read the image {file}: {e.strerror or e}")
+                return
+            if len(data) > MAX_IMAGE_BYTES:
+                self.app.fail(f"the image {file} is over {MAX_IMAGE_BYTES >> 20} MiB")
+                return
+            self.attached.append((file.name, data))
+            names = ", ".join(n for n, _ in self.attached)
+            self._status(f"attached {names}: they go with the next message")
+
+        self.app.push_screen(Ask("Attach an image (path to a PNG, JPEG, GIF or BMP file)"), done)
 
     def action_think(self) -> None:
         """Ctrl+T: thinking as the model does by default → on → off → the model's default again
@@ -570,3 +601,18 @@ class ChatScreen(Screen):
             llm, self.llm = self.llm, None
         if llm is not None:
             self.app.pool.release(llm)  # the pool keeps it a while for the next chat
+
+
+MAX_IMAGE_BYTES = 20 << 20  # as the server takes one
+
+
+def _images(meta: dict[str, Any] | None) -> dict[str, Any]:
+    """A saved message's attached images, as the engine takes them ({} when none)."""
+    import base64
+    import binascii
+
+    saved = (meta or {}).get("images") or []
+    try:
+        return {"images": [base64.b64decode(x) for x in saved]} if saved else {}
+    except (binascii.Error, TypeError, ValueError):
+        return {}  # a hand-edited conversation: the text still goes

@@ -36,6 +36,7 @@ HELP = """\
 | Chat   | Tab      | focus a message: `e` edits it, `c` copies it, ← → switch its branches |
 | Chat   | Ctrl+S   | settings: system prompt, sampling, context, KV cache, context shift |
 | Chat   | Ctrl+T   | thinking (a thinking model's): its default → on → off |
+| Chat   | F4       | attach an image (a path) to the next message |
 | Chat   | Ctrl+N   | new chat |
 | Chat   | Ctrl+L   | saved conversations |
 | Chat   | Ctrl+O   | back to Models |

@@ -930,3 +930,54 @@ def test_ctrl_t_switches_thinking_per_conversation(tiny_llama: Path) -> None:
             assert "thinking: as the model does by default" in str(app.screen.query_one("#status").render())
 
     asyncio.run(reopen())
+
+
+def test_f4_attaches_an_image_that_goes_with_the_next_message(tiny_llama: Path, tmp_path: Path) -> None:
+    """Issue 34: an attach action; the image stays with its message (a regenerated answer sees it)."""
+    Store().add_file(tiny_llama, "tiny", source="file:x")
+    picture = tmp_path / "cat.png"
+    picture.write_bytes(b"\x89PNG\r\n\x1a\n pretend")
+    fake = FakeLLM([["A cat."], ["Still a cat."]])
+
+    async def go() -> None:
+        app = app_with(fake, chat_model="tiny")
+        async with app.run_test(size=(100, 30)) as pilot:
+            screen = app.screen
+            await pilot.press("f4")
+            await pilot.press(*str(tmp_path / "missing.png"), "enter")
+            await pilot.pause()
+            assert screen.attached == []  # said in one line, nothing attached
+            await pilot.press("f4")
+            await pilot.press(*str(picture), "enter")
+            await pilot.pause()
+            assert "attached cat.png" in str(screen.query_one("#status").render())
+            await pilot.press(*"what is it?", "enter")
+            await wait_for(pilot, lambda: not screen.generating and len(screen.history) == 2)
+            sent = fake.requests[0].messages[-1]
+            assert sent == {"role": "user", "content": "what is it?", "images": [picture.read_bytes()]}
+            assert screen.attached == []
+            await pilot.press("ctrl+r")
+            await wait_for(pilot, lambda: not screen.generating and len(fake.requests) == 2)
+            await wait_for(pilot, lambda: not screen.generating)
+            assert fake.requests[1].messages[-1]["images"] == [picture.read_bytes()]
+
+    asyncio.run(go())
+
+
+def test_an_image_for_a_model_that_cannot_read_it_is_one_line(default_model_path: Path, tmp_path: Path) -> None:
+    picture = tmp_path / "cat.png"
+    picture.write_bytes(b"\x89PNG\r\n\x1a\n pretend")
+
+    async def go() -> None:
+        app = LocalLLMApp(chat_model="smollm2")
+        async with app.run_test(size=(100, 30)) as pilot:
+            screen = app.screen
+            screen.attached = [("cat.png", picture.read_bytes())]
+            await pilot.press(*"what is it?", "enter")
+            await wait_for(pilot, lambda: not screen.generating, timeout=60)
+            status = str(screen.query_one("#status").render())
+            assert "cannot read images here" in status, status
+            (answer,) = [m for m in app.conversations.branch(screen.conv_id) if m.role == "assistant"]
+            assert answer.status == "error" and answer.content == ""
+
+    asyncio.run(go())
