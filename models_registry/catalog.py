@@ -90,6 +90,7 @@ class Variant:
     files: dict[str, KnownFile] = field(default_factory=dict)
     shape: Shape | None = None  # None for entries that do not carry one
     sampling: dict[str, Any] = field(default_factory=dict)  # the model card's suggested defaults
+    mmproj: str = ""  # its vision projector's file in the same repo (pulled with it), if any
 
     def filename(self, quant: str) -> str:
         return self.file.replace("{QUANT}", quant.upper()).replace("{quant}", quant.lower())
@@ -223,6 +224,7 @@ def _family(name: str, d: dict[str, Any]) -> Family:
             files=files,
             shape=_shape(v["shape"]) if "shape" in v else None,
             sampling=_sampling(v.get("sampling", {})),
+            mmproj=str(v.get("mmproj", "")),
         )
     return Family(name, d.get("description", ""), d.get("license", ""), d["default"], variants)
 

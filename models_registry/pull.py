@@ -118,10 +118,11 @@ class PullPlan:
     files: list[RemoteFile] = field(default_factory=list)  # one, or split parts in order
     expected_sha256: str | None = None  # of the registered bytes (single file)
     package: tuple[list[Path], str] | None = None
+    projector: RemoteFile | None = None  # the model's vision projector (an mmproj GGUF), if it has one
 
     @property
     def total(self) -> int:
-        return sum(f.size for f in self.files)
+        return sum(f.size for f in self.files) + (self.projector.size if self.projector else 0)
 
 
 Progress = Callable[[PullEvent], None]
@@ -247,6 +248,16 @@ def _pick_quant(files: dict[str, RemoteFile], repo: str, quant: str) -> list[Rem
     return _with_parts(files, firsts[0])
 
 
+def _pick_projector(files: dict[str, RemoteFile], named: str = "") -> RemoteFile | None:
+    """The repo's vision projector: the one the catalog names, else its mmproj file (F16 first,
+    as the ggml-org and LM Studio repos ship it beside lighter ones); None when it has none."""
+    if named:
+        return files.get(named)
+    found = sorted((p for p in files if "mmproj" in p.rsplit("/", 1)[-1].lower()),
+                   key=lambda p: ("f16" not in p.lower(), p.count("/"), len(p), p))  # fmt: skip
+    return files[found[0]] if found else None
+
+
 def _is_first_part(path: str) -> bool:
     """A whole GGUF, or the first part of a split one."""
     m = SPLIT_GGUF.fullmatch(path.rsplit("/", 1)[-1])
@@ -276,7 +287,7 @@ def plan(text: str, *, revision: str | None = None, catalog: Catalog | None = No
             chosen = _with_parts(files, wanted)
         else:
             chosen = _pick_quant(files, repo, name.tag or DEFAULT_QUANT)
-        return _remote_plan(key, chosen)
+        return _remote_plan(key, chosen, _pick_projector(files) if "mmproj" not in chosen[0].path.lower() else None)
     entry = catalog.resolve(name)
     if entry is None:
         catalog.refuse_unknown_tag(name)
@@ -316,7 +327,12 @@ def _catalog_plan(entry: CatalogEntry, revision: str | None) -> PullPlan:
     known = entry.known.sha256
     if known and len(chosen) == 1 and chosen[0].sha256 is None:  # a git file: the pin decides
         chosen = [dataclasses.replace(chosen[0], sha256=known, git_oid=None)]
-    p = _remote_plan(entry.name, chosen)
+    projector = None
+    if entry.variant.mmproj:
+        projector = _pick_projector(files, entry.variant.mmproj)
+        if projector is None:
+            raise ModelNotFound(f"{repo} no longer has {entry.variant.mmproj} (its vision projector)")
+    p = _remote_plan(entry.name, chosen, projector)
     if known and len(chosen) == 1 and chosen[0].sha256 and chosen[0].sha256 != known:
         raise StoreError(
             f"{repo}/{filename} has sha256 {chosen[0].sha256} on the hub but the catalog pins "
@@ -326,8 +342,8 @@ def _catalog_plan(entry: CatalogEntry, revision: str | None) -> PullPlan:
     return p
 
 
-def _remote_plan(key: str, chosen: list[RemoteFile]) -> PullPlan:
-    for f in chosen:
+def _remote_plan(key: str, chosen: list[RemoteFile], projector: RemoteFile | None = None) -> PullPlan:
+    for f in [*chosen, *([projector] if projector else [])]:
         if f.problem:
             raise LocalLLMError(f"{f.problem}; not downloading")
     first = chosen[0]
@@ -337,6 +353,7 @@ def _remote_plan(key: str, chosen: list[RemoteFile]) -> PullPlan:
         source=f"hf:{first.repo}@{first.commit}/{first.path}{more}",
         files=chosen,
         expected_sha256=first.sha256 if len(chosen) == 1 else None,
+        projector=projector,
     )
 
 
@@ -365,7 +382,7 @@ def pull(
     emit(PullEvent(text, "resolving", message=f"resolving {text}"))
     p = plan(text, revision=revision, catalog=catalog)
     existing = store.get(p.name)
-    if existing is not None and (
+    if existing is not None and (p.projector is None or existing.projector) and (
         (p.expected_sha256 and existing.digest == p.expected_sha256)
         or (p.files and existing.source == p.source)
     ):
@@ -409,7 +426,7 @@ class _Puller:
                 self._lock(f)
             reuse = self._reuse()
             if reuse is not None:
-                return reuse
+                return self._with_projector(reuse)
             self._check_space()
             fetched = [self._fetch(f) for f in p.files]
             paths = [path for path, _sha in fetched]
@@ -427,12 +444,25 @@ class _Puller:
             for path in paths:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
+            record = self._with_projector(record)
             self.emit(PullEvent(p.name, "done", done=p.total, total=p.total,
                                 message=f"sha256:{record.digest}"))  # fmt: skip
             return record
         finally:
             for fd in self.locks:
                 os.close(fd)  # closing releases the flock
+
+    def _with_projector(self, record: ModelRecord) -> ModelRecord:
+        """The model's vision projector, pulled with it (it then reads images)."""
+        f = self.plan.projector
+        if f is None or record.projector == f.sha256:
+            return record
+        path, _sha = self._fetch(f)
+        try:
+            return self.store.add_projector(record.name, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
 
     def _reuse(self) -> ModelRecord | None:
         """After waiting for another puller: what it finished is ours to name."""

@@ -74,12 +74,15 @@ def check_store(store: Store, *, partials: int = 0) -> None:
     for r in store.list():
         p = store.path_of(r)
         assert sha256(p) == r.digest and p.stat().st_size == r.size, r.name
+        if r.projector:  # a vision projector's blob hashes to its digest too
+            assert sha256(store.projector_of(r)) == r.projector, r.name
     if not store.blobs.exists():
         return
     names = [p.name for p in store.blobs.iterdir()]
     blobs = sorted(n for n in names if n.startswith("sha256-"))
     assert blobs == sorted(
         {f"sha256-{r.digest}" for r in store.list() if not getattr(r, "ref", None)}
+        | {f"sha256-{r.projector}" for r in store.list() if r.projector}
     ), names
     assert not [n for n in names if ".tmp-" in n], names
     assert len([n for n in names if n.startswith(".partial-")]) == partials, names
@@ -534,3 +537,33 @@ def test_cli_progress_bar_on_a_terminal(hub: FakeHub) -> None:
     text = out.decode(errors="replace")
     assert "MB/s" in text and "/8.2 MB" in text  # rich's DownloadColumn and TransferSpeedColumn
     assert "retrying in" in text and "Traceback" not in text
+
+
+VISION = Path(__file__).resolve().parents[1] / "data" / "vision"
+
+
+def test_a_vision_model_comes_with_its_projector(hub: FakeHub) -> None:
+    """Issue 34: a repo's mmproj file is pulled with the model (hf.co names and catalog entries);
+    the model then reads images, and a pull of the same model again fetches nothing."""
+    model, proj = VISION / "tiny-gemma3-vlm.gguf", VISION / "tiny-gemma3-vlm.mmproj.gguf"
+    hub.add("org/vlm-GGUF", "tiny-vlm-F16.gguf", model)
+    hub.add("org/vlm-GGUF", "mmproj-tiny-vlm-f16.gguf", proj)
+    hub.add("org/vlm-GGUF", "mmproj-tiny-vlm-q8_0.gguf", model)  # F16 is chosen first
+    r = pull("hf.co/org/vlm-GGUF:F16")
+    assert r.digest == sha256(model) and r.projector == sha256(proj)
+    assert Store().projector_of(r).read_bytes() == proj.read_bytes()
+    fetched = len(hub.downloads())
+    assert pull("hf.co/org/vlm-GGUF:F16").projector == r.projector and len(hub.downloads()) == fetched
+    check_store(Store())
+
+    hub.add("ggml-org/SmolVLM-256M-Instruct-GGUF", "SmolVLM-256M-Instruct-Q8_0.gguf", model)
+    with pytest.raises(ModelNotFound, match="no longer has mmproj-SmolVLM-256M-Instruct-Q8_0.gguf"):
+        pull("smolvlm")  # the catalog names a projector the repo lacks: nothing half-pulled
+    hub.add("ggml-org/SmolVLM-256M-Instruct-GGUF", "mmproj-SmolVLM-256M-Instruct-Q8_0.gguf", proj)
+    r = pull("smolvlm")
+    assert r.name == "smolvlm:256m-instruct-q8_0" and r.projector == sha256(proj)
+
+    hub.add("org/not-vision-GGUF", "x-F16.gguf", model)
+    hub.add("org/not-vision-GGUF", "mmproj-x-f16.gguf", model)  # an LLM where a projector should be
+    with pytest.raises(LocalLLMError, match="is not a vision projector"):
+        pull("hf.co/org/not-vision-GGUF:F16")
