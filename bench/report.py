@@ -312,6 +312,14 @@ def rows_startup(d: dict) -> list[Row]:
             for cmd, r in res.items() if cmd != "python -c pass" and isinstance(r, dict)]  # fmt: skip
 
 
+def rows_run_shared(d: dict) -> list[Row]:
+    local, shared = d.get("local") or {}, d.get("shared") or {}
+    return [("`run` seconds, start to exit, while `serve` holds the model", shared.get("wall_s"),
+             "`run --local`", local.get("wall_s"), False),
+            ("`run` TTFT seconds", shared.get("ttft_s"), "`run --local`", local.get("ttft_s"), False),
+            ("`run` process peak RSS MB", shared.get("rss_mb"), "`run --local`", local.get("rss_mb"), False)]  # fmt: skip
+
+
 def rows_gguf_parse(d: dict) -> list[Row]:
     return [(f"{name}: parse seconds, ours", r.get("localllm_s"), "gguf-py's reader", r.get("gguf_py_s"), False)
             for name, r in (d.get("results") or {}).items()]  # fmt: skip
@@ -402,6 +410,8 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict], list[Row]], Callable[[dict,
     ("pull_throughput", "Pull", "as fast as curl, verified", rows_pull, None),
     ("app_latency", "Terminal app", "paints and answers keys fast", rows_app, None),
     ("startup", "Start-up", "`--help` and `list` start fast", rows_startup, None),
+    ("run_shared", "One loaded model per machine", "`run` uses a running server's copy: no load, no second copy",
+     rows_run_shared, None),
     ("gguf_parse", "GGUF reading", "hardened and fast", rows_gguf_parse, None),
     ("llamacpp_agreement", "Agreement with llama.cpp", "the same perplexity", rows_agreement, None),
     ("llamacpp_build", "llama.cpp build", "the portable build costs little", rows_build, None),
