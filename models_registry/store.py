@@ -272,12 +272,7 @@ class Store:
                 _copy_parts([path], tmp, key)
             digest = sha256_file(tmp)
             with self.lock():
-                final = self.blob_path(digest)
-                if final.exists():
-                    tmp.unlink()
-                else:
-                    os.replace(tmp, final)
-                    _fsync_dir(self.blobs)
+                self._to_blob(tmp, digest)
                 models = self._read_index()
                 if key not in models:
                     raise LocalLLMError(f"model {key} was removed meanwhile")
@@ -323,16 +318,21 @@ class Store:
         size = tmp.stat().st_size
         record = ModelRecord(key, digest, size, source, info)
         with self.lock():
-            final = self.blob_path(digest)
-            if final.exists():
-                tmp.unlink()
-            else:
-                os.replace(tmp, final)
-                _fsync_dir(self.blobs)
+            self._to_blob(tmp, digest)
             models = self._read_index()
             models[key] = record.to_dict()
             self._write_index(models)
         return record
+
+    def _to_blob(self, tmp: Path, digest: str) -> None:
+        """Rename a checked temporary file to its blob (dropped when the blob is there already);
+        the caller holds the lock."""
+        final = self.blob_path(digest)
+        if final.exists():
+            tmp.unlink()
+        else:
+            os.replace(tmp, final)
+            _fsync_dir(self.blobs)
 
     def add_reference(
         self,
