@@ -99,7 +99,8 @@ def test_list_empty_and_json(capsys: pytest.CaptureFixture[str], tiny_llama: Pat
     assert entry["name"] == "tiny:latest" and entry["architecture"] == "llama"
     assert entry["digest"].startswith("sha256:") and entry["context_length"] == 256
     assert set(entry) == {"name", "digest", "size", "source", "reference", "added", "architecture",
-                          "parameters", "quant", "context_length"}  # fmt: skip
+                          "parameters", "quant", "context_length", "projector"}  # fmt: skip
+    assert entry["projector"] is None  # no vision projector
 
 
 def test_show_default_model_offline(
