@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,14 +36,24 @@ def git(*args: str, cwd: Path) -> str:
                           timeout=120).stdout.strip()  # fmt: skip
 
 
+def working_tree_commit() -> str:
+    """The working tree as a commit (`git stash create`; HEAD when nothing changed). Tried again:
+    it fails without a word (exit 1) when another git process holds the index lock a moment."""
+    for _ in range(10):
+        p = subprocess.run(["git", "stash", "create"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        if p.returncode == 0:
+            return p.stdout.strip() or "HEAD"
+        time.sleep(0.5)
+    raise AssertionError(f"git stash create failed 10 times: {p.stderr.strip() or p.returncode}")
+
+
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("git") is None:
         pytest.fail("git is not installed: apt-get install git", pytrace=False)
     if not (ROOT / ".git").exists():
         pytest.fail(f"{ROOT} is not a git checkout: this test clones it", pytrace=False)
-    rev = git("stash", "create", cwd=ROOT) or "HEAD"
-    rev = git("rev-parse", rev, cwd=ROOT)
+    rev = git("rev-parse", working_tree_commit(), cwd=ROOT)
     dest = tmp_path_factory.mktemp("fresh") / "localllm"
     git("clone", "-q", "--no-checkout", str(ROOT), str(dest), cwd=dest.parent)
     git("fetch", "-q", str(ROOT), rev, cwd=dest)  # a stash commit is on no branch the clone has

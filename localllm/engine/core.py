@@ -682,6 +682,7 @@ class Model:
         if self._closed:
             raise LocalLLMError("the model is closed")
         submitted = time.perf_counter()
+        explicit = request.speculative  # what the request asked, before the model's default
         if request.context == ContextPolicy() and self.context.enabled:
             request = replace(request, context=self.context)
         check_supported(request, self.capabilities, self.runner.name)
@@ -699,6 +700,13 @@ class Model:
         elif request.speculative is None and self.options.speculative:
             request = replace(request, speculative=self.options.speculative)
         ids, splitter = prompt_ids(self.runner, request, self.name)
+        if ids and min(ids) < 0 and speculative_mode(request.speculative) == "draft":
+            # images: a draft model reads none (it has no projector); the model's default
+            # speculation is off for such a prompt, a request that asks for it is refused
+            if explicit is not None:
+                raise Unsupported("a draft model cannot read images: use --speculative off or "
+                                  "lookup with images")  # fmt: skip
+            request = replace(request, speculative="off")
         check_context(len(ids), self.runner.n_ctx, request.sampling, request.context)
         job = _Job(request, submitted, ids, constraint=constraint, splitter=splitter)
         if loop is not None:

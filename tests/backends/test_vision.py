@@ -236,3 +236,19 @@ def test_every_server_route_reads_or_refuses_images(vlm: str, default_model_path
         r = c.post("/v1/chat/completions", json={"model": vlm, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]})  # fmt: skip
         assert r.status_code == 400 and "not fetched" in r.json()["error"]["message"]
+
+
+def test_a_draft_model_stands_aside_for_images(vlm: str) -> None:
+    """A draft model has no projector: the model's default speculation is off for a prompt with an
+    image (the answer is the plain one), and a request that asks for a draft with one is refused."""
+    from dataclasses import replace
+
+    from localllm.engine import load
+
+    with load(vlm, LoadOptions(backend="llama.cpp", ctx=256, parallel=1)) as plain:
+        want = plain.submit(chat([png(32, 32)])).wait().text
+    with load(vlm, LoadOptions(backend="llama.cpp", ctx=256, parallel=1, speculative=f"draft:{vlm}")) as llm:
+        got = llm.submit(chat([png(32, 32)])).wait()
+        assert got.text == want and (got.speculative is None or got.speculative.drafted == 0)
+        with pytest.raises(LocalLLMError, match="a draft model cannot read images"):
+            llm.submit(replace(chat([png(32, 32)]), speculative=f"draft:{vlm}"))
