@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from localllm.engine.core import Drained
 from localllm.errors import LocalLLMError
 from localllm.types import (
     Chunk,
@@ -288,7 +289,7 @@ def _openai_message(m: Any) -> dict[str, Any]:
     return {k: v for k, v in m.items() if k != "images"} | {"content": parts}
 
 
-class RemoteStream:
+class RemoteStream(Drained):
     """The chunks of one request the server runs; iterate it, `cancel()` stops it within a token."""
 
     def __init__(self, model: RemoteModel, request: Request) -> None:
@@ -321,22 +322,10 @@ class RemoteStream:
     def cancel(self) -> None:
         self._cancelled = True
 
-    def wait(self) -> Result:
-        for _ in self:
-            pass
-        assert self.result is not None
-        return self.result
-
     def close(self) -> None:
         self.cancel()
         for _ in self:
             pass
-
-    def __enter__(self) -> RemoteStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _read(self) -> Iterator[Chunk]:
         import httpx

@@ -775,7 +775,30 @@ class Model:
         self.close()
 
 
-class Stream:
+class Drained:
+    """What every stream of chunks offers past iterating: `wait()` for the Result, and closing
+    (`close()`, the subclass's: stop and drain) as a context manager."""
+
+    result: Result | None
+
+    def wait(self) -> Result:
+        """Consume the rest of the stream and return its Result."""
+        for _ in self:  # type: ignore[attr-defined]
+            pass
+        assert self.result is not None
+        return self.result
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Stream(Drained):
     """The chunks of one submitted request. Iterate it; `cancel()` stops generation within a token.
 
     Submitted with `loop=` (`Model.submit`), it is iterated with `async for` on that loop instead:
@@ -834,13 +857,6 @@ class Stream:
     def cancel(self) -> None:
         self._job.cancel.set()
 
-    def wait(self) -> Result:
-        """Consume the rest of the stream and return its Result."""
-        for _ in self:
-            pass
-        assert self.result is not None
-        return self.result
-
     def close(self) -> None:
         """Stop generating (if still running) and drain."""
         self.cancel()
@@ -848,12 +864,6 @@ class Stream:
             return  # the scheduler ends it within a step; nobody needs to wait for that
         for _ in self:
             pass
-
-    def __enter__(self) -> Stream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _one_line(e: BaseException) -> LocalLLMError:
