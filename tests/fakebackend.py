@@ -37,13 +37,23 @@ THINKING_TEMPLATE = (
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
     "{% endif %}{% endif %}"
 )
+# gpt-oss's shape (harmony): reasoning in the analysis channel, the answer in the final one; the
+# effort goes into the system message
+HARMONY_TEMPLATE = (
+    "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+    "{% for m in messages %}{% if m.role == 'assistant' %}{% if m.thinking %}"
+    "<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{% endif %}"
+    "<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
+    "{% else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
 
 
 def script(ids: Sequence[int]) -> list[int]:
     """What a prompt makes the fake generate: the bytes after the last `say:`, then EOS."""
     text = bytes(t for t in ids if t < 256).decode("utf-8", "replace")
     said = text.rpartition("say:")[2] if "say:" in text else "ok"
-    said = said.split("<|im_end|>")[0]
+    said = said.split("<|im_end|>")[0].removesuffix("<|end|><|start|>assistant")
     return [*(GEN + b for b in said.encode("utf-8")), EOS]
 
 

@@ -8,6 +8,7 @@ headers byte by byte, so a test can state any count or length, however impossibl
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -249,7 +250,8 @@ def byte_tokens() -> list[str]:
 
 
 def write_scripted_qwen3(path: Path, chain: list[str], template: str, *, n_embd: int = 64,
-                         seed: int = 0) -> Path:  # fmt: skip
+                         seed: int = 0, controls: Sequence[str] = (), words: Sequence[str] = (),
+                         eos: str = "<|im_end|>") -> Path:  # fmt: skip
     """A Qwen3-architecture GGUF that answers by a script, whatever the prompt: every block adds
     nothing (attention and feed-forward outputs are zero), so the last hidden state is the last
     token's embedding, and the output head maps each token of `chain` to the next one. A prompt
@@ -257,14 +259,16 @@ def write_scripted_qwen3(path: Path, chain: list[str], template: str, *, n_embd:
 
     The vocabulary is GPT-2's 256 byte tokens (and one merge no text uses) and, as Qwen3's GGUF files have them,
     `<|im_start|>`, `<|im_end|>` (control; the end of generation) and `<think>`, `</think>` (user
-    defined: text the detokenizer writes out)."""
+    defined: text the detokenizer writes out); then `controls` (more control tokens) and `words`
+    (normal tokens no merge makes: the script can say a word whose letters repeat)."""
     import gguf
 
     alphabet = byte_tokens()
     merged = alphabet[0] + alphabet[1]  # one merge (llama.cpp wants some), of bytes no text has
-    tokens = [*alphabet, "<|im_start|>", "<|im_end|>", "<think>", "</think>", merged]
+    tokens = [*alphabet, "<|im_start|>", "<|im_end|>", "<think>", "</think>", *controls, *words, merged]
     types = ([gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL] * 2
-             + [gguf.TokenType.USER_DEFINED] * 2 + [gguf.TokenType.NORMAL])  # fmt: skip
+             + [gguf.TokenType.USER_DEFINED] * 2 + [gguf.TokenType.CONTROL] * len(controls)
+             + [gguf.TokenType.NORMAL] * (len(words) + 1))  # fmt: skip
     n_vocab, n_head, n_kv, head_dim, n_ff, n_layer = len(tokens), 4, 2, 16, 128, 2
     # a special token by its text, any other step by its one byte
     ids = [tokens.index(t) if t in tokens[256:-1] else t.encode()[0] for t in chain]
@@ -292,7 +296,7 @@ def write_scripted_qwen3(path: Path, chain: list[str], template: str, *, n_embd:
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges([f"{alphabet[0]} {alphabet[1]}"])
-    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_eos_token_id(tokens.index(eos))
     w.add_add_bos_token(False)
     w.add_chat_template(template)
 

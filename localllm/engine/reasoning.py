@@ -1,9 +1,11 @@
 """Reasoning apart from the answer.
 
 A model that thinks writes its reasoning between markers before it answers: `<think>…</think>`
-(Qwen3, QwQ, DeepSeek-R1 and its distills, SmolLM3), `[THINK]…[/THINK]` (Magistral). Some
-templates open the block themselves (the generation prompt ends in `<think>\\n`): the output then
-starts inside it. `Splitter` separates a streamed text into reasoning and content, holding back
+(Qwen3, QwQ, DeepSeek-R1 and its distills, SmolLM3), `[THINK]…[/THINK]` (Magistral), and gpt-oss's
+harmony channels: `<|channel|>analysis<|message|>…<|end|>`, then the answer behind
+`<|start|>assistant<|channel|>final<|message|>` (llama.cpp's detokenizer writes these tokens out, and
+so does ours). Some templates open the block themselves (the generation prompt ends in
+`<think>\\n`): the output then starts inside it. `Splitter` separates a streamed text into reasoning and content, holding back
 only what could still be the start of a marker, as `StopMatcher` does for stop strings.
 
 Whether a model thinks is read from its chat template: it names a marker. Whether thinking can be
@@ -19,7 +21,12 @@ from typing import Any
 
 from localllm.errors import Unsupported
 
-MARKERS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
+# (opens the reasoning, closes it, opens the answer: what comes between the close and it is neither)
+MARKERS = (
+    ("<think>", "</think>", ""),
+    ("[THINK]", "[/THINK]", ""),
+    ("<|channel|>analysis<|message|>", "<|end|>", "<|channel|>final<|message|>"),
+)
 EFFORTS = ("low", "medium", "high")  # `think` levels, for templates that take `reasoning_effort`
 
 
@@ -31,15 +38,16 @@ class Thinking:
     close: str
     switch: bool  # the template takes `enable_thinking`
     effort: bool  # the template takes `reasoning_effort`
+    answer: str = ""  # the marker that opens the answer ("": the answer follows the close)
 
 
 def thinking_of(template: Any) -> Thinking | None:
     """The thinking a template supports (None: the model does not think)."""
     source = getattr(template, "source", "") or ""
-    for open_, close in MARKERS:
+    for open_, close, answer in MARKERS:
         if open_ in source and close in source:
             return Thinking(open_, close, "enable_thinking" in source,
-                            "reasoning_effort" in source)  # fmt: skip
+                            "reasoning_effort" in source, answer)  # fmt: skip
     return None
 
 
@@ -65,10 +73,12 @@ def template_args(thinking: Thinking | None, think: bool | str | None, model: st
 
 class Splitter:
     """Streamed text → (reasoning, content) pieces. Leading whitespace before an opening marker and
-    the whitespace between the closing marker and the answer belong to neither."""
+    what comes between the closing marker and the answer (whitespace, or up to the answer's own
+    marker) belong to neither; where that marker never comes, the text after the close is the
+    answer (gpt-oss calling a tool writes another channel)."""
 
     def __init__(self, thinking: Thinking, *, inside: bool = False) -> None:
-        self.open, self.close = thinking.open, thinking.close
+        self.open, self.close, self.answer = thinking.open, thinking.close, thinking.answer
         # start → opened → inside → gap → after, or start → after
         self.state = "opened" if inside else "start"
         self.pending = ""
@@ -87,8 +97,10 @@ class Splitter:
                 lead = buf.lstrip()
                 if lead.startswith(self.open):
                     self.state, buf = "opened", lead[len(self.open) :]
-                elif self.open.startswith(lead):  # could still become the marker
-                    self.pending = buf
+                elif self.answer and lead.startswith(self.answer):  # no reasoning this time
+                    self.state, buf = "after", lead[len(self.answer) :]
+                elif self.open.startswith(lead) or self.answer.startswith(lead):
+                    self.pending = buf  # could still become a marker
                     return reasoning, content
                 else:
                     self.state = "after"
@@ -106,6 +118,12 @@ class Splitter:
                 reasoning += buf[: len(buf) - hold]
                 self.pending = buf[len(buf) - hold :]
                 return reasoning, content
+            elif self.state == "gap" and self.answer:  # up to the answer's marker
+                at = buf.find(self.answer)
+                if at < 0:
+                    self.pending = buf
+                    return reasoning, content
+                self.state, buf = "after", buf[at + len(self.answer) :]
             elif self.state == "gap":  # the whitespace between the block and the answer
                 buf = buf.lstrip()
                 if buf:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fakebackend import THINKING_TEMPLATE
+from fakebackend import HARMONY_TEMPLATE, THINKING_TEMPLATE
 
 from localllm.engine import load
 from localllm.models_registry.store import Store
@@ -43,3 +43,35 @@ def test_a_thinking_model_s_reasoning_comes_apart(thinker: Path, backend: str) -
         assert result.usage.completion_tokens == 6
         off = m.submit(chat(think=False)).wait()
         assert off.reasoning is None and "hm" not in off.text and "<think>" not in off.text
+
+
+# gpt-oss (harmony): the channel tokens are control tokens in its files, which llama.cpp (and our
+# tokenizer after it) writes out as text; `<|end|>` ends a message, `<|return|>` the generation.
+# A scripted model only sees its last token, so one file reasons and one answers straight away.
+HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>"]
+HARMONY_SCRIPTS = {
+    "reasons": (["t", "<|channel|>", "analysis", "<|message|>", "h", "m", "<|end|>", "<|return|>"],
+                ("hm", "")),
+    "answers": (["t", "<|channel|>", "final", "<|message|>", "O", "K", "<|return|>"], (None, "OK")),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("gpt-oss")
+    return {name: write_scripted_qwen3(d / f"{name}.gguf", chain, HARMONY_TEMPLATE, controls=HARMONY_TOKENS,
+                                       words=["analysis", "final"], eos="<|return|>")
+            for name, (chain, _) in HARMONY_SCRIPTS.items()}  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["torch", "llama.cpp"])
+def test_gpt_oss_channels_come_apart(harmony: dict[str, Path], backend: str) -> None:
+    for name, (chain, want) in HARMONY_SCRIPTS.items():
+        Store().add_file(harmony[name], f"harmony-{name}", source="test")
+        with load(f"harmony-{name}", backend=backend, dtype="f32" if backend == "torch" else "auto",
+                  ctx=256, parallel=1) as m:  # fmt: skip
+            end, message_end = (m.runner.tokenize(t, add_special=False)[0] for t in ("<|return|>", "<|end|>"))
+            assert m.runner.is_end(end) and not m.runner.is_end(message_end)
+            r = m.submit(chat(think="low")).wait()
+            assert (r.reasoning, r.text) == want, (name, r)
+            assert r.finish_reason == "stop" and r.usage.completion_tokens == len(chain) - 2

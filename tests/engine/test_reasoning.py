@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from fakebackend import HARMONY_TEMPLATE as HARMONY
 from fakebackend import THINKING_TEMPLATE as QWEN3
 from fakebackend import FakeRunner
 
@@ -25,8 +26,12 @@ R1 = (
 )
 
 
-def split_all(pieces: list[str], inside: bool = False) -> tuple[str, str]:
-    s = Splitter(THINK, inside=inside)
+GPT_OSS = Thinking("<|channel|>analysis<|message|>", "<|end|>", switch=False, effort=True,
+                   answer="<|channel|>final<|message|>")  # fmt: skip
+
+
+def split_all(pieces: list[str], inside: bool = False, thinking: Thinking = THINK) -> tuple[str, str]:
+    s = Splitter(thinking, inside=inside)
     out = [s.feed(p) for p in pieces] + [s.flush()]
     return "".join(r for r, _ in out), "".join(c for _, c in out)
 
@@ -48,7 +53,23 @@ def test_the_splitter_gives_the_same_at_every_split(text: str, inside: bool, wan
     assert split_all(list(text), inside) == want  # character by character
 
 
+@pytest.mark.parametrize("text, want", [
+    ("<|channel|>analysis<|message|>Plan.<|end|><|start|>assistant<|channel|>final<|message|>Hi.",
+     ("Plan.", "Hi.")),
+    ("<|channel|>final<|message|>Straight away.", ("", "Straight away.")),  # no reasoning this time
+    ("<|channel|>analysis<|message|>a <|en b<|end|>", ("a <|en b", "")),  # never answered
+    # a tool call after the reasoning is another channel: it stays in the content, whole
+    ("<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>commentary to=f<|message|>{}",
+     ("x", "<|start|>assistant<|channel|>commentary to=f<|message|>{}")),
+])  # fmt: skip
+def test_the_splitter_reads_gpt_oss_channels(text: str, want: tuple) -> None:
+    assert split_all([text], thinking=GPT_OSS) == want
+    for i, j in itertools.combinations(range(len(text) + 1), 2):
+        assert split_all([text[:i], text[i:j], text[j:]], thinking=GPT_OSS) == want, (i, j)
+
+
 def test_what_a_template_says_about_thinking() -> None:
+    assert thinking_of(ChatTemplate(HARMONY)) == GPT_OSS
     assert thinking_of(ChatTemplate(CHATML)) is None
     assert thinking_of(ChatTemplate(QWEN3)) == THINK
     r1 = thinking_of(ChatTemplate(R1))
@@ -68,8 +89,8 @@ def test_what_a_template_says_about_thinking() -> None:
 
 
 class Thinker(FakeRunner):
-    def __init__(self, source: str) -> None:
-        super().__init__(n_ctx=256)
+    def __init__(self, source: str, n_ctx: int = 256) -> None:
+        super().__init__(n_ctx=n_ctx)
         self.chat_template = ChatTemplate(source)
 
 
@@ -112,3 +133,20 @@ def test_think_on_a_model_that_does_not_think_is_one_line() -> None:
             m.submit(chat("hi", think=True))
         r = m.submit(chat("say:ok", think=False)).wait()  # nothing to switch off
         assert r.text == "ok" and r.reasoning is None
+
+
+def test_gpt_oss_channels_stream_apart_and_effort_reaches_the_template() -> None:
+    with Model(Thinker(HARMONY, n_ctx=512), "gpt-oss-fake") as m:
+        said = ("say:<|channel|>analysis<|message|>User asks. Answer 4.<|end|>"
+                "<|start|>assistant<|channel|>final<|message|>4.")  # fmt: skip
+        stream = m.submit(Request(messages=({"role": "user", "content": said},), think="high",
+                                  sampling=SamplingParams(temperature=0, max_tokens=150)))  # fmt: skip
+        chunks = list(stream)
+        r = stream.result
+        assert (r.reasoning, r.text) == ("User asks. Answer 4.", "4.")
+        assert "".join(c.reasoning for c in chunks) == r.reasoning
+        assert "".join(c.text for c in chunks) == "4."
+        ids, _ = prompt_ids(m.runner, chat("hi", think="high"))
+        assert "Reasoning: high" in m.runner.detokenize(ids)
+        direct = m.submit(chat("say:<|channel|>final<|message|>Yes.")).wait()
+        assert (direct.reasoning, direct.text) == (None, "Yes.")
