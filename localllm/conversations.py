@@ -33,7 +33,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -171,6 +171,33 @@ class Message:
     def interrupted(self) -> bool:
         """The process died while this answer streamed; `content` is what was saved by then."""
         return self.status == "partial"
+
+    @property
+    def images(self) -> list[bytes]:
+        """The images attached to this message (none where a hand-edited meta cannot be read:
+        the text still goes)."""
+        import base64
+        import binascii
+
+        try:
+            return [base64.b64decode(x) for x in self.meta.get("images") or ()]
+        except (binascii.Error, TypeError, ValueError):
+            return []
+
+    def chat(self) -> dict[str, Any]:
+        """The message as the engine takes it: its role, its text and its images."""
+        images = self.images
+        return {"role": self.role, "content": self.content} | ({"images": images} if images else {})
+
+
+def image_meta(images: Sequence[bytes], names: Sequence[str] = ()) -> dict[str, Any]:
+    """What a message's meta keeps of its attached images ({} when none): base64, and their
+    names where known."""
+    import base64
+
+    if not images:
+        return {}
+    return {"images": [base64.b64encode(x).decode() for x in images]} | ({"image_names": list(names)} if names else {})
 
 
 class _Parent(enum.Enum):

@@ -144,7 +144,8 @@ class Chat:
     response_format: dict[str, Any] | None = None
     think: bool | None = None  # None: the model's own default
     images: list[bytes] = field(default_factory=list)  # `run --image`: for the next message
-    history: list[dict[str, Any]] = field(default_factory=list)  # user and assistant turns
+    # user and assistant turns; an answer's "meta" (its reasoning) is kept for /save, not sent
+    history: list[dict[str, Any]] = field(default_factory=list)
 
     def say(self, text: str) -> None:
         print(text, flush=True)
@@ -164,7 +165,8 @@ class Chat:
 
     def messages(self, text: str) -> tuple[dict[str, Any], ...]:
         system = [{"role": "system", "content": self.system}] if self.system else []
-        return (*system, *self.history, self.user(text))
+        history = ({k: v for k, v in m.items() if k != "meta"} for m in self.history)
+        return (*system, *history, self.user(text))
 
     def user(self, text: str) -> dict[str, Any]:
         """The user's message; the images given for it go with it (and stay in the history)."""
@@ -193,7 +195,9 @@ class Chat:
             print(f"error: {e}", file=sys.stderr)
             return None
         if not self.raw:
-            self.history += [self.user(text), {"role": "assistant", "content": result.text}]
+            thought = {"meta": {"reasoning": result.reasoning,
+                                "reasoning_tokens": result.usage.reasoning_tokens}} if result.reasoning else {}  # fmt: skip
+            self.history += [self.user(text), {"role": "assistant", "content": result.text} | thought]
         self.images = []  # they went with this message
         return result
 
@@ -325,13 +329,14 @@ class Chat:
         if not name:
             self.say("Usage: /save NAME")
             return
-        from localllm.conversations import ChatSettings, Conversations
+        from localllm.conversations import ChatSettings, Conversations, image_meta
 
         with Conversations() as db:
             conv = db.create(self.llm.name, title=name, system_prompt=self.system,
                              settings=ChatSettings(dict(self.sampling)).to_dict())  # fmt: skip
             for m in self.history:
-                db.add_message(conv.id, m["role"], m["content"])
+                db.add_message(conv.id, m["role"], m["content"],
+                               meta=m.get("meta") or image_meta(m.get("images") or ()))  # fmt: skip
         self.say(f"Saved the conversation as '{name}' (the app opens it: localllm chat, Ctrl+L).")
 
     # -- the loop ----------------------------------------------------------------------------

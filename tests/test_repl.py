@@ -24,6 +24,8 @@ from localllm.errors import LocalLLMError
 from localllm.repl import Chat, Lines
 from localllm.types import LoadOptions, SamplingParams
 
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(40))  # bytes the REPL keeps and saves as they are
+
 
 class Recorder:
     """A model that records each request it is asked and answers `ok`."""
@@ -53,7 +55,10 @@ def chat_with(llm: Recorder, out: list[str], **kw: Any) -> Chat:
 
     def generate(model: Recorder, request: Any) -> Any:
         model.requests.append(request)
-        return SimpleNamespace(text=f"ok{len(model.requests)}")
+        said = request.messages[-1]["content"] if request.messages else ""
+        thought = "hm" if said.startswith("think") else None  # a thinking model's reasoning
+        return SimpleNamespace(text=f"ok{len(model.requests)}", reasoning=thought,
+                               usage=SimpleNamespace(reasoning_tokens=4 if thought else 0))  # fmt: skip
 
     chat = Chat(llm, LoadOptions(), load, generate, **kw)
     chat.say = out.append  # type: ignore[method-assign]
@@ -203,15 +208,25 @@ def test_save_makes_a_conversation_the_app_opens() -> None:
     llm, out = Recorder(), []
     chat = chat_with(llm, out, system="be brief")
     chat.handle("/set parameter temperature 0.3")
+    chat.images = [PNG]  # `run --image`: it goes with the first message
     chat.handle("first")
-    chat.handle("second")
+    chat.handle("think second")
+    assert chat.images == [] and llm.requests[0].messages[-1]["images"] == [PNG]
+    chat.handle("third")  # the history sent holds the image, and no reasoning
+    assert [{k for k in m if k != "content"} for m in llm.requests[-1].messages] == [
+        {"role"}, {"role", "images"}, {"role"}, {"role"}, {"role"}, {"role"}]  # fmt: skip
     chat.handle("/save my talk")
     with Conversations() as db:
         (conv,) = [c for c in db.list() if c.title == "my talk"]
         assert conv.model == "m" and conv.system_prompt == "be brief"
         assert conv.chat_settings.sampling == {"temperature": 0.3}
-        assert [(m.role, m.content) for m in db.branch(conv.id)] == [
-            ("user", "first"), ("assistant", "ok1"), ("user", "second"), ("assistant", "ok2")]  # fmt: skip
+        saved = db.branch(conv.id)
+        assert [(m.role, m.content) for m in saved] == [
+            ("user", "first"), ("assistant", "ok1"), ("user", "think second"), ("assistant", "ok2"),
+            ("user", "third"), ("assistant", "ok3")]  # fmt: skip
+        # the app reads the image back, and the reasoning apart from the answer (as it saves its own)
+        assert saved[0].chat() == {"role": "user", "content": "first", "images": [PNG]}
+        assert saved[3].meta == {"reasoning": "hm", "reasoning_tokens": 4} and saved[1].meta == {}
 
 
 # -- on a terminal -----------------------------------------------------------------------------
@@ -225,7 +240,7 @@ CHILD = textwrap.dedent("""
     def generate(llm, request):
         sent.append(request.messages[-1]["content"])
         print(f"answer {len(sent)}", flush=True)
-        return SimpleNamespace(text="a")
+        return SimpleNamespace(text="a", reasoning=None)
     llm = SimpleNamespace(name="m", sampling=lambda **kw: SamplingParams.from_kwargs(**kw))
     Chat(llm, LoadOptions(), None, generate).loop(Lines.terminal(None))
     json.dump(sent, open(sys.argv[1], "w"))

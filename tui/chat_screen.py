@@ -29,6 +29,7 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Collapsible, Footer, Header, Markdown, Static, TextArea
 
+from localllm.conversations import image_meta
 from localllm.errors import LocalLLMError
 from localllm.types import LoadOptions
 
@@ -178,8 +179,7 @@ class ChatScreen(Screen):
         """The current branch as chat messages (the system prompt first)."""
         msgs: list[dict[str, Any]] = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         if self.conv_id is not None:
-            msgs += [{"role": m.role, "content": m.content} | _images(m.meta)
-                     for m in self.db.branch(self.conv_id) if m.status != "error"]  # fmt: skip
+            msgs += [m.chat() for m in self.db.branch(self.conv_id) if m.status != "error"]
         return msgs
 
     def compose(self) -> ComposeResult:
@@ -258,10 +258,7 @@ class ChatScreen(Screen):
             event.area.placeholder = PLACEHOLDER
             await self._render_branch()
         else:
-            import base64
-
-            meta = {"images": [base64.b64encode(data).decode() for _, data in self.attached],
-                    "image_names": [name for name, _ in self.attached]} if self.attached else None  # fmt: skip
+            meta = image_meta([data for _, data in self.attached], [name for name, _ in self.attached])
             self.attached = []
             msg = self.db.add_message(self.conv_id, "user", text, meta=meta)
             await self.query_one("#messages").mount(MessageView("user", text, msg_id=msg.id))
@@ -604,15 +601,3 @@ class ChatScreen(Screen):
 
 
 MAX_IMAGE_BYTES = 20 << 20  # as the server takes one
-
-
-def _images(meta: dict[str, Any] | None) -> dict[str, Any]:
-    """A saved message's attached images, as the engine takes them ({} when none)."""
-    import base64
-    import binascii
-
-    saved = (meta or {}).get("images") or []
-    try:
-        return {"images": [base64.b64decode(x) for x in saved]} if saved else {}
-    except (binascii.Error, TypeError, ValueError):
-        return {}  # a hand-edited conversation: the text still goes
