@@ -320,6 +320,17 @@ def rows_run_shared(d: dict) -> list[Row]:
             ("`run` process peak RSS MB", shared.get("rss_mb"), "`run --local`", local.get("rss_mb"), False)]  # fmt: skip
 
 
+def rows_streaming_eval(d: dict) -> list[Row]:
+    out: list[Row] = []
+    for eng, r in (d.get("engines") or {}).items():
+        chunk = g(r, "chunked/chunk")
+        out.append((f"{eng}: seconds, chunks of {chunk}", g(r, "chunked/seconds"), "one token at a time",
+                    g(r, "token_by_token/seconds"), False, "≤ 0.2x" if eng == "torch" else None))  # fmt: skip
+        out.append((f"{eng}: perplexity, chunks of {chunk}", g(r, "chunked/perplexity"), "one token at a time",
+                    g(r, "token_by_token/perplexity"), False, "≤ 1.005x"))  # fmt: skip
+    return out
+
+
 def rows_gguf_parse(d: dict) -> list[Row]:
     return [(f"{name}: parse seconds, ours", r.get("localllm_s"), "gguf-py's reader", r.get("gguf_py_s"), False)
             for name, r in (d.get("results") or {}).items()]  # fmt: skip
@@ -412,6 +423,8 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict], list[Row]], Callable[[dict,
     ("startup", "Start-up", "`--help` and `list` start fast", rows_startup, None),
     ("run_shared", "One loaded model per machine", "`run` uses a running server's copy: no load, no second copy",
      rows_run_shared, None),
+    ("streaming_eval", "`eval --streaming` by chunks", "5x faster than one token at a time, same perplexity",
+     rows_streaming_eval, None),
     ("gguf_parse", "GGUF reading", "hardened and fast", rows_gguf_parse, None),
     ("llamacpp_agreement", "Agreement with llama.cpp", "the same perplexity", rows_agreement, None),
     ("llamacpp_build", "llama.cpp build", "the portable build costs little", rows_build, None),

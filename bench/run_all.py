@@ -24,7 +24,7 @@ from common import BENCH, log, results_dir  # noqa: E402
 SCRIPTS = [
     "startup", "gguf_parse", "llamacpp_overhead", "engine_batching", "ceiling", "torch_engine",
     "llamacpp_agreement", "torch_gemv", "kv_cache", "speculative", "server", "quantize",
-    "pull_throughput", "app_latency", "llamacpp_build", "torch_cuda", "run_shared",
+    "pull_throughput", "app_latency", "llamacpp_build", "torch_cuda", "run_shared", "streaming_eval",
 ]  # fmt: skip
 
 

@@ -4,8 +4,9 @@ next-token distributions move.
 
 The engine's scorer (`localllm.engine.scoring.Scorer`, through the runner's `forward`) returns
 the logits after each token, evaluated through one slot's cache exactly as decoding would fill it
-— one token at a time whenever a policy quantizes late (KIVI's residual) or forgets (StreamingLLM,
-H2O), whole chunks only where that is the same computation (`scorer.token_by_token` says which).
+— one token at a time whenever a policy quantizes late (KIVI's residual) or forgets one by one
+(H2O), whole chunks where that is the same computation, and under StreamingLLM chunks of the
+window // 16 that slide the window as a prompt's chunks do in generation (`evaluated` says which).
 
     perplexity      exp(mean negative log-likelihood of tokens 2..N given what precedes them)
     kl_mean, kl_p99 KL(reference ‖ this) per position, in nats: mean and 99th percentile

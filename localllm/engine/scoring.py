@@ -3,8 +3,11 @@ slot's cache exactly as decoding fills it (`localllm eval`, `recommend`, the qua
 
 Whole chunks (`runner.scoring_chunk` tokens, every position's logits) where that is the same
 computation as generation; one token at a time where a cache quantizes late (KIVI's residual) or
-forgets (StreamingLLM, H2O): the runner's `scoring_chunk` is then 1, and a StreamingLLM policy
-makes it 1 here, forgetting one position at a time on every runner (`ContextPolicy.step`). Run it while no sequence generates (`Model.run_here`): it uses slot 0.
+forgets token by token (H2O): the runner's `scoring_chunk` is then 1. Under StreamingLLM the
+window slides by a chunk (the window // 16) at a time, on every runner alike (`ContextPolicy.step`):
+each chunk's queries see what a prompt's chunk sees in generation, and `chunk=1` gives the
+paper's one position at a time (bench/streaming_eval.py: the perplexity within 0.5% of it, 5x+
+faster). Run it while no sequence generates (`Model.run_here`): it uses slot 0.
 """
 
 from __future__ import annotations
@@ -24,11 +27,19 @@ __all__ = ["Scorer", "teacher_argmax"]
 class Scorer:
     """`feed(tokens)` → numpy float32 (len(tokens), n_vocab): the logits after each token."""
 
-    def __init__(self, runner: Any, policy: ContextPolicy | None = None, slot: int = 0) -> None:
+    def __init__(self, runner: Any, policy: ContextPolicy | None = None, slot: int = 0,
+                 chunk: int | None = None) -> None:  # fmt: skip
         self.runner, self.slot = runner, slot
-        # one position forgotten at a time, on every runner: what StreamingLLM's paper scores
-        self.policy = replace(policy, step=1) if policy and policy.enabled else ContextPolicy()
-        self.chunk = 1 if self.policy.enabled else max(1, int(runner.scoring_chunk))
+        self.chunk = max(1, int(runner.scoring_chunk))
+        if policy and policy.enabled:
+            # the window slides by a chunk at a time, as a prompt's chunks slide it in generation:
+            # each chunk's first query still sees 15/16 of the window (one position at a time,
+            # what StreamingLLM's paper scores, with chunk=1)
+            self.chunk = min(self.chunk, chunk or max(1, policy.window // 16))
+            self.policy = replace(policy, step=self.chunk)
+        else:
+            self.chunk = min(self.chunk, chunk or self.chunk)
+            self.policy = ContextPolicy()
         self.token_by_token = self.chunk == 1
         self.shifts = 0  # context shifts (a StreamingLLM policy forgetting)
         self.discarded = 0  # positions they forgot
