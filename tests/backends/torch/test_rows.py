@@ -200,3 +200,63 @@ def test_a_window_is_part_of_the_rows_mask() -> None:
     each = [base.attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], [alone[i]],
                         base.Masks([alone[i].offset], 1, q.device), window=8) for i in (0, 1)]  # fmt: skip
     assert torch.allclose(out, torch.cat(each), atol=1e-6)
+
+
+def test_a_piece_of_a_few_tokens_attends_as_that_many_decode_steps() -> None:
+    """A speculative verification (k + 1 tokens of one slot) gets for each token the bits a
+    decode step gives it (`QUERIES_AS_ROWS`): greedy text must not depend on speculation."""
+    g = torch.Generator().manual_seed(5)
+    kv, h, hd, t = 2, 6, 16, 5
+    for window in (0, 40):
+        rows = Rows(2, kv, hd, 512, dtype=torch.float16)
+        caches = [KVCache(kv, hd, 512, dtype=torch.float16, rows=rows, slot=s) for s in range(2)]
+        for c, n in zip(caches, (130, 7)):
+            c.update_and_fetch(torch.randn(1, kv, n, hd, generator=g).half(),
+                               torch.randn(1, kv, n, hd, generator=g).half())  # fmt: skip
+        q = torch.randn(2, t, h, hd, generator=g)
+        k, v = torch.randn(2, t, kv, hd, generator=g), torch.randn(2, t, kv, hd, generator=g)
+        together = base._attend_rows(q, k, v, caches, window=window, scale=None)  # (2, T, H * hd)
+        assert [c.offset for c in caches] == [130 + t, 7 + t]
+        for c in caches:
+            c.trim(t)
+        for j in range(t):  # the same tokens, one decode step at a time
+            step = base._attend_rows(q[:, j : j + 1], k[:, j : j + 1], v[:, j : j + 1], caches,
+                                     window=window, scale=None)  # fmt: skip
+            assert torch.equal(step[:, 0], together[:, j]), (window, j)
+        # and it is attention: causal over each row's keys, to float32 rounding
+        n = caches[0].offset
+        kk, vv = rows.k[0:1, :, :n].float(), rows.v[0:1, :, :n].float()
+        diff = torch.arange(n - t, n)[:, None] - torch.arange(n)[None]
+        mask = (diff >= 0) & ((diff < window) if window else True)
+        want = F.scaled_dot_product_attention(q[0:1].transpose(1, 2), kk, vv, attn_mask=mask, enable_gqa=True)
+        assert torch.allclose(together[0], want.transpose(1, 2).reshape(t, -1), atol=1e-5), window
+
+
+def test_greedy_text_is_the_same_plain_with_lookup_and_beside_seven_in_the_default_precision() -> None:
+    """The default model in the CPU's default precision (int4 feed-forward, fp16 elsewhere, f16
+    keys): a grounded answer (lookup drafts, some accepted, some rejected) gives plain greedy's
+    tokens with `--speculative lookup` and among eight streams (they differed before verification
+    attended query by query: measured, plain and lookup parted at token 20 of a
+    grounded answer)."""
+    from localllm.engine import load
+    from localllm.types import LoadOptions, Request, SamplingParams
+
+    from conftest import CORPUS
+
+    text = (CORPUS / "alice.txt").read_text()
+    prompts = [f"Read this and then repeat its first paragraph exactly.\n\n{text[:2500]}",
+               f"{text[1200:1700]}\n\nRepeat the text above exactly."]  # fmt: skip
+
+    def req(p: str, spec: str) -> Request:
+        return Request(messages=({"role": "user", "content": p},), speculative=spec,
+                       sampling=SamplingParams(temperature=0, max_tokens=48))  # fmt: skip
+
+    with load("smollm2", LoadOptions(backend="torch", parallel=8, ctx=1024)) as llm:
+        assert llm.runner.dtype == "int4"
+        plains = [llm.submit(req(p, "off")).wait().token_ids for p in prompts]
+        for p, plain in zip(prompts, plains):
+            look = llm.submit(req(p, "lookup")).wait()
+            assert look.speculative is not None and look.speculative.rejections > 0  # it verified
+            assert look.token_ids == plain
+        streams = [llm.submit(req(prompts[i % 2], "off")) for i in range(8)]
+        assert [s.wait().token_ids for s in streams] == plains * 4
