@@ -334,6 +334,13 @@ def check_backends() -> Check:
 
 _TORCH_CODE = """
 import json, torch
+kernels = []  # the CPU kernels the torch engine's default precision takes, where this torch has them
+try:
+    from localllm.backends.torch.quantized import fbgemm_fp16_available, int4_available
+    kernels += ["int4 matmul"] if int4_available() else []
+    kernels += ["fbgemm fp16"] if fbgemm_fp16_available() else []
+except Exception:
+    pass
 cuda = torch.cuda.is_available()
 mps = getattr(torch.backends, "mps", None)
 print(json.dumps({
@@ -341,6 +348,7 @@ print(json.dumps({
     "cuda_version": torch.version.cuda,
     "cuda": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
     "mps": bool(mps is not None and mps.is_available()),
+    "kernels": kernels,
 }))
 """
 
@@ -361,7 +369,7 @@ def _torch_facts() -> dict[str, Any]:
 
 
 def check_torch() -> Check:
-    data: dict[str, Any] = {"version": None, "cuda_version": None, "cuda": [], "mps": False}
+    data: dict[str, Any] = {"version": None, "cuda_version": None, "cuda": [], "mps": False, "kernels": []}
     if importlib.util.find_spec("torch") is None:
         return Check(
             "torch",
@@ -385,9 +393,13 @@ def check_torch() -> Check:
     devices.append("cpu")
     cuda = f", CUDA {facts['cuda_version']}" if facts.get("cuda_version") else ""
     data.update((k, facts.get(k, v)) for k, v in data.items())
-    return Check(
-        "torch", True, f"{facts['version']}{cuda}; devices: {', '.join(devices)}", data=data
-    )
+    from localllm.backends import TORCH_MIN, torch_too_old
+
+    old = torch_too_old(str(facts["version"]))
+    if old:
+        return Check("torch", False, old, fix=f"pip install 'torch>={'.'.join(map(str, TORCH_MIN))}'", data=data)
+    kernels = f"; CPU kernels: {', '.join(data['kernels'])}" if data["kernels"] else ""
+    return Check("torch", True, f"{facts['version']}{cuda}; devices: {', '.join(devices)}{kernels}", data=data)
 
 
 # -- memory and disk ---------------------------------------------------------------------------

@@ -171,3 +171,12 @@ def test_when_every_backend_refuses_the_file_each_reason_is_said(
 
 def refuse_torch(path: Path, options: object, **kw: object) -> object:
     raise LocalLLMError("out of memory on cpu")
+
+
+def test_a_torch_older_than_the_engine_needs_is_one_line() -> None:
+    from localllm.backends import torch_too_old
+
+    assert torch_too_old("2.4.1+cpu") == (
+        "torch 2.4.1+cpu is too old for the torch engine (it needs 2.5 or newer: SDPA's enable_gqa)")
+    for ok in ("2.5.0", "2.13.0+cpu", "3.0.0a0", "2.10.0.dev20260101"):
+        assert torch_too_old(ok) is None, ok

@@ -28,7 +28,7 @@ DATA_KEYS = {  # documented in localllm/doctor.py: the same keys whether a check
     "llama_cpp": {"version", "build", "system_info", "backends", "blas", "gpu_offload"},
     "llama_cpp_probe": {"ok", "reason", "cached"},
     "backends": {"auto", "backends"},
-    "torch": {"version", "cuda_version", "cuda", "mps"},
+    "torch": {"version", "cuda_version", "cuda", "mps", "kernels"},
     "memory": {"free_bytes", "total_bytes", "gpu"},
     "disk": {"path", "free_bytes", "total_bytes"},
     "store": {"path", "models", "blobs", "references", "hashed", "damaged"},
@@ -397,7 +397,12 @@ def test_torch_absent_broken_and_present(monkeypatch: pytest.MonkeyPatch, tmp_pa
     )
     check = doctor.check_torch()
     assert check.ok is True and check.detail == "9.9.9; devices: mps, cpu"
-    assert check.data == {"version": "9.9.9", "cuda_version": None, "cuda": [], "mps": True}
+    assert check.data == {"version": "9.9.9", "cuda_version": None, "cuda": [], "mps": True, "kernels": []}
+    (fake / "__init__.py").write_text((fake / "__init__.py").read_text().replace("9.9.9", "2.4.1+cpu"))
+    check = doctor.check_torch()  # older than the torch engine needs: said, with the fix
+    assert check.ok is False and check.detail == (
+        "torch 2.4.1+cpu is too old for the torch engine (it needs 2.5 or newer: SDPA's enable_gqa)")
+    assert check.fix == "pip install 'torch>=2.5'"
 
 
 def test_low_memory_fails(monkeypatch: pytest.MonkeyPatch) -> None:

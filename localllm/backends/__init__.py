@@ -129,7 +129,29 @@ def _torch_available() -> Availability:
     if missing:
         return Availability(False, f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
                             "not installed", "pip install 'localllm[torch]'")  # fmt: skip
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        old = torch_too_old(version("torch"))
+    except PackageNotFoundError:  # torch without its metadata (a source tree on the path)
+        old = None
+    if old:
+        return Availability(False, old, f"pip install 'torch>={'.'.join(map(str, TORCH_MIN))}'")
     return Availability(True, "torch is installed")
+
+
+TORCH_MIN = (2, 5)  # SDPA's enable_gqa, the CPU int4 matmul
+
+
+def torch_too_old(version: str) -> str | None:
+    """Why a torch of this version cannot run the torch engine (None: it can)."""
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is None or (int(m.group(1)), int(m.group(2))) >= TORCH_MIN:
+        return None
+    need = ".".join(map(str, TORCH_MIN))
+    return f"torch {version} is too old for the torch engine (it needs {need} or newer: SDPA's enable_gqa)"
 
 
 def _torch_suits(path: Path) -> str | None:

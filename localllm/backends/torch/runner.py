@@ -591,6 +591,11 @@ def open_runner(path: str | Path, options: Any, *, name: str, digest: str,
     """The registry's factory (a draft model is a second runner the engine opens). A vision
     projector is not read here: the engine refuses a request with images in one line."""
     del name, digest, home, projector  # the torch runner runs in this process, keeps nothing on disk
+    from localllm.backends import torch_too_old
+
+    old = torch_too_old(torch.__version__)
+    if old:
+        raise LocalLLMError(old)
     return TorchRunner(path, n_ctx=options.ctx, n_slots=options.parallel, device=options.device,
                        dtype=options.dtype, kv_cache=options.kv_cache, evict=options.evict,
                        threads=options.threads or _default_threads())  # fmt: skip
