@@ -60,14 +60,15 @@ def resolve_dtype(name: str, device: torch.device) -> tuple[str, torch.dtype]:
     """The working precision and the dtype activations are computed in.
 
     f32 is the exact reference path (the oracle tests'). On a GPU bf16/f16 weights and compute
-    (auto: bf16 on CUDA, f16 on MPS). On the CPU, f16 means fp16 *weights* with f32 compute
+    (auto: bf16 on CUDA, and on MPS from macOS 14, f16 on older MPS). On the CPU, f16 means fp16 *weights* with f32 compute
     (`quantized.Fp16Linear`), int4 (the default there) the same with the file's 4-bit
     feed-forward matrices kept 4-bit (`quantized.Int4Linear`; where torch lacks the kernel they
     are fp16 too), and bf16 is bf16 throughout (fast only where the CPU has native bf16 dot
     products).
     """
-    if name == "auto":
-        name = {"cuda": "bf16", "mps": "f16"}.get(device.type, CPU_DEFAULT_DTYPE)
+    if name == "auto":  # on Metal bf16 where macOS has it (f16 overflows in Gemma 3's activations)
+        mps = "bf16" if device.type == "mps" and torch.backends.mps.is_macos_or_newer(14, 0) else "f16"
+        name = {"cuda": "bf16", "mps": mps}.get(device.type, CPU_DEFAULT_DTYPE)
     if name == "int4":
         if device.type != "cpu":
             raise LocalLLMError(f"int4 is the CPU's working precision; on {device.type} use "

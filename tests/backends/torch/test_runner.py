@@ -234,3 +234,19 @@ def test_a_window_wider_than_the_context_is_the_contexts(tiny_llama: Path) -> No
     with pytest.raises(LocalLLMError, match="keeps 64 sink tokens but the context holds 64"):
         r.clear(0, ContextPolicy(64, 8))
     r.close()
+
+
+@pytest.mark.parametrize(("device", "macos14", "want"), [
+    ("cpu", True, ("int4", torch.float32)), ("cuda", True, ("bf16", torch.bfloat16)),
+    ("mps", True, ("bf16", torch.bfloat16)), ("mps", False, ("f16", torch.float16)),
+])  # fmt: skip
+def test_each_device_has_its_default_precision(device: str, macos14: bool, want: tuple,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Decided without the device (the CUDA and Metal branches run here on the CPU)."""
+    from localllm.backends.torch.runner import resolve_dtype
+
+    monkeypatch.setattr(torch.backends.mps, "is_macos_or_newer", lambda *a: macos14)
+    assert resolve_dtype("auto", torch.device(device)) == want
+    if device == "mps" and not macos14:
+        with pytest.raises(LocalLLMError, match="bf16 on Apple Metal needs macOS 14"):
+            resolve_dtype("bf16", torch.device(device))
