@@ -84,6 +84,19 @@ def resolve_dtype(name: str, device: torch.device) -> tuple[str, torch.dtype]:
     return name, _KV_DTYPES[name]
 
 
+def check_kv_types(kv_types: tuple[str, str], device: torch.device) -> tuple[str, str]:
+    """The cache's (key, value) types where this device can hold them; else one line."""
+    from localllm.backends.torch.kvquant import CODECS
+
+    for t in kv_types:
+        if t not in CODECS:
+            raise LocalLLMError(f"the torch backend has no {t} KV cache (it has {', '.join(CODECS)})")
+    if "fp8" in kv_types and device.type == "mps":
+        raise LocalLLMError("Apple Metal has no float8 in torch: use --kv-cache int8 (as small, "
+                            "one scale per token and head)")  # fmt: skip
+    return kv_types
+
+
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -172,13 +185,7 @@ class TorchRunner(TextOnly):
         self.device_name = _device_name(self.torch_device)
         self.dtype, self.compute_dtype = resolve_dtype(dtype, self.torch_device)
         self.n_threads = torch.get_num_threads()
-        from localllm.backends.torch.kvquant import CODECS
-
-        self.kv_types = parse_kv_cache(kv_cache)
-        for t in self.kv_types:
-            if t not in CODECS:
-                raise LocalLLMError(f"the torch backend has no {t} KV cache "
-                                    f"(it has {', '.join(CODECS)})")  # fmt: skip
+        self.kv_types = check_kv_types(parse_kv_cache(kv_cache), self.torch_device)
         self.budget = int(evict.partition(":")[2]) if evict else 0
         if evict and not evict.startswith("h2o:"):
             raise LocalLLMError(

@@ -250,3 +250,13 @@ def test_each_device_has_its_default_precision(device: str, macos14: bool, want:
     if device == "mps" and not macos14:
         with pytest.raises(LocalLLMError, match="bf16 on Apple Metal needs macOS 14"):
             resolve_dtype("bf16", torch.device(device))
+
+
+def test_a_kv_cache_type_the_device_cannot_hold_is_one_line() -> None:
+    from localllm.backends.torch.runner import check_kv_types
+
+    assert check_kv_types(("fp8", "int8"), torch.device("cpu")) == ("fp8", "int8")
+    with pytest.raises(LocalLLMError, match="Apple Metal has no float8 in torch: use --kv-cache int8"):
+        check_kv_types(("f16", "fp8"), torch.device("mps"))
+    with pytest.raises(LocalLLMError, match="the torch backend has no q8_0 KV cache"):
+        check_kv_types(("q8_0", "q8_0"), torch.device("cpu"))
