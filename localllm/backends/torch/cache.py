@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["KVCache", "PositionIndexed", "Rows", "make_caches"]
+__all__ = ["BLOCK", "KVCache", "Pages", "PositionIndexed", "Rows", "make_caches"]
 
 
 def grown(have: int, n: int, capacity: int, step: int) -> int:
@@ -68,44 +68,125 @@ class PositionIndexed:
         return n
 
 
+BLOCK = 64  # positions per block of `Rows`' pool (and per block of decode attention)
+
+
+class Pages:
+    """Which blocks of the pool each slot holds, for every layer at once (every layer's `Rows`
+    share one `Pages`: a slot's position p is in block `tables[slot][p // BLOCK]` of each
+    layer's pool, whichever layers a forward pass skips). Block 0 is never handed out: it stays
+    zeros, what a row reads past its last block. Freed blocks are reused first; the pool grows
+    (doubling) only when none is free."""
+
+    def __init__(self, n_slots: int, capacity: int) -> None:
+        self.capacity = capacity  # positions one slot may hold
+        self.tables: list[list[int]] = [[] for _ in range(n_slots)]
+        self.free: list[int] = []
+        self.n_blocks = 1  # the zero block
+
+    def reserve(self, slot: int, n: int) -> None:
+        """Blocks for the slot's first `n` positions (ValueError past the capacity)."""
+        if n > self.capacity:
+            raise ValueError(f"KV cache full: {n} tokens, capacity {self.capacity}")
+        table = self.tables[slot]
+        while len(table) * BLOCK < n:
+            if not self.free:  # double the pool: new blocks at the end
+                grow = max(self.n_blocks, PositionIndexed.step // BLOCK)
+                self.free = list(range(self.n_blocks + grow - 1, self.n_blocks - 1, -1))
+                self.n_blocks += grow
+            table.append(self.free.pop())
+
+    def shrink(self, slot: int, n: int) -> None:
+        """Keep the slot's blocks for its first `n` positions; the rest go back to the pool."""
+        table = self.tables[slot]
+        while len(table) * BLOCK >= n + BLOCK:
+            self.free.append(table.pop())
+
+    def release(self, slot: int) -> None:
+        """The slot's blocks go back to the free list."""
+        self.free.extend(reversed(self.tables[slot]))
+        self.tables[slot] = []
+
+    @property
+    def used(self) -> int:
+        return sum(len(t) for t in self.tables)
+
+    def index(self, slots: Sequence[int], nb: int) -> list[int]:
+        """The blocks of `slots`' first nb blocks, row after row, the zero block past a table."""
+        return [t[i] if i < len(t) else 0 for t in (self.tables[s] for s in slots) for i in range(nb)]
+
+
 class Rows:
-    """One layer's keys and values for every slot of a backend: (n_slots, n_kv, allocated, hd)
-    buffers, grown in steps for the longest slot (zeros in what nothing wrote yet). A slot's
-    `KVCache` reads and writes its row; a decode step of several slots writes their new keys
-    with one indexed copy and attends over the rows in one call (`models.base.attend`), where
-    buffers of their own would need one attention call per sequence."""
+    """One layer's keys and values for every slot of a backend, paged: a pool of
+    (n_blocks, n_kv, BLOCK, hd) blocks that `pages` hands out to slots as their positions need
+    them, so a slot holds what it uses (not the longest slot's length) and growing copies no
+    held position. A slot's `KVCache` reads and writes through its table; a decode step of
+    several slots writes their new keys with one indexed copy and attends over their blocks in
+    one call (`models.base.attend`), where buffers of their own would need one attention call
+    per sequence."""
 
     def __init__(self, n_slots: int, n_kv: int, head_dim: int, capacity: int, *, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", v_head_dim: int | None = None) -> None:  # fmt: skip
+                 device: torch.device | str = "cpu", v_head_dim: int | None = None,
+                 pages: Pages | None = None) -> None:  # fmt: skip
         self.n_slots, self.n_kv, self.head_dim = n_slots, n_kv, head_dim
         self.v_head_dim = v_head_dim or head_dim
         self.capacity = capacity
         self.dtype, self.device = dtype, torch.device(device)
-        self.k: torch.Tensor | None = None
+        self.pages = pages or Pages(n_slots, capacity)
+        self.k: torch.Tensor | None = None  # (n_blocks, n_kv, BLOCK, hd)
         self.v: torch.Tensor | None = None
 
     @property
     def allocated(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
+        """Blocks in this layer's pool (the zero block too)."""
+        return 0 if self.k is None else self.k.shape[0]
 
-    def reserve(self, n: int) -> None:
-        """Room for `n` tokens in every row (grown as `grown` says)."""
-        have = self.allocated
-        if n <= have:
+    def reserve(self, slot: int, n: int) -> None:
+        """Blocks for the slot's first `n` positions; the pool grown to what `pages` hands out."""
+        self.pages.reserve(slot, n)
+        have, want = self.allocated, self.pages.n_blocks
+        if want <= have:
             return
-        shape = (self.n_slots, self.n_kv, grown(have, n, self.capacity, PositionIndexed.step))
-        k = torch.zeros(*shape, self.head_dim, dtype=self.dtype, device=self.device)
-        v = torch.zeros(*shape, self.v_head_dim, dtype=self.dtype, device=self.device)
+        k = torch.zeros(want, self.n_kv, BLOCK, self.head_dim, dtype=self.dtype, device=self.device)
+        v = torch.zeros(want, self.n_kv, BLOCK, self.v_head_dim, dtype=self.dtype, device=self.device)
         if have:
-            k[:, :, :have] = self.k  # type: ignore[index]
-            v[:, :, :have] = self.v  # type: ignore[index]
+            k[:have] = self.k  # type: ignore[index]
+            v[:have] = self.v  # type: ignore[index]
         self.k, self.v = k, v
+
+    def write(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (1, n_kv, T, hd) at the slot's positions start .. start + T - 1."""
+        self.reserve(slot, start + k.shape[2])
+        table, t, done = self.pages.tables[slot], k.shape[2], 0
+        while done < t:
+            p = start + done
+            b, at = table[p // BLOCK], p % BLOCK
+            n = min(t - done, BLOCK - at)
+            self.k[b, :, at : at + n] = k[0, :, done : done + n]  # type: ignore[index]
+            self.v[b, :, at : at + n] = v[0, :, done : done + n]  # type: ignore[index]
+            done += n
+
+    def read(self, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot's first `end` keys and values as (1, n_kv, end, hd) tensors (a copy)."""
+        nb = -(-end // BLOCK)
+        idx = torch.tensor(self.pages.tables[slot][:nb], device=self.device)
+        k = self.k.index_select(0, idx).transpose(0, 1).reshape(1, self.n_kv, nb * BLOCK, -1)  # type: ignore[union-attr]
+        v = self.v.index_select(0, idx).transpose(0, 1).reshape(1, self.n_kv, nb * BLOCK, -1)  # type: ignore[union-attr]
+        return k[:, :, :end], v[:, :, :end]
+
+    def slot_bytes(self, slot: int) -> int:
+        """Bytes of the blocks the slot holds in this layer."""
+        return len(self.pages.tables[slot]) * self.block_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        size = torch.empty(0, dtype=self.dtype).element_size()
+        return self.n_kv * BLOCK * (self.head_dim + self.v_head_dim) * size
 
     @property
     def nbytes(self) -> int:
-        if self.k is None or self.v is None:
-            return 0
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        """Bytes of this layer's pool."""
+        return self.allocated * self.block_bytes
 
 
 class KVCache(PositionIndexed):
@@ -125,20 +206,13 @@ class KVCache(PositionIndexed):
 
     @property
     def k(self) -> torch.Tensor | None:
-        if self.rows is not None:
-            return None if self.rows.k is None else self.rows.k[self.slot : self.slot + 1]
         return self._k
 
     @property
     def v(self) -> torch.Tensor | None:
-        if self.rows is not None:
-            return None if self.rows.v is None else self.rows.v[self.slot : self.slot + 1]
         return self._v
 
     def _reserve(self, n: int) -> None:
-        if self.rows is not None:
-            self.rows.reserve(n)
-            return
         have = 0 if self._k is None else self._k.shape[2]
         if n <= have:
             return
@@ -154,6 +228,10 @@ class KVCache(PositionIndexed):
         """k, v: (1, n_kv, T, hd) for the next T positions. Returns (1, n_kv, offset + T, hd) views."""
         t = k.shape[2]
         end = self.offset + t
+        if self.rows is not None:  # through the slot's pages
+            self.rows.write(self.slot, self.offset, k, v)
+            self.offset = end
+            return self.rows.read(self.slot, end)
         self._reserve(end)
         mk, mv = self.k, self.v
         mk[:, :, self.offset : end] = k  # type: ignore[index]
@@ -163,9 +241,9 @@ class KVCache(PositionIndexed):
 
     @property
     def nbytes(self) -> int:
-        """Bytes its buffers hold (with `rows`: its share of them)."""
+        """Bytes its buffers hold (with `rows`: the blocks its slot holds)."""
         if self.rows is not None:
-            return self.rows.nbytes // self.rows.n_slots
+            return self.rows.slot_bytes(self.slot)
         if self._k is None or self._v is None:
             return 0
         return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
@@ -179,6 +257,8 @@ class KVCache(PositionIndexed):
 
     @property
     def state(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.rows is not None:
+            return self.rows.read(self.slot, self.offset) if self.rows.k is not None else None
         k, v = self.k, self.v
         if k is None or v is None:
             return None

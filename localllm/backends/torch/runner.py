@@ -1,8 +1,8 @@
 """The torch runner (`localllm.backends.base.Runner`): a GGUF model on one torch device, its
 tokenizer, and one set of per-layer caches per slot. The engine decides what runs; this evaluates.
 
-A slot's caches are one plain cache per layer (`cache.KVCache`), its row of that layer's
-`cache.Rows` (every slot's buffers in one tensor, grown for the longest slot), or, for a context
+A slot's caches are one plain cache per layer (`cache.KVCache`), its blocks of that layer's
+`cache.Rows` (a paged pool: a slot holds the 64-position blocks its positions fill), or, for a context
 policy, quantized KV types or H2O eviction, caches with buffers of their own (`policies`). A
 forward pass evaluates each multi-token piece on its own, in chunks (peak memory does not grow
 with the prompt), then every one-token piece together as one (B, 1) batch that attends over the
@@ -25,7 +25,7 @@ import torch
 
 from localllm.backends import TORCH
 from localllm.backends.base import Forward, Piece, TextOnly
-from localllm.backends.torch.cache import KVCache, Rows
+from localllm.backends.torch.cache import KVCache, Pages, Rows
 from localllm.chat import template_for
 from localllm.errors import ContextOverflow, LocalLLMError
 from localllm.memory import parse_kv_cache
@@ -292,9 +292,10 @@ class TorchRunner(TextOnly):
             if self._rows is None:
                 a = self.model.args
                 k = self.kv_types[0]
+                pages = Pages(self.n_slots, self.n_ctx)  # one table per slot for every layer
                 self._rows = [Rows(self.n_slots, a.n_kv_heads, a.head_dim, self.n_ctx,
                                    dtype=_KV_DTYPES.get(k, self.compute_dtype),
-                                   device=self.torch_device)
+                                   device=self.torch_device, pages=pages)
                               for _ in range(a.n_layers)]  # fmt: skip
             rows = self._rows
         return make_caches(self.model, self.n_ctx, kv_types=self.kv_types, policy=policy,
@@ -310,7 +311,10 @@ class TorchRunner(TextOnly):
         return self._caches[slot]
 
     def _forget(self, slot: int) -> None:
-        """Drop the slot's caches (and the shared rows once no slot holds a row of them)."""
+        """Drop the slot's caches, its blocks back to the pool (and the pool once no slot holds
+        blocks of it)."""
+        if self._rows and self._caches[slot] and getattr(self._caches[slot][0], "rows", None) is not None:
+            self._rows[0].pages.release(slot)
         self._caches[slot] = []
         self._peak[slot] = self._step[slot] = 0
         if not any(getattr(cs[0], "rows", None) is not None for cs in self._caches if cs):
@@ -348,6 +352,9 @@ class TorchRunner(TextOnly):
             return False
         for c in caches:
             c.trim(n)
+        rows = getattr(caches[0], "rows", None)
+        if rows is not None:  # blocks past every layer's positions go back to the pool
+            rows.pages.shrink(slot, max(c.offset for c in self._caches[slot]))
         return True
 
     def kv_bytes(self) -> int:
@@ -507,9 +514,8 @@ class TorchRunner(TextOnly):
         if not 0 <= start <= end <= caches[0].offset:
             raise ValueError(f"positions [{start}, {end}) are not held (the slot holds "
                              f"{caches[0].offset})")  # fmt: skip
-        return _Block(
-            [(c.k[:, :, start:end].clone(), c.v[:, :, start:end].clone()) for c in caches]
-        )
+        kv = [c.state for c in caches]
+        return _Block([(k[:, :, start:end].clone(), v[:, :, start:end].clone()) for k, v in kv])  # type: ignore[index]
 
     @staticmethod
     def split(handle: _Block, k: int) -> tuple[_Block, _Block]:

@@ -130,15 +130,16 @@ def test_decode_attention_over_rows_matches_sdpa_and_ignores_the_batch() -> None
                 c.trim(1)
         for i, c in enumerate(caches):
             n = c.offset + 1  # with the step's key
-            kk, vv = rows.k[i : i + 1, :, :n].float(), rows.v[i : i + 1, :, :n].float()
+            kk, vv = (x.float() for x in rows.read(i, n))
             mask = (torch.arange(n) >= n - window)[None] if window else None  # (T, L)
             want = F.scaled_dot_product_attention(q[i : i + 1].transpose(1, 2), kk, vv, attn_mask=mask,
                                                   enable_gqa=True)  # fmt: skip
             assert torch.allclose(everyone[i], want.reshape(1, -1), atol=1e-5), (window, i)
 
 
-def test_rows_grow_for_the_longest_slot_keeping_the_others() -> None:
-    # 250 + 12 crosses the first 256-token step: every row is copied into the grown buffers
+def test_each_slot_holds_the_blocks_its_positions_fill() -> None:
+    # 250 + 12 crosses a 64-position block: slot 2 takes a fifth block, slot 0 keeps its one;
+    # the pool grows (doubling its blocks) without moving what the slots hold
     g = torch.Generator().manual_seed(3)
     rows = Rows(3, 2, 8, 1024, dtype=torch.float32)
     lengths = {2: 250, 0: 3}
@@ -148,7 +149,7 @@ def test_rows_grow_for_the_longest_slot_keeping_the_others() -> None:
         k, v = torch.randn(1, 2, n, 8, generator=g), torch.randn(1, 2, n, 8, generator=g)
         a.update_and_fetch(k, v)
         b.update_and_fetch(k, v)
-    assert rows.allocated == 256
+    assert [len(t) for t in rows.pages.tables] == [1, 0, 4] and rows.allocated == 10  # 1 + 4, doubled
     for _ in range(12):
         q = torch.randn(2, 1, 4, 8, generator=g)
         k, v = torch.randn(2, 1, 2, 8, generator=g), torch.randn(2, 1, 2, 8, generator=g)
@@ -157,7 +158,8 @@ def test_rows_grow_for_the_longest_slot_keeping_the_others() -> None:
         each = [base.attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], [alone[i]],
                             base.Masks([alone[i].offset], 1, q.device)) for i in range(2)]  # fmt: skip
         assert torch.allclose(together, torch.cat(each), atol=1e-6)
-    assert rows.allocated == 512 and [c.offset for c in shared] == [262, 15]
+    assert [c.offset for c in shared] == [262, 15]
+    assert [len(t) for t in rows.pages.tables] == [1, 0, 5] and rows.allocated == 10
     for a, b in zip(shared, alone):
         assert torch.equal(a.state[0], b.state[0]) and torch.equal(a.state[1], b.state[1])
 
@@ -169,11 +171,13 @@ def test_rows_are_counted_once_and_freed_when_every_slot_is_cleared(tiny_llama: 
     rows = r._rows
     assert rows is not None and len(rows) == r.n_layers
     a = r.model.args
-    per_layer = 4 * 2 * a.n_kv_heads * 256 * a.head_dim * 4  # 4 slots, K and V, 256 positions, f32
-    assert r.kv_bytes() == len(rows) * per_layer  # once, not once per slot
-    assert sum(c.nbytes for c in r._caches[1]) == len(rows) * per_layer // 4  # a slot's share
+    block = 2 * a.n_kv_heads * 64 * a.head_dim * 4  # K and V, 64 positions, f32
+    # the pool: the zero block and four more (256 positions), once for all slots, per layer
+    assert r.kv_bytes() == len(rows) * 5 * block
+    assert sum(c.nbytes for c in r._caches[1]) == len(rows) * block  # the one block slot 1 holds
     r.clear(1)
-    assert r._rows is rows and r.held(1) == 0 and r.held(3) == 2  # slot 3 still holds its row
+    assert r._rows is rows and r.held(1) == 0 and r.held(3) == 2  # slot 3 still holds its block
+    assert rows[0].pages.tables[1] == [] and len(rows[0].pages.free) == 3
     r.clear(3)
     assert r._rows is None and r.kv_bytes() == 0
     r.forward([Piece(0, [1, 2, 3], 1)])  # rows again, as the slot's next tokens need them
@@ -225,7 +229,7 @@ def test_a_piece_of_a_few_tokens_attends_as_that_many_decode_steps() -> None:
             assert torch.equal(step[:, 0], together[:, j]), (window, j)
         # and it is attention: causal over each row's keys, to float32 rounding
         n = caches[0].offset
-        kk, vv = rows.k[0:1, :, :n].float(), rows.v[0:1, :, :n].float()
+        kk, vv = (x.float() for x in caches[0].state)  # type: ignore[union-attr]
         diff = torch.arange(n - t, n)[:, None] - torch.arange(n)[None]
         mask = (diff >= 0) & ((diff < window) if window else True)
         want = F.scaled_dot_product_attention(q[0:1].transpose(1, 2), kk, vv, attn_mask=mask, enable_gqa=True)
@@ -260,3 +264,39 @@ def test_greedy_text_is_the_same_plain_with_lookup_and_beside_seven_in_the_defau
             assert look.token_ids == plain
         streams = [llm.submit(req(prompts[i % 2], "off")) for i in range(8)]
         assert [s.wait().token_ids for s in streams] == plains * 4
+
+
+def test_no_block_leaks_after_a_thousand_mixed_requests(tiny_llama: Path) -> None:
+    """Prompts of 1-150 tokens, decode steps of several slots together, speculative-style trims,
+    clears at any point, a prefix restored into a slot: every block comes back to the pool."""
+    r = TorchRunner(tiny_llama, n_ctx=256, n_slots=4, dtype="f32", kv_cache="f32", threads=2)
+    rng = np.random.default_rng(7)
+    try:
+        block = None
+        for _ in range(1000):
+            s = int(rng.integers(0, 4))
+            op = rng.random()
+            if op < 0.3 or r.held(s) == 0:  # a new request
+                r.clear(s)
+                n = int(rng.integers(1, 150))
+                r.forward([Piece(s, [int(t) for t in rng.integers(0, 100, n)], 1)])
+            elif op < 0.7:  # decode steps of the slots that hold something
+                live = [x for x in range(4) if 0 < r.held(x) < 250]
+                if live:
+                    r.forward([Piece(x, [int(rng.integers(0, 100))], 1) for x in live])
+            elif op < 0.8:
+                r.trim(s, int(rng.integers(0, r.held(s) + 1)))
+            elif op < 0.9:
+                block = r.save(s, 0, r.held(s)) if r.held(s) else block
+            elif block is not None:
+                r.restore(s, [(block, block.kv[0][0].shape[2])])
+            else:
+                r.clear(s)
+        pages = r._rows[0].pages if r._rows else None
+        assert pages is not None and pages.used == sum(-(-r.held(x) // 64) for x in range(4) if r._caches[x])
+        for s in range(4):
+            r.clear(s)
+        assert r._rows is None  # every slot empty: the pool is gone
+        assert len(pages.free) == pages.n_blocks - 1 and pages.used == 0  # all but the zero block
+    finally:
+        r.close()

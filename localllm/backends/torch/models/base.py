@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from localllm.backends.torch.cache import BLOCK
 from localllm.backends.torch.weights import FourBit
 from localllm.errors import InconsistentModel
 from localllm.gguf_file import GGUFFile
@@ -320,7 +321,7 @@ def _row_groups(caches: Sequence[Any]) -> list[list[int]]:
 
 # Keys per block of `_attend_rows`: every row's keys are cut into blocks of this size from its
 # first position, whatever the lengths of the rows beside it.
-ROW_BLOCK = 64
+ROW_BLOCK = BLOCK  # the paged pool's blocks (`cache.Rows`)
 
 
 # A piece of at most this many tokens (a speculative verification: k + 1) attends as that many
@@ -332,29 +333,33 @@ class _RowsPlan:
     """What every layer of one step shares in `_attend_rows` for the same rows and window: where
     the new keys go, the key blocks' count, and the mask as an additive bias (0 or -inf)."""
 
-    def __init__(self, slots: list[int], offsets: Sequence[int], t: int, window: int,
+    def __init__(self, pages: Any, slots: list[int], offsets: Sequence[int], t: int, window: int,
                  device: torch.device) -> None:  # fmt: skip
-        self.slots = [s for s in slots for _ in range(t)]  # T queries of a row: T entries
-        self.at = torch.tensor(self.slots, device=device)
-        self.pos = torch.tensor([o + j for o in offsets for j in range(t)], device=device)
+        entries = [s for s in slots for _ in range(t)]  # T queries of a row: T entries
+        positions = [o + j for o in offsets for j in range(t)]
         self.n = max(offsets) + t
         self.nb = -(-self.n // ROW_BLOCK)
-        self.width = self.nb * ROW_BLOCK
-        key = torch.arange(self.width, device=device).view(self.nb, 1, ROW_BLOCK)
-        length = (self.pos + 1).view(-1, 1, 1, 1, 1)
-        hidden = key >= length  # (B, 1, nb, 1, ROW_BLOCK)
+        # where each entry's new key goes: (block, place in it) through the slot's table
+        where = [(pages.tables[s][p // ROW_BLOCK], p % ROW_BLOCK) for s, p in zip(entries, positions)]
+        self.single = where[0] if len(where) == 1 else None  # a plain copy for one row, one token
+        self.block = torch.tensor([w[0] for w in where], device=device)
+        self.place = torch.tensor([w[1] for w in where], device=device)
+        # what each entry reads: its row's first nb blocks (the zero block past its table)
+        self.gather = torch.tensor(pages.index(entries, self.nb), device=device)
+        key = torch.arange(self.nb * ROW_BLOCK, device=device).view(self.nb, 1, 1, ROW_BLOCK)
+        length = torch.tensor(positions, device=device).add_(1).view(-1, 1, 1, 1, 1)
+        hidden = key >= length  # (E, nb, 1, 1, ROW_BLOCK)
         if window:
             hidden = hidden | (key < length - window)  # visible when q - k < window
         self.bias = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
-        # one row, one token: its new key and value go in with a plain copy
-        self.single = (slots[0], offsets[0]) if len(self.slots) == 1 else None
 
 
 def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[Any], *,
                  window: int, scale: float | None, memo: dict | None = None) -> torch.Tensor:  # fmt: skip
     """One decode step of rows whose caches are slots of one shared `cache.Rows`: their new keys
-    and values go in with one indexed copy each, then attention is written out over blocks of
-    `ROW_BLOCK` keys, so that each row's result is bit-identical whether it steps alone or beside
+    and values go in with one indexed copy each into their pages' blocks, then attention is
+    written out over those blocks of `ROW_BLOCK` keys (gathered through each row's block table,
+    the pool's zero block past its last one), so that each row's result is bit-identical whether it steps alone or beside
     others, however long they are (the scheduler's batches must not change what a seeded
     sequence samples). q (B, T, H, hd), k, v (B, T, KV, hd) → (B, T, H * hd): T tokens of a row
     attend as T rows of one query, each over its keys up to itself, with the bits T decode steps
@@ -367,7 +372,7 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequ
     and sums each with a tail. Here every matrix product has one shape whatever the batch
     ((G, hd) @ (hd, ROW_BLOCK) per block, G queries per KV head; then (G, ROW_BLOCK) @
     (ROW_BLOCK, hd)), on contiguous float32 copies (the layout decides BLAS's kernel too); a
-    row's blocks past its length hold exact zeros after the mask, and blocks are combined by a
+    row's keys past its length hold exact zeros after the mask (-inf added, then exp), and blocks are combined by a
     running sum (`cumsum`: one fixed order, so zeros added at the end change nothing). The
     softmax uses the row's maximum over all its keys (exact, order-free). A window (Gemma's
     local layers) is part of the mask.
@@ -385,49 +390,37 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequ
     kv = k.shape[2]
     g = h // kv
     slots, offsets = [c.slot for c in caches], [c.offset for c in caches]
+    for s_, o in zip(slots, offsets):
+        rows.reserve(s_, o + t)
     # T queries of a row attend as T rows of one query each: entry (row, j) reads its row's keys
-    # up to position offset + j. Every layer of a step has the same plan.
+    # up to position offset + j. Every layer of a step has the same plan (one `Pages` for all).
     key = (tuple(slots), tuple(offsets), t, window)
     plan = memo.get(key) if memo is not None else None
     if plan is None:
-        plan = _RowsPlan(slots, offsets, t, window, q.device)
+        plan = _RowsPlan(rows.pages, slots, offsets, t, window, q.device)
         if memo is not None:
             memo[key] = plan
-    rows.reserve(plan.n)
     b, nb = b0 * t, plan.nb
     if plan.single is not None:
-        s0, o0 = plan.single
-        rows.k[s0, :, o0] = k[0, 0]  # type: ignore[index]
-        rows.v[s0, :, o0] = v[0, 0]  # type: ignore[index]
+        blk, at = plan.single
+        rows.k[blk, :, at] = k[0, 0]  # type: ignore[index]
+        rows.v[blk, :, at] = v[0, 0]  # type: ignore[index]
     else:
-        rows.k[plan.at, :, plan.pos] = k.reshape(b, kv, hd).to(rows.dtype)  # type: ignore[index]
-        rows.v[plan.at, :, plan.pos] = v.reshape(b, kv, hd).to(rows.dtype)  # type: ignore[index]
+        rows.k[plan.block, :, plan.place] = k.reshape(b, kv, hd).to(rows.dtype)  # type: ignore[index]
+        rows.v[plan.block, :, plan.place] = v.reshape(b, kv, hd).to(rows.dtype)  # type: ignore[index]
     for c in caches:
         c.offset += t
-    kk = _row_keys(rows.k, plan.slots, plan.at, plan.width).view(b, kv, nb, ROW_BLOCK, hd)  # type: ignore[arg-type]
-    vv = _row_keys(rows.v, plan.slots, plan.at, plan.width).view(b, kv, nb, ROW_BLOCK, hd)  # type: ignore[arg-type]
-    qs = q.reshape(b, kv, 1, g, hd).float() * (scale if scale is not None else hd**-0.5)
-    s = torch.matmul(qs.expand(b, kv, nb, g, hd).contiguous(), kk.transpose(-1, -2))
-    s = s + plan.bias  # (B, KV, nb, G, ROW_BLOCK), -inf where a key is hidden
-    p = (s - s.amax(dim=(2, 4), keepdim=True)).exp()
-    total = p.sum(-1).cumsum(2)[:, :, -1]  # (B, KV, G)
-    out = torch.matmul(p, vv).cumsum(2)[:, :, -1]  # (B, KV, G, hd)
+    # each entry's blocks as contiguous float32, (E, nb, KV, ROW_BLOCK, hd)
+    kk = rows.k.index_select(0, plan.gather).view(b, nb, kv, ROW_BLOCK, hd).float()  # type: ignore[union-attr]
+    vv = rows.v.index_select(0, plan.gather).view(b, nb, kv, ROW_BLOCK, -1).float()  # type: ignore[union-attr]
+    qs = q.reshape(b, 1, kv, g, hd).float() * (scale if scale is not None else hd**-0.5)
+    s = torch.matmul(qs.expand(b, nb, kv, g, hd).contiguous(), kk.transpose(-1, -2))
+    s = s + plan.bias  # (E, nb, KV, G, ROW_BLOCK), -inf where a key is hidden
+    p = (s - s.amax(dim=(1, 4), keepdim=True)).exp()
+    total = p.sum(-1).cumsum(1)[:, -1]  # (E, KV, G)
+    out = torch.matmul(p, vv).cumsum(1)[:, -1]  # (E, KV, G, hd)
     out = out / total[..., None]
-    return out.to(q.dtype).reshape(b0, t, h * hd)
-
-
-def _row_keys(buf: torch.Tensor, slots: list[int], at: torch.Tensor, width: int) -> torch.Tensor:
-    """The rows' first `width` keys (or values) as one contiguous float32 (B, KV, width, hd),
-    zeros past what the buffer holds (its capacity may not be a whole number of blocks)."""
-    lo = slots[0]
-    if slots == list(range(lo, lo + len(slots))):
-        x = buf[lo : lo + len(slots), :, :width]
-    else:
-        x = buf[:, :, :width].index_select(0, at)
-    x = x.to(torch.float32).contiguous()
-    if x.shape[2] < width:
-        x = F.pad(x, (0, 0, 0, width - x.shape[2]))
-    return x
+    return out.to(q.dtype).reshape(b0, t, -1)
 
 
 def _attend_observed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
