@@ -117,7 +117,7 @@ def test_a_ctrl_c_between_an_answer_and_the_next_prompt_keeps_the_repl() -> None
     asked: list[str] = []
     llm = SimpleNamespace(name="m", sampling=lambda **kw: SamplingParams.from_kwargs(**kw))
     chat = Chat(llm, LoadOptions(), None,
-                lambda llm, r: asked.append(r.messages[-1]["content"]) or SimpleNamespace(text="ok"),
+                lambda llm, r: asked.append(r.messages[-1]["content"]) or SimpleNamespace(text="ok", reasoning=None),
                 history=InterruptedOnce())  # fmt: skip
     try:
         chat.loop(Lines(lambda prompt: next(lines)))

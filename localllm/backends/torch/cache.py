@@ -169,9 +169,9 @@ class Rows:
     def read(self, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot's first `end` keys and values as (1, n_kv, end, hd) tensors (a copy)."""
         nb = -(-end // BLOCK)
-        idx = torch.tensor(self.pages.tables[slot][:nb], device=self.device)
-        k = self.k.index_select(0, idx).transpose(0, 1).reshape(1, self.n_kv, nb * BLOCK, -1)  # type: ignore[union-attr]
-        v = self.v.index_select(0, idx).transpose(0, 1).reshape(1, self.n_kv, nb * BLOCK, -1)  # type: ignore[union-attr]
+        idx = torch.tensor(self.pages.tables[slot][:nb], dtype=torch.long, device=self.device)
+        k = self.k.index_select(0, idx).transpose(0, 1).reshape(1, self.n_kv, nb * BLOCK, self.head_dim)  # type: ignore[union-attr]
+        v = self.v.index_select(0, idx).transpose(0, 1).reshape(1, self.n_kv, nb * BLOCK, self.v_head_dim)  # type: ignore[union-attr]
         return k[:, :, :end], v[:, :, :end]
 
     def slot_bytes(self, slot: int) -> int:

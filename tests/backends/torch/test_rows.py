@@ -159,6 +159,8 @@ def test_each_slot_holds_the_blocks_its_positions_fill() -> None:
                             base.Masks([alone[i].offset], 1, q.device)) for i in range(2)]  # fmt: skip
         assert torch.allclose(together, torch.cat(each), atol=1e-6)
     assert [c.offset for c in shared] == [262, 15]
+    empty = KVCache(2, 8, 1024, dtype=torch.float32, rows=rows, slot=1)  # a slot with nothing yet
+    assert [tuple(x.shape) for x in empty.state] == [(1, 2, 0, 8)] * 2  # type: ignore[union-attr]
     assert [len(t) for t in rows.pages.tables] == [1, 0, 5] and rows.allocated == 10
     for a, b in zip(shared, alone):
         assert torch.equal(a.state[0], b.state[0]) and torch.equal(a.state[1], b.state[1])
