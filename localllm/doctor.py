@@ -393,11 +393,11 @@ def check_torch() -> Check:
     devices.append("cpu")
     cuda = f", CUDA {facts['cuda_version']}" if facts.get("cuda_version") else ""
     data.update((k, facts.get(k, v)) for k, v in data.items())
-    from localllm.backends import TORCH_MIN, torch_too_old
+    from localllm.backends import TORCH_FIX, torch_too_old
 
     old = torch_too_old(str(facts["version"]))
     if old:
-        return Check("torch", False, old, fix=f"pip install 'torch>={'.'.join(map(str, TORCH_MIN))}'", data=data)
+        return Check("torch", False, old, fix=TORCH_FIX, data=data)
     kernels = f"; CPU kernels: {', '.join(data['kernels'])}" if data["kernels"] else ""
     return Check("torch", True, f"{facts['version']}{cuda}; devices: {', '.join(devices)}{kernels}", data=data)
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from localllm.engine.core import Drained
 from localllm.errors import LocalLLMError
 from localllm.types import (
     Chunk,
+    Drained,
     LoadOptions,
     Request,
     Result,

@@ -401,3 +401,26 @@ class Chunk:
     logprobs: tuple[TokenLogprob, ...] = ()
     result: Result | None = None
     reasoning: str = ""  # new reasoning text (a thinking model's, apart from the answer)
+
+
+class Drained:
+    """What every stream of chunks offers past iterating: `wait()` for the Result, and closing
+    (`close()`, the subclass's: stop and drain) as a context manager."""
+
+    result: Result | None
+
+    def wait(self) -> Result:
+        """Consume the rest of the stream and return its Result."""
+        for _ in self:  # type: ignore[attr-defined]
+            pass
+        assert self.result is not None
+        return self.result
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

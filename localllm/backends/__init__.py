@@ -136,11 +136,12 @@ def _torch_available() -> Availability:
     except PackageNotFoundError:  # torch without its metadata (a source tree on the path)
         old = None
     if old:
-        return Availability(False, old, f"pip install 'torch>={'.'.join(map(str, TORCH_MIN))}'")
+        return Availability(False, old, TORCH_FIX)
     return Availability(True, "torch is installed")
 
 
 TORCH_MIN = (2, 5)  # SDPA's enable_gqa, the CPU int4 matmul
+TORCH_FIX = f"pip install 'torch>={'.'.join(map(str, TORCH_MIN))}'"
 
 
 def torch_too_old(version: str) -> str | None:

@@ -1,12 +1,13 @@
 """Reasoning apart from the answer.
 
 A model that thinks writes its reasoning between markers before it answers: `<think>…</think>`
-(Qwen3, QwQ, DeepSeek-R1 and its distills, SmolLM3), `[THINK]…[/THINK]` (Magistral), and gpt-oss's
-harmony channels: `<|channel|>analysis<|message|>…<|end|>`, then the answer behind
-`<|start|>assistant<|channel|>final<|message|>` (llama.cpp's detokenizer writes these tokens out, and
-so does ours). Some templates open the block themselves (the generation prompt ends in
-`<think>\\n`): the output then starts inside it. `Splitter` separates a streamed text into reasoning and content, holding back
-only what could still be the start of a marker, as `StopMatcher` does for stop strings.
+(Qwen3, QwQ, DeepSeek-R1 and its distills, SmolLM3), `[THINK]…[/THINK]` (Magistral), and
+gpt-oss's harmony channels: `<|channel|>analysis<|message|>…<|end|>`, then the answer behind
+`<|start|>assistant<|channel|>final<|message|>` (llama.cpp's detokenizer writes these tokens out,
+and so does ours). Some templates open the block themselves (the generation prompt ends in
+`<think>\\n`): the output then starts inside it. `Splitter` separates a streamed text into
+reasoning and content, holding back only what could still be the start of a marker, as
+`StopMatcher` does for stop strings.
 
 Whether a model thinks is read from its chat template: it names a marker. Whether thinking can be
 switched is read from it too: it takes `enable_thinking` (Qwen3, SmolLM3). A request's `think`

@@ -30,16 +30,14 @@ class Scorer:
     def __init__(self, runner: Any, policy: ContextPolicy | None = None, slot: int = 0,
                  chunk: int | None = None) -> None:  # fmt: skip
         self.runner, self.slot = runner, slot
-        self.chunk = max(1, int(runner.scoring_chunk))
-        if policy and policy.enabled:
+        forgets = policy is not None and policy.enabled
+        if forgets and chunk is None:
             # the window slides by a chunk at a time, as a prompt's chunks slide it in generation:
-            # each chunk's first query still sees 15/16 of the window (one position at a time,
-            # what StreamingLLM's paper scores, with chunk=1)
-            self.chunk = min(self.chunk, chunk or max(1, policy.window // 16))
-            self.policy = replace(policy, step=self.chunk)
-        else:
-            self.chunk = min(self.chunk, chunk or self.chunk)
-            self.policy = ContextPolicy()
+            # each chunk's first query still sees 15/16 of the window (chunk=1: one position at
+            # a time, what StreamingLLM's paper scores)
+            chunk = max(1, policy.window // 16)  # type: ignore[union-attr]
+        self.chunk = max(1, min(int(runner.scoring_chunk), chunk or int(runner.scoring_chunk)))
+        self.policy = replace(policy, step=self.chunk) if forgets else ContextPolicy()  # type: ignore[type-var]
         self.token_by_token = self.chunk == 1
         self.shifts = 0  # context shifts (a StreamingLLM policy forgetting)
         self.discarded = 0  # positions they forgot

@@ -128,11 +128,10 @@ class Rows:
     def __init__(self, n_slots: int, n_kv: int, head_dim: int, capacity: int, *, dtype: torch.dtype,
                  device: torch.device | str = "cpu", v_head_dim: int | None = None,
                  pages: Pages | None = None) -> None:  # fmt: skip
-        self.n_slots, self.n_kv, self.head_dim = n_slots, n_kv, head_dim
+        self.n_kv, self.head_dim = n_kv, head_dim
         self.v_head_dim = v_head_dim or head_dim
-        self.capacity = capacity
         self.dtype, self.device = dtype, torch.device(device)
-        self.pages = pages or Pages(n_slots, capacity)
+        self.pages = pages or Pages(n_slots, capacity)  # one for every layer of a runner
         self.k: torch.Tensor | None = None  # (n_blocks, n_kv, BLOCK, hd)
         self.v: torch.Tensor | None = None
 
