@@ -13,6 +13,8 @@ the runner's (`localllm.backends.base.Runner`), held in opaque handles it makes 
                                         ("full": [0, end)) of a slot whose sequence is finishing
     runner.split(handle, k)             ("edge") the handle cut after its first k tokens
     runner.restore(slot, pieces)        put [(handle, tokens used)] into the slot
+    runner.release(handle)              the tree no longer holds it (torch: its blocks go back to
+                                        the pool unless a slot shares them)
     handle.nbytes                       what it holds
 
 Every node counts the running sequences restored from it (`refs`); a node in use is never evicted.
@@ -177,6 +179,7 @@ class RadixCache:
         if not held[1]:
             del self._held[id(handle)]
             self.nbytes -= int(getattr(handle, "nbytes", 0))
+            self.runner.release(handle)
 
     def evict(self, budget: int | None = None) -> int:
         """Drop least recently used leaves (not in use) until the bytes held fit `budget`."""
@@ -195,6 +198,8 @@ class RadixCache:
         return dropped
 
     def clear(self) -> None:
+        for handle, _ in self._held.values():
+            self.runner.release(handle)
         self.root.children.clear()
         self._held.clear()
         self.nbytes = 0

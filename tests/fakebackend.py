@@ -125,6 +125,7 @@ class FakeRunner(_Tokens):
         self.plans: list[dict[int, int]] = []
         self.slots: list[list[int]] = [[] for _ in range(n_slots)]
         self.cleared: list[int] = []
+        self.released: list[Any] = []  # prefix handles the engine gave back
         self.lock = threading.Lock()
 
     def next_token(self, held: Sequence[int]) -> int:
@@ -189,6 +190,9 @@ class FakeRunner(_Tokens):
 
     def split(self, handle: Any, k: int) -> tuple[Any, Any]:
         return _Handle(handle.tokens[:k]), _Handle(handle.tokens[k:])
+
+    def release(self, handle: Any) -> None:
+        self.released.append(handle)
 
     def kv_bytes(self) -> int:
         return 0

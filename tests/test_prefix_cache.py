@@ -23,12 +23,18 @@ class Handle:
 class Edge:
     prefix_kind = "edge"
 
+    def __init__(self) -> None:
+        self.released: list[Handle] = []
+
+    def release(self, h: Handle) -> None:
+        self.released.append(h)
+
     @staticmethod
     def split(h: Handle, k: int) -> tuple[Handle, Handle]:
         return Handle(h.start, h.start + k), Handle(h.start + k, h.end)
 
 
-class Full:
+class Full(Edge):
     prefix_kind = "full"
 
 
@@ -39,6 +45,7 @@ def test_insert_match_split_edge() -> None:
     assert hit.n == 3 and [(h.start, h.end, n) for h, n in hit.pieces] == [(0, 5, 3)]
     assert c.insert([1, 2, 3, 7, 8], Handle) == 2  # splits [1..5] after 3
     assert c.tokens == 7 and c.nbytes == 70
+    assert [(h.start, h.end) for h in c.runner.released] == [(0, 5)]  # the cut handle given back
     hit = c.match([1, 2, 3, 7, 8, 9])
     assert hit.n == 5 and [(h.start, h.end, n) for h, n in hit.pieces] == [(0, 3, 3), (3, 5, 2)]
     assert c.insert([1, 2, 3], Handle) == 0  # all cached
@@ -70,6 +77,7 @@ def test_lru_eviction_under_the_budget_spares_what_is_in_use() -> None:
     c.let_go(in_use)
     c.evict(0)
     assert c.nbytes == 0 and c.tokens == 0
+    assert sorted(h.end - h.start for h in c.runner.released) == [3, 4, 5]  # each given back once
 
 
 S = "You are a helpful assistant who knows a lot about baking bread. " * 20

@@ -666,6 +666,9 @@ class LlamaCppRunner:
         raise LocalLLMError("llama.cpp's prefix handles are whole sequence states (prefix_kind "
                             "'full'): they are never split")  # fmt: skip
 
+    def release(self, handle: Any) -> None:
+        """Nothing to give back: a state is bytes in host memory, gone with its last reference."""
+
     # -- the rest ------------------------------------------------------------------------------
 
     def kv_bytes(self) -> int:

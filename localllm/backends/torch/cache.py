@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["BLOCK", "KVCache", "Pages", "PositionIndexed", "Rows", "make_caches"]
+__all__ = ["BLOCK", "KVCache", "Pages", "PositionIndexed", "Rows", "Span", "make_caches"]
 
 
 def grown(have: int, n: int, capacity: int, step: int) -> int:
@@ -76,13 +76,38 @@ class Pages:
     share one `Pages`: a slot's position p is in block `tables[slot][p // BLOCK]` of each
     layer's pool, whichever layers a forward pass skips). Block 0 is never handed out: it stays
     zeros, what a row reads past its last block. Freed blocks are reused first; the pool grows
-    (doubling) only when none is free."""
+    (doubling) only when none is free.
+
+    A block may be held by several tables and prefix-cache `Span`s at once (`refs` counts them):
+    a restored prefix shares the blocks that hold it instead of copying them, and a slot about to
+    write into a block someone else holds gets its own copy first (`own`: copy-on-write), so
+    that no write ever reaches another sequence's positions."""
 
     def __init__(self, n_slots: int, capacity: int) -> None:
         self.capacity = capacity  # positions one slot may hold
         self.tables: list[list[int]] = [[] for _ in range(n_slots)]
         self.free: list[int] = []
-        self.n_blocks = 1  # the zero block
+        self.refs = [1]  # holders of each block; the zero block is held for good
+        self.layers: list[Rows] = []  # every layer's pool (what a copy of a block copies)
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.refs)
+
+    def _take(self) -> int:
+        if not self.free:  # double the pool: new blocks at the end
+            n = self.n_blocks
+            grow = max(n, PositionIndexed.step // BLOCK)
+            self.free = list(range(n + grow - 1, n - 1, -1))
+            self.refs += [0] * grow
+        b = self.free.pop()
+        self.refs[b] = 1
+        return b
+
+    def _drop(self, b: int) -> None:
+        self.refs[b] -= 1
+        if not self.refs[b]:
+            self.free.append(b)
 
     def reserve(self, slot: int, n: int) -> None:
         """Blocks for the slot's first `n` positions (ValueError past the capacity)."""
@@ -90,30 +115,109 @@ class Pages:
             raise ValueError(f"KV cache full: {n} tokens, capacity {self.capacity}")
         table = self.tables[slot]
         while len(table) * BLOCK < n:
-            if not self.free:  # double the pool: new blocks at the end
-                grow = max(self.n_blocks, PositionIndexed.step // BLOCK)
-                self.free = list(range(self.n_blocks + grow - 1, self.n_blocks - 1, -1))
-                self.n_blocks += grow
-            table.append(self.free.pop())
+            table.append(self._take())
+
+    def own(self, slot: int, start: int, end: int) -> None:
+        """Blocks for the slot's positions [start, end) that it alone holds, as it is about to
+        write them: a block shared with another holder is copied (every layer's) and the copy
+        takes its place in the slot's table."""
+        self.reserve(slot, end)
+        table = self.tables[slot]
+        for j in range(start // BLOCK, -(-end // BLOCK)):
+            b = table[j]
+            if self.refs[b] > 1:
+                table[j] = self._take()
+                self._copy(b, table[j], 0, BLOCK)
+                self._drop(b)
+
+    def _copy(self, src: int, dst: int, lo: int, hi: int) -> None:
+        for layer in self.layers:
+            layer.copy(src, dst, lo, hi)
 
     def shrink(self, slot: int, n: int) -> None:
         """Keep the slot's blocks for its first `n` positions; the rest go back to the pool."""
         table = self.tables[slot]
         while len(table) * BLOCK >= n + BLOCK:
-            self.free.append(table.pop())
+            self._drop(table.pop())
 
     def release(self, slot: int) -> None:
-        """The slot's blocks go back to the free list."""
-        self.free.extend(reversed(self.tables[slot]))
+        """The slot lets go of its blocks (free once no one else holds them)."""
+        for b in reversed(self.tables[slot]):
+            self._drop(b)
         self.tables[slot] = []
+
+    def span(self, slot: int, start: int, end: int) -> Span:
+        """A handle on the slot's positions [start, end): the blocks that hold them, shared."""
+        table = self.tables[slot]
+        if not 0 <= start <= end <= len(table) * BLOCK:
+            raise ValueError(f"positions [{start}, {end}) are not in the slot's blocks")
+        return Span(self, start, end, table[start // BLOCK : -(-end // BLOCK)])
+
+    def assemble(self, slot: int, spans: Sequence[tuple[Span, int]]) -> int:
+        """Make the slot's table the first n positions of each span in turn (each span starts
+        where the one before it ends): a block that one span fills alone is shared, one where
+        two spans meet is a new block with each one's positions copied in. Returns the positions."""
+        cut, at = [], 0
+        for sp, n in spans:
+            if sp.pages is not self or sp.start != at or not 0 <= n <= sp.end - sp.start:
+                raise ValueError("spans that do not follow each other from position 0")
+            cut.append((sp, at, at + n))
+            at += n
+        if at > self.capacity:
+            raise ValueError(f"KV cache full: {at} tokens, capacity {self.capacity}")
+        self.release(slot)
+        table = self.tables[slot]
+        for j in range(-(-at // BLOCK)):
+            lo, hi = j * BLOCK, min(j * BLOCK + BLOCK, at)
+            parts = [(sp, max(a, lo), min(b, hi)) for sp, a, b in cut if a < hi and b > lo]
+            if len(parts) == 1 and (parts[0][1], parts[0][2]) == (lo, hi):
+                b = parts[0][0].block(j)
+                self.refs[b] += 1
+                table.append(b)
+                continue
+            table.append(self._take())
+            for sp, a, b in parts:
+                self._copy(sp.block(j), table[-1], a - lo, b - lo)
+        return at
 
     @property
     def used(self) -> int:
-        return sum(len(t) for t in self.tables)
+        """Blocks held by tables or spans (each once)."""
+        return self.n_blocks - 1 - len(self.free)
 
     def index(self, slots: Sequence[int], nb: int) -> list[int]:
         """The blocks of `slots`' first nb blocks, row after row, the zero block past a table."""
         return [t[i] if i < len(t) else 0 for t in (self.tables[s] for s in slots) for i in range(nb)]
+
+
+class Span:
+    """A prefix-cache handle (`localllm.prefix_cache`): positions [start, end) of every layer,
+    as the pool blocks that held them when saved (shared: held until `release`)."""
+
+    def __init__(self, pages: Pages, start: int, end: int, blocks: Sequence[int]) -> None:
+        self.pages, self.start, self.end = pages, start, end
+        self.blocks = list(blocks)  # block i: positions of block index start // BLOCK + i
+        for b in self.blocks:
+            pages.refs[b] += 1
+        self.nbytes = len(self.blocks) * sum(layer.block_bytes for layer in pages.layers)
+        self.released = False
+
+    def block(self, j: int) -> int:
+        """The block holding positions [j * BLOCK, (j + 1) * BLOCK) of the span."""
+        return self.blocks[j - self.start // BLOCK]
+
+    def split(self, k: int) -> tuple[Span, Span]:
+        """Two new spans, before and after its first k positions (it stays held)."""
+        cut = self.start + k
+        first = self.start // BLOCK
+        return (Span(self.pages, self.start, cut, self.blocks[: -(-cut // BLOCK) - first]),
+                Span(self.pages, cut, self.end, self.blocks[cut // BLOCK - first :]))  # fmt: skip
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            for b in self.blocks:
+                self.pages._drop(b)
 
 
 class Rows:
@@ -132,6 +236,7 @@ class Rows:
         self.v_head_dim = v_head_dim or head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.pages = pages or Pages(n_slots, capacity)  # one for every layer of a runner
+        self.pages.layers.append(self)
         self.k: torch.Tensor | None = None  # (n_blocks, n_kv, BLOCK, hd)
         self.v: torch.Tensor | None = None
 
@@ -140,9 +245,8 @@ class Rows:
         """Blocks in this layer's pool (the zero block too)."""
         return 0 if self.k is None else self.k.shape[0]
 
-    def reserve(self, slot: int, n: int) -> None:
-        """Blocks for the slot's first `n` positions; the pool grown to what `pages` hands out."""
-        self.pages.reserve(slot, n)
+    def _grow(self) -> None:
+        """The pool grown to the blocks `pages` has handed out."""
         have, want = self.allocated, self.pages.n_blocks
         if want <= have:
             return
@@ -153,9 +257,20 @@ class Rows:
             v[:have] = self.v  # type: ignore[index]
         self.k, self.v = k, v
 
+    def own(self, slot: int, start: int, end: int) -> None:
+        """The slot's positions [start, end) in blocks it alone holds (`Pages.own`), in the pool."""
+        self.pages.own(slot, start, end)
+        self._grow()
+
+    def copy(self, src: int, dst: int, lo: int, hi: int) -> None:
+        """Positions [lo, hi) of block src into block dst."""
+        self._grow()
+        self.k[dst, :, lo:hi] = self.k[src, :, lo:hi]  # type: ignore[index]
+        self.v[dst, :, lo:hi] = self.v[src, :, lo:hi]  # type: ignore[index]
+
     def write(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (1, n_kv, T, hd) at the slot's positions start .. start + T - 1."""
-        self.reserve(slot, start + k.shape[2])
+        self.own(slot, start, start + k.shape[2])
         table, t, done = self.pages.tables[slot], k.shape[2], 0
         while done < t:
             p = start + done
@@ -167,8 +282,12 @@ class Rows:
 
     def read(self, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot's first `end` keys and values as (1, n_kv, end, hd) tensors (a copy)."""
+        return self.gather(self.pages.tables[slot], end)
+
+    def gather(self, blocks: Sequence[int], end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `end` positions of these blocks in turn, as `read` gives a slot's."""
         nb = -(-end // BLOCK)
-        idx = torch.tensor(self.pages.tables[slot][:nb], dtype=torch.long, device=self.device)
+        idx = torch.tensor(blocks[:nb], dtype=torch.long, device=self.device)
         k = self.k.index_select(0, idx).transpose(0, 1).reshape(1, self.n_kv, nb * BLOCK, self.head_dim)  # type: ignore[union-attr]
         v = self.v.index_select(0, idx).transpose(0, 1).reshape(1, self.n_kv, nb * BLOCK, self.v_head_dim)  # type: ignore[union-attr]
         return k[:, :, :end], v[:, :, :end]

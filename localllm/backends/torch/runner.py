@@ -7,7 +7,8 @@ policy, quantized KV types or H2O eviction, caches with buffers of their own (`p
 forward pass evaluates each multi-token piece on its own, in chunks (peak memory does not grow
 with the prompt), then every one-token piece together as one (B, 1) batch that attends over the
 shared rows (`models.base.attend`), each row getting the bits it gets alone. The prefix cache
-(`localllm.prefix_cache`) keeps `_Block`s: a run of positions' keys and values, every layer's.
+(`localllm.prefix_cache`) keeps `cache.Span`s: the pool's blocks that hold a run of positions,
+shared with the slots that restore them (copy-on-write), never copied out.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 from localllm.backends import TORCH
 from localllm.backends.base import Forward, Piece, TextOnly
-from localllm.backends.torch.cache import KVCache, Pages, Rows
+from localllm.backends.torch.cache import KVCache, Pages, Rows, Span
 from localllm.chat import template_for
 from localllm.errors import ContextOverflow, LocalLLMError
 from localllm.memory import parse_kv_cache
@@ -145,16 +146,6 @@ def on_compute_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
         return _EXECUTOR.submit(fn, *args, **kwargs).result()
 
     return run
-
-
-class _Block:
-    """A prefix-cache handle: every layer's (K, V) for a run of positions, (1, n_kv, T, hd) each."""
-
-    def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.kv = kv
-        self.nbytes = sum(
-            k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv
-        )
 
 
 class TorchRunner(TextOnly):
@@ -311,13 +302,19 @@ class TorchRunner(TextOnly):
         return self._caches[slot]
 
     def _forget(self, slot: int) -> None:
-        """Drop the slot's caches, its blocks back to the pool (and the pool once no slot holds
-        blocks of it)."""
+        """Drop the slot's caches, its blocks back to the pool (and the pool once no slot or
+        prefix-cache span holds blocks of it)."""
         if self._rows and self._caches[slot] and getattr(self._caches[slot][0], "rows", None) is not None:
             self._rows[0].pages.release(slot)
         self._caches[slot] = []
         self._peak[slot] = self._step[slot] = 0
-        if not any(getattr(cs[0], "rows", None) is not None for cs in self._caches if cs):
+        self._drop_unused_pool()
+
+    def _drop_unused_pool(self) -> None:
+        """Free the pool once no slot's caches are in it and no span holds a block of it."""
+        if self._rows and not self._rows[0].pages.used and not any(
+            getattr(cs[0], "rows", None) is not None for cs in self._caches if cs
+        ):
             self._rows = None
 
     def held(self, slot: int) -> int:
@@ -505,41 +502,47 @@ class TorchRunner(TextOnly):
         return int(min(512 * 2**20, per_token * self.n_ctx * self.n_slots))
 
     @on_compute_thread
-    @torch.inference_mode()
-    def save(self, slot: int, start: int, end: int) -> _Block:
-        """Every layer's keys and values of positions [start, end) of the slot (a copy)."""
+    def save(self, slot: int, start: int, end: int) -> Span:
+        """A handle on positions [start, end) of the slot: the blocks that hold them, shared."""
         caches = self._caches[slot]
-        if not caches or not all(isinstance(c, KVCache) for c in caches):
+        if not caches or not all(isinstance(c, KVCache) and c.rows is not None for c in caches):
             raise LocalLLMError("only plain float caches can be saved for the prefix cache")
-        if not 0 <= start <= end <= caches[0].offset:
+        if not 0 <= start <= end <= min(c.offset for c in caches):
             raise ValueError(f"positions [{start}, {end}) are not held (the slot holds "
                              f"{caches[0].offset})")  # fmt: skip
-        kv = [c.state for c in caches]
-        return _Block([(k[:, :, start:end].clone(), v[:, :, start:end].clone()) for k, v in kv])  # type: ignore[index]
+        return caches[0].rows.pages.span(slot, start, end)  # type: ignore[union-attr]
 
-    @staticmethod
-    def split(handle: _Block, k: int) -> tuple[_Block, _Block]:
-        """The block cut after its first k positions (views: no copy)."""
-        return (_Block([(a[:, :, :k], b[:, :, :k]) for a, b in handle.kv]),
-                _Block([(a[:, :, k:], b[:, :, k:]) for a, b in handle.kv]))  # fmt: skip
+    @on_compute_thread
+    def split(self, handle: Span, k: int) -> tuple[Span, Span]:
+        """Handles on the span's first k positions and on the rest (the blocks shared again)."""
+        return handle.split(k)
+
+    @on_compute_thread
+    def release(self, handle: Span) -> None:
+        """The prefix cache is done with the span: its blocks go back unless a slot holds them."""
+        handle.release()
+        self._drop_unused_pool()
 
     @on_compute_thread
     @torch.inference_mode()
-    def restore(self, slot: int, pieces: Sequence[tuple[_Block, int]]) -> bool:
-        """Make the slot hold the first n positions of each block in turn; False (the slot
-        left empty) where its caches cannot take them (a context policy, quantized types)."""
+    def restore(self, slot: int, pieces: Sequence[tuple[Span, int]]) -> bool:
+        """Make the slot hold the first n positions of each span in turn, sharing their blocks
+        (the slot copies one only when it writes into it); False (the slot left empty) where its
+        caches cannot take them (a context policy, quantized types, a stale handle)."""
         caches = self._slot(slot)
+        rows = getattr(caches[0], "rows", None)
         if (
-            not all(isinstance(c, KVCache) for c in caches)
+            rows is None
+            or not all(isinstance(c, KVCache) for c in caches)
             or sum(n for _, n in pieces) > self.n_ctx
+            or not all(isinstance(h, Span) and h.pages is rows.pages and not h.released
+                       for h, _ in pieces)  # fmt: skip
         ):
             self._forget(slot)
             return False
+        n = rows.pages.assemble(slot, pieces)
         for c in caches:
-            c.trim(c.offset)
-        for block, n in pieces:
-            for c, (k, v) in zip(caches, block.kv):
-                c.update_and_fetch(k[:, :, :n], v[:, :, :n])
+            c.offset = n
         return True
 
     # -- the rest ------------------------------------------------------------------------------

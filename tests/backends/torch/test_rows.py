@@ -270,11 +270,12 @@ def test_greedy_text_is_the_same_plain_with_lookup_and_beside_seven_in_the_defau
 
 def test_no_block_leaks_after_a_thousand_mixed_requests(tiny_llama: Path) -> None:
     """Prompts of 1-150 tokens, decode steps of several slots together, speculative-style trims,
-    clears at any point, a prefix restored into a slot: every block comes back to the pool."""
+    clears at any point, prefix spans saved, cut and restored into slots (sharing blocks, copied
+    on write): every block comes back to the pool, and each is counted once per holder."""
     r = TorchRunner(tiny_llama, n_ctx=256, n_slots=4, dtype="f32", kv_cache="f32", threads=2)
     rng = np.random.default_rng(7)
     try:
-        block = None
+        spans: list = []  # a kept prefix, cut in two as the tree cuts an edge
         for _ in range(1000):
             s = int(rng.integers(0, 4))
             op = rng.random()
@@ -288,17 +289,77 @@ def test_no_block_leaks_after_a_thousand_mixed_requests(tiny_llama: Path) -> Non
                     r.forward([Piece(x, [int(rng.integers(0, 100))], 1) for x in live])
             elif op < 0.8:
                 r.trim(s, int(rng.integers(0, r.held(s) + 1)))
-            elif op < 0.9:
-                block = r.save(s, 0, r.held(s)) if r.held(s) else block
-            elif block is not None:
-                r.restore(s, [(block, block.kv[0][0].shape[2])])
+            elif op < 0.9:  # a prefix kept (sharing the slot's blocks)
+                for h in spans:
+                    r.release(h)
+                whole = r.save(s, 0, r.held(s))
+                spans = list(r.split(whole, int(rng.integers(0, r.held(s) + 1))))
+                r.release(whole)
+            elif spans:  # restored (the second span in part), then written past
+                head, tail = spans
+                r.restore(s, [(head, head.end), (tail, int(rng.integers(0, tail.end - tail.start + 1)))])
             else:
                 r.clear(s)
         pages = r._rows[0].pages if r._rows else None
-        assert pages is not None and pages.used == sum(-(-r.held(x) // 64) for x in range(4) if r._caches[x])
+        assert pages is not None
+        kept = [b for h in spans for b in h.blocks]
+        held = {b for x in range(4) if r._caches[x] for b in pages.tables[x]}
+        assert pages.used == len(held | set(kept))
+        assert all(pages.refs[b] == sum(t.count(b) for t in pages.tables) + kept.count(b)
+                   for b in range(1, pages.n_blocks))  # fmt: skip
         for s in range(4):
             r.clear(s)
-        assert r._rows is None  # every slot empty: the pool is gone
+        assert r._rows is not None and pages.used == len(set(kept))  # the spans keep their blocks
+        for h in spans:
+            r.release(h)
+        assert r._rows is None  # every slot empty, no span: the pool is gone
         assert len(pages.free) == pages.n_blocks - 1 and pages.used == 0  # all but the zero block
     finally:
         r.close()
+
+
+def test_a_restored_prefix_shares_its_blocks_and_writes_never_reach_another_sequence(
+    tiny_llama: Path,
+) -> None:
+    """A saved prefix is the slot's blocks, not a copy; three slots restored from it (one in
+    part, one from two spans that meet inside a block) and the slot it came from each write on
+    past it: each gets the logits a fresh evaluation of its own tokens gives, and the span still
+    holds what it held (a slot writing into a shared block writes into its own copy of it)."""
+    r = TorchRunner(tiny_llama, n_ctx=256, n_slots=4, dtype="f32", kv_cache="f32", threads=2)
+    fresh = TorchRunner(tiny_llama, n_ctx=256, n_slots=1, dtype="f32", kv_cache="f32", threads=2)
+    p, x0, x1, x2, x3 = prompts([100, 9, 9, 9, 9], seed=4)
+
+    def alone(tokens: list[int], tail: list[int]) -> np.ndarray:
+        fresh.clear(0)
+        fresh.forward([Piece(0, tokens, 0)])
+        return fresh.forward([Piece(0, tail, 1)]).logits
+
+    try:
+        r.forward([Piece(0, p, 0)])
+        pages = r._rows[0].pages  # type: ignore[index]
+        before = pages.used
+        whole = r.save(0, 0, 100)
+        kept = [x.clone() for x in r._caches[0][1].state]  # layer 1's keys and values
+        assert pages.used == before and whole.blocks == pages.tables[0]  # shared, no copy
+        head, tail = r.split(whole, 40)  # the tree cuts the edge inside the first block
+        assert r.restore(1, [(whole, 100)]) and r.restore(2, [(whole, 70)])
+        assert r.restore(3, [(head, 40), (tail, 60)])
+        assert pages.tables[1] == pages.tables[0] and pages.tables[2] == pages.tables[0][:2]
+        assert pages.tables[3][1] == pages.tables[0][1] != pages.tables[3][0]  # 40 | 60 met in block 0
+        assert pages.used == before + 1  # that one block is all the restores made
+        out = r.forward([Piece(0, x0, 1), Piece(1, x1, 1), Piece(2, x2, 1), Piece(3, x3, 1)]).logits
+        want = [alone(p, x0), alone(p, x1), alone(p[:70], x2), alone(p, x3)]
+        for got, w in zip(out, want):
+            assert np.abs(got - w[0]).max() <= 1e-5
+        # block 1 (positions 64-127) was written by all four: four copies of it, the span's untouched
+        assert len({pages.tables[s][1] for s in range(4)} | {whole.blocks[1]}) == 5
+        assert all(pages.tables[s][0] == whole.blocks[0] for s in (0, 1, 2))  # never written
+        assert all(torch.equal(a, b) for a, b in zip(r._rows[1].gather(whole.blocks, 100), kept))  # type: ignore[index]
+        for h in (whole, head, tail):
+            r.release(h)
+        for s in range(4):
+            r.clear(s)
+        assert r._rows is None
+    finally:
+        r.close()
+        fresh.close()

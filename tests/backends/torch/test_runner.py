@@ -182,14 +182,17 @@ def test_a_saved_prefix_restores_into_another_slot(run: TorchRunner) -> None:
     text = ids(50)
     run.forward([Piece(0, text, 0)])
     want = run.forward([Piece(0, [5], 1)]).logits
-    head, tail = run.split(run.save(0, 0, 50), 20)
-    assert head.nbytes + tail.nbytes == run.save(0, 0, 50).nbytes
+    whole = run.save(0, 0, 50)
+    head, tail = run.split(whole, 20)
+    assert head.nbytes == tail.nbytes == whole.nbytes  # each the one block (shared) its positions are in
     run.forward([Piece(1, ids(10, 4), 0)])  # the restore replaces what slot 1 held
     assert run.restore(1, [(head, 20), (tail, 30)]) and run.held(1) == 50
     assert np.array_equal(run.forward([Piece(1, [5], 1)]).logits, want)
     assert run.restore(2, [(head, 12)]) and run.held(2) == 12  # a shorter prefix of a block
     with pytest.raises(ValueError, match="positions"):
         run.save(0, 40, 60)
+    for h in (whole, head, tail):
+        run.release(h)
 
 
 def test_streaming_shifts_are_reported_and_a_restore_refused(run: TorchRunner) -> None:

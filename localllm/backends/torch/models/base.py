@@ -391,7 +391,7 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequ
     g = h // kv
     slots, offsets = [c.slot for c in caches], [c.offset for c in caches]
     for s_, o in zip(slots, offsets):
-        rows.reserve(s_, o + t)
+        rows.own(s_, o, o + t)  # a block shared with a cached prefix is copied first
     # T queries of a row attend as T rows of one query each: entry (row, j) reads its row's keys
     # up to position offset + j. Every layer of a step has the same plan (one `Pages` for all).
     key = (tuple(slots), tuple(offsets), t, window)
