@@ -50,6 +50,11 @@ class ContextOverflow(LocalLLMError):
     """Prompt and generation do not fit the context and no shifting policy was chosen."""
 
 
+class OutOfBlocks(LocalLLMError):
+    """The KV pool has no free block for a forward pass (it changed nothing): the engine makes
+    room — drops unused prefix-cache entries, or puts a request back to wait for a slot's blocks."""
+
+
 class BackendUnavailable(LocalLLMError):
     """A backend cannot run on this machine (not installed, or its probe crashed): reason and fix."""
 

@@ -42,7 +42,7 @@ from localllm.engine.speculative import (
     accept,
     check_speculative,
 )
-from localllm.errors import ContextOverflow, LocalLLMError, Unsupported
+from localllm.errors import ContextOverflow, LocalLLMError, OutOfBlocks, Unsupported
 from localllm.prefix_cache import RadixCache
 from localllm.types import (
     Chunk,
@@ -259,6 +259,8 @@ class Model:
         self.prefix_cache = RadixCache(runner, budget) if budget else None
         self.running = 0  # sequences holding a slot, as of the last step (for metrics and `ps`)
         self.waiting = 0  # submitted requests waiting for a slot
+        self._deferred: list[_Job] = []  # put back to wait for KV blocks (`_make_room`)
+        self._room_wait = False  # no admission until a running sequence ends and frees blocks
         self._thread.start()
 
     @property
@@ -431,7 +433,9 @@ class Model:
                 for job in [j for j in waiting if j.cancel.is_set()]:
                     waiting.remove(job)
                     self._admit(job)  # cancelled while waiting: it ends now, without a slot
-                while waiting and len(running) < self.parallel:
+                if not running:
+                    self._room_wait = False
+                while waiting and len(running) < self.parallel and not self._room_wait:
                     live = self._admit(waiting.popleft())
                     if live is not None:
                         running.append(live)
@@ -441,6 +445,8 @@ class Model:
                 self.running, self.waiting = len(running), len(waiting)
                 if running:
                     self._step(running)
+                waiting.extendleft(reversed(self._deferred))  # first again, in their order
+                self._deferred.clear()
 
     def _admit(self, job: _Job) -> _Live | None:
         """Prepare a waiting job and give it a slot; errors go to its consumer, not the model."""
@@ -519,6 +525,8 @@ class Model:
                     k = self._draft_room(live)
                     try:
                         drafts[live] = live.drafter.propose(live, k) if k > 0 else Draft([])
+                    except OutOfBlocks:  # no room for drafts now: a plain step
+                        drafts[live] = Draft([])
                     except Exception as e:  # noqa: BLE001 - its request fails, the others go on
                         running.remove(live)
                         self._fail(live, _one_line(e))
@@ -563,6 +571,9 @@ class Model:
                         out[lv] = self._verify(lv, rows, drafts[lv], t0)
                     else:
                         out[lv] = [replace(self._sample(lv, rows[-1]), passes=1)]
+        except OutOfBlocks as e:  # the failed forward changed nothing: the next step retries
+            self._make_room(running, _one_line(e))
+            return
         except Exception as e:  # noqa: BLE001 - every sequence in the step fails; the model lives
             error = _one_line(e)
             for live in [lv for lv in running if lv in plan or lv in drafts]:
@@ -587,6 +598,29 @@ class Model:
             if live.asm.done:
                 running.remove(live)
                 self._end(live, live.asm.finish())
+
+    def _make_room(self, running: list[_Live], error: LocalLLMError) -> None:
+        """A forward found no free KV block: drop what the prefix cache holds unused and what
+        free slots keep of their last sequence; else put the newest sequence without output back
+        to wait (first in line) until a running one ends. One with output, or alone (it cannot
+        fit at all), fails with `error`."""
+        cache = self.prefix_cache
+        if cache is not None and cache.evict(0):
+            return
+        if any(self.runner.held(s.sid) for s in self.slots.free):
+            self.drop_caches()
+            return
+        fresh = [lv for lv in running if not (lv.asm.out or lv.asm.t_first)]
+        if fresh and len(running) > 1:
+            live = fresh[-1]
+            running.remove(live)
+            self._release(live, keep=False)
+            self._deferred.append(live.job)
+            self._room_wait = True
+            return
+        live = running.pop()
+        self._fail(live, LocalLLMError(f"{error}: no room for this sequence beside the others"
+                                       if running else f"{error}: this request does not fit"))  # fmt: skip
 
     def _fail(self, live: _Live, error: LocalLLMError) -> None:
         """End a sequence with `error`: in its result once it has output, else as the error."""
@@ -662,6 +696,7 @@ class Model:
                     if len(tokens) >= PREFIX_MIN:
                         cache.insert(tokens, lambda a, b: self.runner.save(slot.sid, a, b))
         slot.busy = False
+        self._room_wait = False  # its blocks may be what a waiting request needs
         if not keep or not slot.exact:
             with contextlib.suppress(Exception):  # a slot that cannot be cleared is cleared later
                 self.runner.clear(slot.sid)

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
+from localllm.errors import OutOfBlocks
+
 __all__ = ["BLOCK", "KVCache", "Pages", "PositionIndexed", "Rows", "Span", "make_caches"]
 
 
@@ -83,8 +85,9 @@ class Pages:
     write into a block someone else holds gets its own copy first (`own`: copy-on-write), so
     that no write ever reaches another sequence's positions."""
 
-    def __init__(self, n_slots: int, capacity: int) -> None:
+    def __init__(self, n_slots: int, capacity: int, limit: int | None = None) -> None:
         self.capacity = capacity  # positions one slot may hold
+        self.limit = limit  # blocks the pool may grow to, the zero block too (None: no bound)
         self.tables: list[list[int]] = [[] for _ in range(n_slots)]
         self.free: list[int] = []
         self.refs = [1]  # holders of each block; the zero block is held for good
@@ -98,6 +101,11 @@ class Pages:
         if not self.free:  # double the pool: new blocks at the end
             n = self.n_blocks
             grow = max(n, PositionIndexed.step // BLOCK)
+            if self.limit is not None:
+                if n >= self.limit:
+                    raise OutOfBlocks(f"the KV pool's {self.limit - 1} blocks of {BLOCK} positions "
+                                      "are all in use")  # fmt: skip
+                grow = min(grow, self.limit - n)
             self.free = list(range(n + grow - 1, n - 1, -1))
             self.refs += [0] * grow
         b = self.free.pop()

@@ -26,9 +26,9 @@ import torch
 
 from localllm.backends import TORCH
 from localllm.backends.base import Forward, Piece, TextOnly
-from localllm.backends.torch.cache import KVCache, Pages, Rows, Span
+from localllm.backends.torch.cache import BLOCK, KVCache, Pages, Rows, Span
 from localllm.chat import template_for
-from localllm.errors import ContextOverflow, LocalLLMError
+from localllm.errors import ContextOverflow, LocalLLMError, OutOfBlocks
 from localllm.memory import parse_kv_cache
 from localllm.types import ContextPolicy
 
@@ -158,7 +158,8 @@ class TorchRunner(TextOnly):
     @on_compute_thread  # loading is torch work too
     def __init__(self, path: str | Path, *, n_ctx: int, n_slots: int = 1, max_batch: int = 256,
                  device: str = "auto", dtype: str = "auto", kv_cache: str = "f16",
-                 evict: str | None = None, threads: int | None = None) -> None:  # fmt: skip
+                 evict: str | None = None, threads: int | None = None,
+                 kv_blocks: int | None = None) -> None:  # fmt: skip
         """Args:
         n_ctx: positions per slot.
         n_slots: caches held at once.
@@ -168,6 +169,8 @@ class TorchRunner(TextOnly):
             int4, int2 codes: `kvquant`); attention computes in the working dtype.
         evict: `h2o:BUDGET` (`policies.H2OCache`) or None. StreamingLLM is per slot (`clear`).
         threads: torch's CPU threads (None: as torch has them).
+        kv_blocks: blocks of 64 positions the slots' paged pool may hold (None: every slot full
+            and the prefix cache's budget; fewer, and a request waits for blocks to come free).
         """
         if threads:
             torch.set_num_threads(threads)
@@ -227,6 +230,7 @@ class TorchRunner(TextOnly):
         self._peak = [0] * self.n_slots  # the most bytes a slot's caches held since `clear`
         self._step = [0] * self.n_slots  # the largest float copy attention read in one layer
         self._rows: list[Rows] | None = None  # every slot's plain caches, per layer (`new_caches`)
+        self.kv_blocks = kv_blocks
         self._lock = threading.Lock()  # embed() may come from another thread than the engine's
 
     def _load(self, path: str | Path) -> tuple[Any, Any, dict[str, Any]]:
@@ -283,7 +287,7 @@ class TorchRunner(TextOnly):
             if self._rows is None:
                 a = self.model.args
                 k = self.kv_types[0]
-                pages = Pages(self.n_slots, self.n_ctx)  # one table per slot for every layer
+                pages = Pages(self.n_slots, self.n_ctx, self._pool_blocks())  # one for every layer
                 self._rows = [Rows(self.n_slots, a.n_kv_heads, a.head_dim, self.n_ctx,
                                    dtype=_KV_DTYPES.get(k, self.compute_dtype),
                                    device=self.torch_device, pages=pages)
@@ -292,6 +296,16 @@ class TorchRunner(TextOnly):
         return make_caches(self.model, self.n_ctx, kv_types=self.kv_types, policy=policy,
                            budget=self.budget, dtype=self.compute_dtype, device=self.torch_device,
                            rows=rows, slot=slot or 0)  # fmt: skip
+
+    def _pool_blocks(self) -> int:
+        """Blocks the pool may grow to: `kv_blocks`, or as many as every slot full and a prefix
+        cache at its budget hold (then only a prefix entry in use past its budget waits)."""
+        if self.kv_blocks:
+            return self.kv_blocks + 1  # and the zero block
+        a = self.model.args
+        size = torch.empty(0, dtype=_KV_DTYPES.get(self.kv_types[0], self.compute_dtype)).element_size()
+        block = self.n_layers * 2 * a.n_kv_heads * BLOCK * a.head_dim * size
+        return self.n_slots * -(-self.n_ctx // BLOCK) + -(-self.prefix_budget // block) + 1
 
     def _slot(self, slot: int) -> list[Any]:
         """The slot's caches, made for its policy on first use."""
@@ -434,6 +448,9 @@ class TorchRunner(TextOnly):
                     continue
                 for c, n in zip(caches, offsets):
                     c.trim(c.offset - n)
+                rows = getattr(caches[0], "rows", None) if caches else None
+                if rows is not None:  # blocks taken for positions it did not keep go back
+                    rows.pages.shrink(slot, max(offsets))
             if isinstance(e, torch.OutOfMemoryError):
                 tokens = sum(len(p.tokens) for p in pieces)
                 raise LocalLLMError(
@@ -540,7 +557,11 @@ class TorchRunner(TextOnly):
         ):
             self._forget(slot)
             return False
-        n = rows.pages.assemble(slot, pieces)
+        try:
+            n = rows.pages.assemble(slot, pieces)
+        except OutOfBlocks:  # where two spans meet it needs a block of its own
+            self._forget(slot)
+            return False
         for c in caches:
             c.offset = n
         return True

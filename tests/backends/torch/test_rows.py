@@ -21,6 +21,7 @@ from localllm.backends.base import Piece  # noqa: E402
 from localllm.backends.torch.cache import KVCache, Rows  # noqa: E402
 from localllm.backends.torch.models import base  # noqa: E402
 from localllm.backends.torch.runner import TorchRunner  # noqa: E402
+from localllm.errors import LocalLLMError  # noqa: E402
 
 ORDER = (3, 1, 0, 7, 6, 2, 5, 4)  # the caller's order of the slots: not the slots' own
 
@@ -363,3 +364,31 @@ def test_a_restored_prefix_shares_its_blocks_and_writes_never_reach_another_sequ
     finally:
         r.close()
         fresh.close()
+
+
+def test_out_of_blocks_is_a_wait_for_room_never_a_crash(tiny_llama: Path) -> None:
+    """A pool of 3 blocks (192 positions) for 4 slots: of four requests of ~100-token prompts
+    (two blocks each, with the answer) one holds its blocks at a time. Those that find no room wait (first in line) until another
+    ends; every one gets the greedy tokens it gets alone. A request that cannot fit even alone
+    fails in one line, and the others go on."""
+    from localllm.engine.core import Model
+    from localllm.types import LoadOptions, Request, SamplingParams
+
+    words = "the cat sat on a mat and looked at the dog who ran round the garden after a ball "
+    prompts_ = [f"{i} {words * 5}" for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    alone_r = TorchRunner(tiny_llama, n_ctx=512, n_slots=1, dtype="f32", kv_cache="f32", threads=2)
+    with Model(alone_r, "alone") as m:
+        want = [m.submit(Request(prompt=p, sampling=greedy)).wait().token_ids for p in prompts_]
+    r = TorchRunner(tiny_llama, n_ctx=512, n_slots=4, dtype="f32", kv_cache="f32", threads=2,
+                    kv_blocks=3)  # fmt: skip
+    assert 64 < len(r.tokenize(prompts_[0])) < 128  # two blocks each, with its answer
+    with Model(r, "tight", options=LoadOptions(parallel=4)) as m:
+        streams = [m.submit(Request(prompt=p, sampling=greedy)) for p in prompts_]
+        assert [s.wait().token_ids for s in streams] == want
+        assert m._deferred == [] and not m._room_wait
+        big = m.submit(Request(prompt=words * 11, sampling=greedy))  # ~200 tokens: 4 blocks
+        small = m.submit(Request(prompt=prompts_[1], sampling=greedy))
+        with pytest.raises(LocalLLMError, match="KV pool's 3 blocks .* this request does not fit"):
+            big.wait()
+        assert small.wait().token_ids == want[1]
