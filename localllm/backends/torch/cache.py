@@ -23,7 +23,7 @@ import torch
 
 from localllm.errors import OutOfBlocks
 
-__all__ = ["BLOCK", "KVCache", "Pages", "PositionIndexed", "Rows", "Span", "make_caches"]
+__all__ = ["BLOCK", "KVCache", "Pages", "PositionIndexed", "Prefix", "Rows", "Span", "make_caches"]
 
 
 def grown(have: int, n: int, capacity: int, step: int) -> int:
@@ -83,12 +83,19 @@ class Pages:
     A block may be held by several tables and prefix-cache `Span`s at once (`refs` counts them):
     a restored prefix shares the blocks that hold it instead of copying them, and a slot about to
     write into a block someone else holds gets its own copy first (`own`: copy-on-write), so
-    that no write ever reaches another sequence's positions."""
+    that no write ever reaches another sequence's positions.
 
-    def __init__(self, n_slots: int, capacity: int, limit: int | None = None) -> None:
+    The pages of sliding-window layers (`window`: a key is visible from query q when q - k <
+    window) keep only the blocks a query from the slot's next position can see: the older ones
+    go back to the pool as the slot writes on, their table entries the zero block (`first`)."""
+
+    def __init__(self, n_slots: int, capacity: int, limit: int | None = None,
+                 window: int = 0) -> None:  # fmt: skip
         self.capacity = capacity  # positions one slot may hold
         self.limit = limit  # blocks the pool may grow to, the zero block too (None: no bound)
+        self.window = window
         self.tables: list[list[int]] = [[] for _ in range(n_slots)]
+        self.first = [0] * n_slots  # a window's slot: its blocks before this one are dropped
         self.free: list[int] = []
         self.refs = [1]  # holders of each block; the zero block is held for good
         self.layers: list[Rows] = []  # every layer's pool (what a copy of a block copies)
@@ -113,6 +120,8 @@ class Pages:
         return b
 
     def _drop(self, b: int) -> None:
+        if not b:  # the zero block (a dropped position's entry) is held for good
+            return
         self.refs[b] -= 1
         if not self.refs[b]:
             self.free.append(b)
@@ -137,6 +146,17 @@ class Pages:
                 table[j] = self._take()
                 self._copy(b, table[j], 0, BLOCK)
                 self._drop(b)
+        if self.window:  # what no query from `start` on can see (a trim never goes before it)
+            first = self.first[slot]
+            while (first + 1) * BLOCK <= start - self.window:
+                self._drop(table[first])
+                table[first] = 0
+                first += 1
+            self.first[slot] = first
+
+    def keeps(self, slot: int, start: int) -> bool:
+        """Whether the slot still holds every key a query from position `start` can see."""
+        return self.first[slot] * BLOCK <= max(0, start - self.window + 1)
 
     def _copy(self, src: int, dst: int, lo: int, hi: int) -> None:
         for layer in self.layers:
@@ -147,12 +167,14 @@ class Pages:
         table = self.tables[slot]
         while len(table) * BLOCK >= n + BLOCK:
             self._drop(table.pop())
+        self.first[slot] = min(self.first[slot], len(table))
 
     def release(self, slot: int) -> None:
         """The slot lets go of its blocks (free once no one else holds them)."""
         for b in reversed(self.tables[slot]):
             self._drop(b)
         self.tables[slot] = []
+        self.first[slot] = 0
 
     def span(self, slot: int, start: int, end: int) -> Span:
         """A handle on the slot's positions [start, end): the blocks that hold them, shared."""
@@ -164,7 +186,9 @@ class Pages:
     def assemble(self, slot: int, spans: Sequence[tuple[Span, int]]) -> int:
         """Make the slot's table the first n positions of each span in turn (each span starts
         where the one before it ends): a block that one span fills alone is shared, one where
-        two spans meet is a new block with each one's positions copied in. Returns the positions."""
+        two spans meet is a new block with each one's positions copied in. Returns the positions.
+        Under a window, only the blocks the next query sees (LookupError where a span dropped
+        one of them)."""
         cut, at = [], 0
         for sp, n in spans:
             if sp.pages is not self or sp.start != at or not 0 <= n <= sp.end - sp.start:
@@ -173,11 +197,19 @@ class Pages:
             at += n
         if at > self.capacity:
             raise ValueError(f"KV cache full: {at} tokens, capacity {self.capacity}")
-        self.release(slot)
-        table = self.tables[slot]
-        for j in range(-(-at // BLOCK)):
+        first = max(0, at - self.window + 1) // BLOCK if self.window else 0
+        parts_of = []
+        for j in range(first, -(-at // BLOCK)):
             lo, hi = j * BLOCK, min(j * BLOCK + BLOCK, at)
             parts = [(sp, max(a, lo), min(b, hi)) for sp, a, b in cut if a < hi and b > lo]
+            if any(sp.block(j) == 0 for sp, _, _ in parts):
+                raise LookupError("the prefix's window was dropped where it would be needed")
+            parts_of.append((j, lo, hi, parts))
+        self.release(slot)
+        table = self.tables[slot]
+        table += [0] * first
+        self.first[slot] = first
+        for j, lo, hi, parts in parts_of:
             if len(parts) == 1 and (parts[0][1], parts[0][2]) == (lo, hi):
                 b = parts[0][0].block(j)
                 self.refs[b] += 1
@@ -193,9 +225,9 @@ class Pages:
         """Blocks held by tables or spans (each once)."""
         return self.n_blocks - 1 - len(self.free)
 
-    def index(self, slots: Sequence[int], nb: int) -> list[int]:
-        """The blocks of `slots`' first nb blocks, row after row, the zero block past a table."""
-        return [t[i] if i < len(t) else 0 for t in (self.tables[s] for s in slots) for i in range(nb)]
+    def index(self, slots: Sequence[int], lo: int, hi: int) -> list[int]:
+        """Blocks lo .. hi - 1 of `slots`, row after row, the zero block past a table."""
+        return [t[i] if i < len(t) else 0 for t in (self.tables[s] for s in slots) for i in range(lo, hi)]
 
 
 class Span:
@@ -206,8 +238,10 @@ class Span:
         self.pages, self.start, self.end = pages, start, end
         self.blocks = list(blocks)  # block i: positions of block index start // BLOCK + i
         for b in self.blocks:
-            pages.refs[b] += 1
-        self.nbytes = len(self.blocks) * sum(layer.block_bytes for layer in pages.layers)
+            if b:  # not a window's dropped position
+                pages.refs[b] += 1
+        held = sum(1 for b in self.blocks if b)
+        self.nbytes = held * sum(layer.block_bytes for layer in pages.layers)
         self.released = False
 
     def block(self, j: int) -> int:
@@ -226,6 +260,28 @@ class Span:
             self.released = True
             for b in self.blocks:
                 self.pages._drop(b)
+
+
+class Prefix:
+    """A prefix-cache handle on positions [start, end) of a runner's slot: one `Span` in each of
+    its page sets (the sliding-window layers' and the others')."""
+
+    def __init__(self, spans: Sequence[Span]) -> None:
+        self.spans = list(spans)
+        self.start, self.end = self.spans[0].start, self.spans[0].end
+        self.nbytes = sum(sp.nbytes for sp in self.spans)
+
+    @property
+    def released(self) -> bool:
+        return any(sp.released for sp in self.spans)
+
+    def split(self, k: int) -> tuple[Prefix, Prefix]:
+        cuts = [sp.split(k) for sp in self.spans]
+        return Prefix([a for a, _ in cuts]), Prefix([b for _, b in cuts])
+
+    def release(self) -> None:
+        for sp in self.spans:
+            sp.release()
 
 
 class Rows:
@@ -289,8 +345,10 @@ class Rows:
             done += n
 
     def read(self, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slot's first `end` keys and values as (1, n_kv, end, hd) tensors (a copy)."""
-        return self.gather(self.pages.tables[slot], end)
+        """The slot's keys and values up to `end` as (1, n_kv, L, hd) tensors (a copy): all `end`
+        of them, or under a window the last L from its first held block."""
+        lo = self.pages.first[slot]
+        return self.gather(self.pages.tables[slot][lo:], end - lo * BLOCK)
 
     def gather(self, blocks: Sequence[int], end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `end` positions of these blocks in turn, as `read` gives a slot's."""
@@ -375,6 +433,10 @@ class KVCache(PositionIndexed):
         return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
 
     residual_bytes = 0  # nothing is kept beside the cache itself
+
+    def exact(self, n: int) -> bool:
+        """Trimming n keeps every key the next query sees (a window's dropped blocks do not)."""
+        return self.rows is None or self.rows.pages.keeps(self.slot, self.offset - n)
 
     def bytes_per_token(self) -> float:
         """What one more cached token costs, K and V."""

@@ -7,8 +7,8 @@ policy, quantized KV types or H2O eviction, caches with buffers of their own (`p
 forward pass evaluates each multi-token piece on its own, in chunks (peak memory does not grow
 with the prompt), then every one-token piece together as one (B, 1) batch that attends over the
 shared rows (`models.base.attend`), each row getting the bits it gets alone. The prefix cache
-(`localllm.prefix_cache`) keeps `cache.Span`s: the pool's blocks that hold a run of positions,
-shared with the slots that restore them (copy-on-write), never copied out.
+(`localllm.prefix_cache`) keeps `cache.Prefix` handles: the pool's blocks that hold a run of
+positions, shared with the slots that restore them (copy-on-write), never copied out.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from localllm.backends import TORCH
 from localllm.backends.base import Forward, Piece, TextOnly
-from localllm.backends.torch.cache import BLOCK, KVCache, Pages, Rows, Span
+from localllm.backends.torch.cache import BLOCK, KVCache, Pages, Prefix, Rows
 from localllm.chat import template_for
 from localllm.errors import ContextOverflow, LocalLLMError, OutOfBlocks
 from localllm.memory import parse_kv_cache
@@ -284,14 +284,16 @@ class TorchRunner(TextOnly):
 
         rows = None
         if slot is not None:
-            if self._rows is None:
+            if self._rows is None:  # one page set for the layers of each window (0: none)
                 a = self.model.args
                 k = self.kv_types[0]
-                pages = Pages(self.n_slots, self.n_ctx, self._pool_blocks())  # one for every layer
+                windows = [getattr(layer.attention, "window", 0) for layer in self.model.layers]
+                limit = self._pool_blocks()
+                books = {w: Pages(self.n_slots, self.n_ctx, limit, window=w) for w in set(windows)}
                 self._rows = [Rows(self.n_slots, a.n_kv_heads, a.head_dim, self.n_ctx,
                                    dtype=_KV_DTYPES.get(k, self.compute_dtype),
-                                   device=self.torch_device, pages=pages)
-                              for _ in range(a.n_layers)]  # fmt: skip
+                                   device=self.torch_device, pages=books[w])
+                              for w in windows]  # fmt: skip
             rows = self._rows
         return make_caches(self.model, self.n_ctx, kv_types=self.kv_types, policy=policy,
                            budget=self.budget, dtype=self.compute_dtype, device=self.torch_device,
@@ -315,20 +317,28 @@ class TorchRunner(TextOnly):
             self._caches[slot] = self.new_caches(self._policies[slot], slot)
         return self._caches[slot]
 
+    @property
+    def _pages(self) -> list[Pages]:
+        """The pool's page sets (one per window), each once."""
+        return list({id(r.pages): r.pages for r in self._rows or ()}.values())
+
+    def _paged(self, slot: int) -> bool:
+        caches = self._caches[slot]
+        return bool(caches) and getattr(caches[0], "rows", None) is not None
+
     def _forget(self, slot: int) -> None:
         """Drop the slot's caches, its blocks back to the pool (and the pool once no slot or
         prefix-cache span holds blocks of it)."""
-        if self._rows and self._caches[slot] and getattr(self._caches[slot][0], "rows", None) is not None:
-            self._rows[0].pages.release(slot)
+        if self._paged(slot):
+            for pages in self._pages:
+                pages.release(slot)
         self._caches[slot] = []
         self._peak[slot] = self._step[slot] = 0
         self._drop_unused_pool()
 
     def _drop_unused_pool(self) -> None:
         """Free the pool once no slot's caches are in it and no span holds a block of it."""
-        if self._rows and not self._rows[0].pages.used and not any(
-            getattr(cs[0], "rows", None) is not None for cs in self._caches if cs
-        ):
+        if not any(p.used for p in self._pages) and not any(map(self._paged, range(self.n_slots))):
             self._rows = None
 
     def held(self, slot: int) -> int:
@@ -363,9 +373,9 @@ class TorchRunner(TextOnly):
             return False
         for c in caches:
             c.trim(n)
-        rows = getattr(caches[0], "rows", None)
-        if rows is not None:  # blocks past every layer's positions go back to the pool
-            rows.pages.shrink(slot, max(c.offset for c in self._caches[slot]))
+        if self._paged(slot):  # blocks past every layer's positions go back to the pool
+            for pages in self._pages:
+                pages.shrink(slot, max(c.offset for c in self._caches[slot]))
         return True
 
     def kv_bytes(self) -> int:
@@ -448,9 +458,9 @@ class TorchRunner(TextOnly):
                     continue
                 for c, n in zip(caches, offsets):
                     c.trim(c.offset - n)
-                rows = getattr(caches[0], "rows", None) if caches else None
-                if rows is not None:  # blocks taken for positions it did not keep go back
-                    rows.pages.shrink(slot, max(offsets))
+                if self._paged(slot):  # blocks taken for positions it did not keep go back
+                    for pages in self._pages:
+                        pages.shrink(slot, max(offsets))
             if isinstance(e, torch.OutOfMemoryError):
                 tokens = sum(len(p.tokens) for p in pieces)
                 raise LocalLLMError(
@@ -519,7 +529,7 @@ class TorchRunner(TextOnly):
         return int(min(512 * 2**20, per_token * self.n_ctx * self.n_slots))
 
     @on_compute_thread
-    def save(self, slot: int, start: int, end: int) -> Span:
+    def save(self, slot: int, start: int, end: int) -> Prefix:
         """A handle on positions [start, end) of the slot: the blocks that hold them, shared."""
         caches = self._caches[slot]
         if not caches or not all(isinstance(c, KVCache) and c.rows is not None for c in caches):
@@ -527,39 +537,42 @@ class TorchRunner(TextOnly):
         if not 0 <= start <= end <= min(c.offset for c in caches):
             raise ValueError(f"positions [{start}, {end}) are not held (the slot holds "
                              f"{caches[0].offset})")  # fmt: skip
-        return caches[0].rows.pages.span(slot, start, end)  # type: ignore[union-attr]
+        return Prefix([pages.span(slot, start, end) for pages in self._pages])
 
     @on_compute_thread
-    def split(self, handle: Span, k: int) -> tuple[Span, Span]:
-        """Handles on the span's first k positions and on the rest (the blocks shared again)."""
+    def split(self, handle: Prefix, k: int) -> tuple[Prefix, Prefix]:
+        """Handles on the first k positions and on the rest (the blocks shared again)."""
         return handle.split(k)
 
     @on_compute_thread
-    def release(self, handle: Span) -> None:
-        """The prefix cache is done with the span: its blocks go back unless a slot holds them."""
+    def release(self, handle: Prefix) -> None:
+        """The prefix cache is done with the handle: its blocks go back unless a slot holds them."""
         handle.release()
         self._drop_unused_pool()
 
     @on_compute_thread
     @torch.inference_mode()
-    def restore(self, slot: int, pieces: Sequence[tuple[Span, int]]) -> bool:
-        """Make the slot hold the first n positions of each span in turn, sharing their blocks
+    def restore(self, slot: int, pieces: Sequence[tuple[Prefix, int]]) -> bool:
+        """Make the slot hold the first n positions of each handle in turn, sharing their blocks
         (the slot copies one only when it writes into it); False (the slot left empty) where its
-        caches cannot take them (a context policy, quantized types, a stale handle)."""
+        caches cannot take them (a context policy, quantized types, a stale handle, a window
+        that dropped what the next query would see)."""
         caches = self._slot(slot)
-        rows = getattr(caches[0], "rows", None)
+        books = self._pages
         if (
-            rows is None
+            not self._paged(slot)
             or not all(isinstance(c, KVCache) for c in caches)
             or sum(n for _, n in pieces) > self.n_ctx
-            or not all(isinstance(h, Span) and h.pages is rows.pages and not h.released
-                       for h, _ in pieces)  # fmt: skip
+            or not all(isinstance(h, Prefix) and not h.released
+                       and [sp.pages for sp in h.spans] == books for h, _ in pieces)  # fmt: skip
         ):
             self._forget(slot)
             return False
         try:
-            n = rows.pages.assemble(slot, pieces)
-        except OutOfBlocks:  # where two spans meet it needs a block of its own
+            n = 0
+            for i, pages in enumerate(books):
+                n = pages.assemble(slot, [(h.spans[i], k) for h, k in pieces])
+        except (OutOfBlocks, LookupError):  # a block where two spans meet; a window's dropped block
             self._forget(slot)
             return False
         for c in caches:

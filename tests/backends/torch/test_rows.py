@@ -303,7 +303,7 @@ def test_no_block_leaks_after_a_thousand_mixed_requests(tiny_llama: Path) -> Non
                 r.clear(s)
         pages = r._rows[0].pages if r._rows else None
         assert pages is not None
-        kept = [b for h in spans for b in h.blocks]
+        kept = [b for h in spans for b in h.spans[0].blocks]
         held = {b for x in range(4) if r._caches[x] for b in pages.tables[x]}
         assert pages.used == len(held | set(kept))
         assert all(pages.refs[b] == sum(t.count(b) for t in pages.tables) + kept.count(b)
@@ -341,7 +341,7 @@ def test_a_restored_prefix_shares_its_blocks_and_writes_never_reach_another_sequ
         before = pages.used
         whole = r.save(0, 0, 100)
         kept = [x.clone() for x in r._caches[0][1].state]  # layer 1's keys and values
-        assert pages.used == before and whole.blocks == pages.tables[0]  # shared, no copy
+        assert pages.used == before and whole.spans[0].blocks == pages.tables[0]  # shared, no copy
         head, tail = r.split(whole, 40)  # the tree cuts the edge inside the first block
         assert r.restore(1, [(whole, 100)]) and r.restore(2, [(whole, 70)])
         assert r.restore(3, [(head, 40), (tail, 60)])
@@ -353,9 +353,9 @@ def test_a_restored_prefix_shares_its_blocks_and_writes_never_reach_another_sequ
         for got, w in zip(out, want):
             assert np.abs(got - w[0]).max() <= 1e-5
         # block 1 (positions 64-127) was written by all four: four copies of it, the span's untouched
-        assert len({pages.tables[s][1] for s in range(4)} | {whole.blocks[1]}) == 5
-        assert all(pages.tables[s][0] == whole.blocks[0] for s in (0, 1, 2))  # never written
-        assert all(torch.equal(a, b) for a, b in zip(r._rows[1].gather(whole.blocks, 100), kept))  # type: ignore[index]
+        assert len({pages.tables[s][1] for s in range(4)} | {whole.spans[0].blocks[1]}) == 5
+        assert all(pages.tables[s][0] == whole.spans[0].blocks[0] for s in (0, 1, 2))  # never written
+        assert all(torch.equal(a, b) for a, b in zip(r._rows[1].gather(whole.spans[0].blocks, 100), kept))  # type: ignore[index]
         for h in (whole, head, tail):
             r.release(h)
         for s in range(4):
@@ -392,3 +392,68 @@ def test_out_of_blocks_is_a_wait_for_room_never_a_crash(tiny_llama: Path) -> Non
         with pytest.raises(LocalLLMError, match="KV pool's 3 blocks .* this request does not fit"):
             big.wait()
         assert small.wait().token_ids == want[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """test_models' tiny Gemma 3 (local layers of window 16, one global), as a GGUF file."""
+    need("transformers", "pip install -e '.[dev]'")
+    need("gguf", "pip install -e '.[dev]'")
+    from backends.torch.test_models import hf_model, write_gguf
+
+    return write_gguf(hf_model("gemma3"), tmp_path_factory.mktemp("gemma") / "gemma3.gguf")
+
+
+def test_sliding_window_layers_keep_only_their_window(tiny_gemma: Path) -> None:
+    """Gemma 3's local layers (window 16) have pages of their own that give back each block no
+    query from the slot's next position can see: two slots, prompts in chunks, then decode steps
+    together and a speculative-style trim, give the logits of the model over plain caches (its
+    attention is oracle-checked against transformers, test_models); the local layers hold the
+    last block or two while the global one holds every position. A trim back past a dropped
+    block is not exact (the slot is cleared), and a prefix restores only where its window is
+    still held."""
+    from localllm.backends.torch.cache import make_caches
+
+    r = TorchRunner(tiny_gemma, n_ctx=256, n_slots=2, max_batch=48, dtype="f32", kv_cache="f32",
+                    threads=2)  # fmt: skip
+    model, a = r.model, r.model.args
+    local = [i for i, layer in enumerate(model.layers) if layer.attention.window]
+    assert local and len(local) < a.n_layers and model.layers[local[0]].attention.window == 16
+    tokens = [[t % 384 for t in p] for p in prompts([230, 230], seed=9)]  # its vocabulary: 384
+    plain = [make_caches(a.n_layers, a.n_kv_heads, a.head_dim, 256, dtype=torch.float32)
+             for _ in range(2)]  # fmt: skip
+
+    def want(row: int, lo: int, hi: int) -> torch.Tensor:
+        with torch.no_grad():
+            x = torch.tensor([tokens[row][lo:hi]])
+            return model.logits(model(x, [plain[row]]))[0]
+
+    try:
+        for row, n in ((0, 200), (1, 130)):
+            got = torch.from_numpy(r.forward([Piece(row, tokens[row][:n], n)]).logits)
+            assert (got - want(row, 0, n)).abs().max() <= 1e-4
+        for step in range(24):
+            at = (200 + step, 130 + step)
+            got = r.forward([Piece(row, [tokens[row][at[row]]], 1) for row in (0, 1)]).logits
+            for row in (0, 1):
+                assert np.abs(got[row] - want(row, at[row], at[row] + 1)[0].numpy()).max() <= 1e-4
+        pages = r._rows[local[0]].pages
+        glob = r._rows[[i for i in range(a.n_layers) if i not in local][0]].pages
+        assert pages is not glob and pages.window == 16 and glob.window == 0
+        # 224 held: a query from 224 on sees keys from 209, in block 3; blocks 0-2 are dropped
+        assert pages.tables[0][:3] == [0, 0, 0] and pages.first[0] == 3 and pages.tables[0][3]
+        assert len(glob.tables[0]) == 4 and all(glob.tables[0])
+        assert r.trim(0, 3, exact=True) and r.held(0) == 221  # what a verification rejects
+        for c in plain[0]:
+            c.trim(3)
+        got = r.forward([Piece(0, tokens[0][221:224], 1)]).logits
+        assert np.abs(got[0] - want(0, 221, 224)[-1].numpy()).max() <= 1e-4
+        saved = r.save(0, 0, 224)
+        assert r.restore(1, [(saved, 224)]) and r.held(1) == 224  # the window it needs is held
+        assert not r.restore(1, [(saved, 100)]) and r.held(1) == 0  # block 1 was dropped
+        assert not r.trim(0, 150, exact=True) and r.held(0) == 0  # back past a dropped block
+        r.release(saved)
+        r.clear(1)
+        assert r._rows is None
+    finally:
+        r.close()

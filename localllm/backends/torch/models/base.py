@@ -338,15 +338,19 @@ class _RowsPlan:
         entries = [s for s in slots for _ in range(t)]  # T queries of a row: T entries
         positions = [o + j for o in offsets for j in range(t)]
         self.n = max(offsets) + t
-        self.nb = -(-self.n // ROW_BLOCK)
+        # a window's keys start at its earliest query's first visible block (the blocks before
+        # it are hidden from every entry: leaving them out changes no bit, `_attend_rows`)
+        lo = max(0, min(positions) - window + 1) // ROW_BLOCK if window else 0
+        self.nb = -(-self.n // ROW_BLOCK) - lo
         # where each entry's new key goes: (block, place in it) through the slot's table
         where = [(pages.tables[s][p // ROW_BLOCK], p % ROW_BLOCK) for s, p in zip(entries, positions)]
         self.single = where[0] if len(where) == 1 else None  # a plain copy for one row, one token
         self.block = torch.tensor([w[0] for w in where], device=device)
         self.place = torch.tensor([w[1] for w in where], device=device)
-        # what each entry reads: its row's first nb blocks (the zero block past its table)
-        self.gather = torch.tensor(pages.index(entries, self.nb), device=device)
-        key = torch.arange(self.nb * ROW_BLOCK, device=device).view(self.nb, 1, 1, ROW_BLOCK)
+        # what each entry reads: its row's blocks lo .. lo + nb - 1 (zero blocks past its table)
+        self.gather = torch.tensor(pages.index(entries, lo, lo + self.nb), device=device)
+        key = torch.arange(lo * ROW_BLOCK, (lo + self.nb) * ROW_BLOCK, device=device)
+        key = key.view(self.nb, 1, 1, ROW_BLOCK)
         length = torch.tensor(positions, device=device).add_(1).view(-1, 1, 1, 1, 1)
         hidden = key >= length  # (E, nb, 1, 1, ROW_BLOCK)
         if window:
@@ -394,7 +398,7 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequ
         rows.own(s_, o, o + t)  # a block shared with a cached prefix is copied first
     # T queries of a row attend as T rows of one query each: entry (row, j) reads its row's keys
     # up to position offset + j. Every layer of a step has the same plan (one `Pages` for all).
-    key = (tuple(slots), tuple(offsets), t, window)
+    key = (id(rows.pages), tuple(slots), tuple(offsets), t, window)
     plan = memo.get(key) if memo is not None else None
     if plan is None:
         plan = _RowsPlan(rows.pages, slots, offsets, t, window, q.device)
