@@ -331,6 +331,20 @@ def rows_streaming_eval(d: dict) -> list[Row]:
     return out
 
 
+def rows_kv_pool(d: dict) -> list[Row]:
+    p, w = d.get("prefix") or {}, d.get("window") or {}
+    mib = lambda x: None if x is None else x / 2**20  # noqa: E731
+    same = lambda r: "" if r.get("same_tokens") else " (tokens DIFFER)"  # noqa: E731
+    return [(f"KV MiB in use, {p.get('slots')} slots on one {p.get('prefix_tokens')}-token prefix: blocks shared{same(p)}",
+             mib(g(p, "shared/kv_bytes")), "copied into each slot", mib(g(p, "copied/kv_bytes")), False, None),
+            ("ms to restore that prefix into a slot, shared", g(p, "shared/restore_ms"), "copied",
+             g(p, "copied/restore_ms"), False, None),
+            (f"Gemma 3: KV MiB in use at {w.get('context_tokens')} tokens, window layers keep their window{same(w)}",
+             mib(g(w, "windowed/kv_bytes")), "every position kept", mib(g(w, "every position/kv_bytes")), False, None),
+            ("Gemma 3: decode ms/token there, windowed", g(w, "windowed/decode_ms_per_token"), "every position kept",
+             g(w, "every position/decode_ms_per_token"), False, None)]  # fmt: skip
+
+
 def rows_gguf_parse(d: dict) -> list[Row]:
     return [(f"{name}: parse seconds, ours", r.get("localllm_s"), "gguf-py's reader", r.get("gguf_py_s"), False)
             for name, r in (d.get("results") or {}).items()]  # fmt: skip
@@ -425,6 +439,7 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict], list[Row]], Callable[[dict,
      rows_run_shared, None),
     ("streaming_eval", "`eval --streaming` by chunks", "5x faster than one token at a time, same perplexity",
      rows_streaming_eval, None),
+    ("kv_pool", "Paged KV pool", "a shared prefix is held once; a window layer holds its window", rows_kv_pool, None),
     ("gguf_parse", "GGUF reading", "hardened and fast", rows_gguf_parse, None),
     ("llamacpp_agreement", "Agreement with llama.cpp", "the same perplexity", rows_agreement, None),
     ("llamacpp_build", "llama.cpp build", "the portable build costs little", rows_build, None),

@@ -23,7 +23,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 # every number the tests hold elsewhere (torch_gemv: tests/backends/torch/test_quantized.py;
 # llamacpp_agreement: tests/backends/torch/test_vs_llamacpp.py); the rest take 2-20 s
 HEAVY = ("torch_engine", "kv_cache", "speculative", "server", "quantize", "torch_gemv", "llamacpp_agreement",
-         "streaming_eval")
+         "streaming_eval", "kv_pool")
 
 
 def bench_lists() -> tuple[list[str], list[tuple]]:

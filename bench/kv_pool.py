@@ -1,0 +1,136 @@
+"""The torch engine's paged KV pool, side by side in one run: a cached prefix shared by blocks
+against copied into each slot, and Gemma 3's sliding-window layers keeping their window against
+keeping every position.
+
+    .venv/bin/python bench/kv_pool.py [--prefix 2000] [--slots 4] [--context 2000] [--quick]
+
+1. Prefix (smollm2, the CPU default precision, f16 keys): one slot evaluates a --prefix-token
+   text (Alice) and the prefix is saved (`runner.save`, as the engine's prefix cache does when a
+   request ends); then --slots slots each take the prefix and greedily decode 16 tokens, all the
+   slots together. `shared`: the runner's restore (the slots' tables point at the prefix's
+   blocks; a slot copies a block only when it writes into it). `copied`: what a restore did
+   before issue 33 — the saved keys and values written into each slot's own blocks
+   (`update_and_fetch` of the prefix's state, every layer). Per variant: ms per restore (median
+   over the slots), KV bytes in use afterwards (blocks held × their bytes, prefix handle
+   included), and the tokens (the same in both).
+2. Window (gemma, the default precision): one slot reads --context tokens of text, then decodes
+   32 tokens greedily. `windowed`: the local layers' pages give back what their window no longer
+   sees (the default); `every position`: those pages keep everything (`Pages.window` 0; the mask
+   still hides the same keys, so the tokens are the same). KV bytes in use and decode ms/token.
+
+Writes bench/results/kv_pool.json (--quick: 300-token prefix, 2 slots, 700-token context;
+bench/results/quick/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from common import corpus_dir, log, save
+from torch_engine import model_path
+
+from localllm.backends.base import Piece
+from localllm.backends.torch.runner import TorchRunner, on_compute_thread
+
+
+def in_use(r: TorchRunner) -> int:
+    """Bytes of the blocks slots and prefix handles hold now, every layer."""
+    return sum(p.used * sum(layer.block_bytes for layer in p.layers) for p in r._pages)
+
+
+def decode(r: TorchRunner, slots: list[int], first: list[int], n: int) -> tuple[list[list[int]], float]:
+    """n greedy steps of the slots together from their `first` tokens: (tokens per slot, seconds)."""
+    out, last = [[] for _ in slots], list(first)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        logits = r.forward([Piece(s, [t], 1) for s, t in zip(slots, last)]).logits
+        last = [int(x) for x in logits.argmax(-1)]
+        for o, t in zip(out, last):
+            o.append(t)
+    return out, time.perf_counter() - t0
+
+
+@on_compute_thread
+def copy_in(r: TorchRunner, slot: int, state: list) -> None:
+    """A restore as it was: the saved keys and values written into the slot's own blocks."""
+    r.clear(slot)
+    for c, (k, v) in zip(r._slot(slot), state):
+        c.update_and_fetch(k, v)
+
+
+def prefix(n_prefix: int, n_slots: int) -> dict:
+    r = TorchRunner(model_path("smollm2"), n_ctx=n_prefix + 64, n_slots=n_slots + 1, threads=None)
+    ids = r.tokenize((corpus_dir() / "alice.txt").read_text())[:n_prefix]
+    out: dict = {"prefix_tokens": len(ids), "slots": n_slots, "dtype": r.dtype, "kv": "f16"}
+    try:
+        for i in range(0, len(ids) - 1, r.max_batch):
+            r.forward([Piece(0, ids[i : min(i + r.max_batch, len(ids) - 1)], 0)])
+        handle = r.save(0, 0, len(ids) - 1)
+        state = [c.state for c in r._caches[0]]  # what the old save copied out
+        r.clear(0)
+        slots = list(range(1, n_slots + 1))
+        for name in ("copied", "shared"):
+            times = []
+            for s in slots:
+                t0 = time.perf_counter()
+                if name == "shared":
+                    assert r.restore(s, [(handle, len(ids) - 1)])
+                else:
+                    copy_in(r, s, state)
+                times.append(time.perf_counter() - t0)
+            tokens, secs = decode(r, slots, [ids[-1]] * n_slots, 16)
+            out[name] = {"restore_ms": 1000 * statistics.median(times), "kv_bytes": in_use(r),
+                         "decode_ms_per_step": 1000 * secs / 16, "tokens": tokens[0]}  # fmt: skip
+            log(f"prefix {name:7} restore {out[name]['restore_ms']:7.2f} ms  KV {in_use(r) / 2**20:7.1f} MiB  "
+                f"decode {out[name]['decode_ms_per_step']:.1f} ms/step")  # fmt: skip
+            for s in slots:
+                r.clear(s)
+        r.release(handle)
+        out["same_tokens"] = out["copied"]["tokens"] == out["shared"]["tokens"]
+        out["kv_ratio"] = out["shared"]["kv_bytes"] / out["copied"]["kv_bytes"]
+        out["restore_speedup"] = out["copied"]["restore_ms"] / out["shared"]["restore_ms"]
+    finally:
+        r.close()
+    return out
+
+
+def window(n_context: int) -> dict:
+    r = TorchRunner(model_path("gemma"), n_ctx=n_context + 64, n_slots=1, threads=None)
+    ids = r.tokenize((corpus_dir() / "alice.txt").read_text())[:n_context]
+    out: dict = {"context_tokens": len(ids), "dtype": r.dtype,
+                 "window": max(getattr(layer.attention, "window", 0) for layer in r.model.layers)}  # fmt: skip
+    try:
+        for name in ("every position", "windowed"):
+            r.clear(0)
+            r._slot(0)  # a fresh pool's pages (made with their windows), now to set the variant on
+            if name == "every position":
+                for p in r._pages:
+                    p.window = 0
+            for i in range(0, len(ids) - 1, r.max_batch):
+                r.forward([Piece(0, ids[i : min(i + r.max_batch, len(ids) - 1)], 0)])
+            tokens, secs = decode(r, [0], [ids[-1]], 32)
+            out[name] = {"kv_bytes": in_use(r), "decode_ms_per_token": 1000 * secs / 32, "tokens": tokens[0]}
+            log(f"window {name:14} KV {in_use(r) / 2**20:7.1f} MiB  decode {out[name]['decode_ms_per_token']:.1f} ms/token")
+        out["same_tokens"] = out["every position"]["tokens"] == out["windowed"]["tokens"]
+        out["kv_ratio"] = out["windowed"]["kv_bytes"] / out["every position"]["kv_bytes"]
+    finally:
+        r.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prefix", type=int, default=2000)
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--context", type=int, default=2000)
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    if a.quick:
+        a.prefix, a.slots, a.context = 300, 2, 700
+    save("kv_pool", {"prefix": prefix(a.prefix, a.slots), "window": window(a.context)}, quick=a.quick)
+
+
+if __name__ == "__main__":
+    main()
