@@ -21,7 +21,8 @@ from conftest import need
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 # smoke runs of 50-85 s each on the 2-core machines, and the two measurements of 20-35 s whose
 # every number the tests hold elsewhere (torch_gemv: tests/backends/torch/test_quantized.py;
-# llamacpp_agreement: tests/backends/torch/test_vs_llamacpp.py); the rest take 2-20 s
+# llamacpp_agreement: tests/backends/torch/test_vs_llamacpp.py; kv_pool: test_rows.py, after
+# loading both models); the rest take 2-20 s
 HEAVY = ("torch_engine", "kv_cache", "speculative", "server", "quantize", "torch_gemv", "llamacpp_agreement",
          "streaming_eval", "kv_pool")
 
