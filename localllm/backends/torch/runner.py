@@ -304,9 +304,7 @@ class TorchRunner(TextOnly):
         cache at its budget hold (then only a prefix entry in use past its budget waits)."""
         if self.kv_blocks:
             return self.kv_blocks + 1  # and the zero block
-        a = self.model.args
-        size = torch.empty(0, dtype=_KV_DTYPES.get(self.kv_types[0], self.compute_dtype)).element_size()
-        block = self.n_layers * 2 * a.n_kv_heads * BLOCK * a.head_dim * size
+        block = BLOCK * sum(c.bytes_per_token() for c in self.new_caches())  # every layer's
         return self.n_slots * -(-self.n_ctx // BLOCK) + -(-self.prefix_budget // block) + 1
 
     def _slot(self, slot: int) -> list[Any]:

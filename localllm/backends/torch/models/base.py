@@ -412,7 +412,8 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequ
     for s_, o in zip(slots, offsets):
         rows.own(s_, o, o + t)  # a block shared with a cached prefix is copied first
     # T queries of a row attend as T rows of one query each: entry (row, j) reads its row's keys
-    # up to position offset + j. Every layer of a step has the same plan (one `Pages` for all).
+    # up to position offset + j. The layers of a step that share a `Pages` (every layer, or every
+    # layer of one window) share a plan.
     key = (id(rows.pages), tuple(slots), tuple(offsets), t, window)
     plan = memo.get(key) if memo is not None else None
     if plan is None:
