@@ -673,6 +673,12 @@ def run(
     speculative: Annotated[
         str | None, typer.Option("--speculative", help="off, lookup, self or draft:MODEL.")
     ] = None,
+    compile_step: Annotated[
+        bool | None,
+        typer.Option("--compile/--no-compile", help="torch engine: run decode steps as one "
+                     "compiled call (default: on CUDA only; on the CPU it pays from the second "
+                     "start, once the compiled kernels are cached under the store)."),
+    ] = None,
     json_schema: Annotated[
         Path | None, typer.Option("--json-schema", help="Constrain output to a JSON schema.")
     ] = None,
@@ -713,7 +719,8 @@ def run(
     # is for `serve`). What the backend cannot do (--evict, --speculative, a KV type) is refused
     # by load() in the backend's words, before anything loads.
     options = LoadOptions(backend=backend, device=device, dtype=dtype, ctx=ctx, kv_cache=kv_cache,
-                          streaming=streaming, evict=evict, speculative=speculative, parallel=1)  # fmt: skip
+                          streaming=streaming, evict=evict, speculative=speculative, parallel=1,
+                          compile=compile_mode(compile_step))  # fmt: skip
     given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
              "seed": seed, "max_tokens": max_tokens}  # fmt: skip
     SamplingParams.from_kwargs(**given)  # a bad value is one line before the model loads
@@ -1118,6 +1125,11 @@ class _EvalProgress:
             self.bar.stop()
 
 
+def compile_mode(flag: bool | None) -> str:
+    """`--compile` / `--no-compile` / neither → the torch engine's compile mode."""
+    return "auto" if flag is None else "on" if flag else "off"
+
+
 def _json_schema_format(path: Path) -> dict[str, Any]:
     """`--json-schema FILE` as an OpenAI response_format (one line for a missing or bad file)."""
     try:
@@ -1271,6 +1283,12 @@ def serve(
         str | None, typer.Option("--speculative", help="off, lookup, self or draft:MODEL (the default per request).")
     ] = None,
     parallel: Annotated[int, typer.Option("--parallel", help="Sequences decoded together per model.")] = 4,
+    compile_step: Annotated[
+        bool | None,
+        typer.Option("--compile/--no-compile", help="torch engine: run decode steps as one "
+                     "compiled call (default: on CUDA only; on the CPU it pays from the second "
+                     "start, once the compiled kernels are cached under the store)."),
+    ] = None,
     queue: Annotated[int, typer.Option("--queue", help="Requests that may wait for a slot before 503.")] = 16,
     cors: Annotated[
         list[str] | None, typer.Option("--cors", help="Origin allowed to call from a browser (repeatable).")
@@ -1289,7 +1307,8 @@ def serve(
     if missing:
         raise missing
     options = LoadOptions(backend=backend, device=device, dtype=dtype, ctx=ctx, kv_cache=kv_cache,
-                          speculative=speculative, parallel=parallel)  # fmt: skip
+                          speculative=speculative, parallel=parallel,
+                          compile=compile_mode(compile_step))  # fmt: skip
     config = ServerConfig(host=host, port=port, models=tuple(model or ()), cors=tuple(cors or ()),
                           api_key=read_api_key(api_key, api_key_file), options=options,
                           queue=queue, max_body=max_body,

@@ -155,6 +155,7 @@ class LoadOptions:
     speculative: str | None = None  # off, lookup, self, draft:MODEL
     threads: int | None = None
     parallel: int = DEFAULT_PARALLEL  # sequences decoded together (continuous batching)
+    compile: str = "auto"  # the torch engine's compiled step: auto (on CUDA), on, off
 
     def __post_init__(self) -> None:
         from localllm import backends
@@ -183,6 +184,8 @@ class LoadOptions:
         object.__setattr__(self, "speculative", _parse_speculative(self.speculative))
         if self.threads is not None and not (isinstance(self.threads, int) and 1 <= self.threads <= 1024):
             raise LocalLLMError(f"--threads must be between 1 and 1024, got {self.threads!r}")
+        if self.compile not in ("auto", "on", "off"):
+            raise LocalLLMError(f"--compile must be auto, on or off, got {self.compile!r}")
         if isinstance(self.parallel, bool) or not isinstance(self.parallel, int) or not 1 <= self.parallel <= 64:
             raise LocalLLMError(f"--parallel must be between 1 and 64, got {self.parallel!r}")
 

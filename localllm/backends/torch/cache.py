@@ -99,6 +99,7 @@ class Pages:
         self.free: list[int] = []
         self.refs = [1]  # holders of each block; the zero block is held for good
         self.layers: list[Rows] = []  # every layer's pool (what a copy of a block copies)
+        self._spare = 0  # `spare`'s block, once taken
 
     @property
     def n_blocks(self) -> int:
@@ -153,6 +154,15 @@ class Pages:
                 table[first] = 0
                 first += 1
             self.first[slot] = first
+
+    def spare(self) -> int:
+        """A block no slot holds, for a compiled step's padding rows to write their keys into
+        (taken on first use, kept for good, not counted `used`)."""
+        if not self._spare:
+            self._spare = self._take()
+            for layer in self.layers:
+                layer._grow()
+        return self._spare
 
     def keeps(self, slot: int, start: int) -> bool:
         """Whether the slot still holds every key a query from position `start` can see."""
@@ -223,7 +233,7 @@ class Pages:
     @property
     def used(self) -> int:
         """Blocks held by tables or spans (each once)."""
-        return self.n_blocks - 1 - len(self.free)
+        return self.n_blocks - 1 - len(self.free) - bool(self._spare)
 
     def index(self, slots: Sequence[int], lo: int, hi: int) -> list[int]:
         """Blocks lo .. hi - 1 of `slots`, row after row, the zero block past a table."""
@@ -291,16 +301,23 @@ class Rows:
     held position. A slot's `KVCache` reads and writes through its table; a decode step of
     several slots writes their new keys with one indexed copy and attends over their blocks in
     one call (`models.base.attend`), where buffers of their own would need one attention call
-    per sequence."""
+    per sequence.
+
+    `static`: the pool is allocated whole (`pages.limit` blocks) on first use and never moves,
+    as a compiled step needs (a CUDA graph replays on fixed addresses); else it doubles as the
+    pages hand out blocks."""
 
     def __init__(self, n_slots: int, n_kv: int, head_dim: int, capacity: int, *, dtype: torch.dtype,
                  device: torch.device | str = "cpu", v_head_dim: int | None = None,
-                 pages: Pages | None = None) -> None:  # fmt: skip
+                 pages: Pages | None = None, static: bool = False) -> None:  # fmt: skip
         self.n_kv, self.head_dim = n_kv, head_dim
         self.v_head_dim = v_head_dim or head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.pages = pages or Pages(n_slots, capacity)  # one for every layer of a runner
         self.pages.layers.append(self)
+        if static and self.pages.limit is None:
+            raise ValueError("a static pool needs pages with a limit")
+        self.static = static
         self.k: torch.Tensor | None = None  # (n_blocks, n_kv, BLOCK, hd)
         self.v: torch.Tensor | None = None
 
@@ -314,6 +331,8 @@ class Rows:
         have, want = self.allocated, self.pages.n_blocks
         if want <= have:
             return
+        if self.static:
+            want = max(want, self.pages.limit)  # type: ignore[type-var]
         k = torch.zeros(want, self.n_kv, BLOCK, self.head_dim, dtype=self.dtype, device=self.device)
         v = torch.zeros(want, self.n_kv, BLOCK, self.v_head_dim, dtype=self.dtype, device=self.device)
         if have:

@@ -37,7 +37,9 @@ it is the faster of the two up to 8 rows, and decode goes from 58 to 67 tokens/s
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -53,6 +55,24 @@ __all__ = ["BlockEmbedding", "Fp16Linear", "Int4Linear", "fbgemm_fp16_available"
 log = logging.getLogger(__name__)
 _fp16_gemm = torch.ops.quantized.linear_dynamic_fp16  # looked up once: each lookup costs a call
 _int4_mm = getattr(torch, "_weight_int4pack_mm_for_cpu", None)  # torch >= 2.5; else no int4
+
+# fbgemm's packed matrix is an object torch.compile cannot trace into (each call split the
+# compiled step into ~90 graphs, slower than eager): a compiled step calls `fp16_gemm` instead,
+# an op the compiler sees as one opaque call, which finds the layer by a number.
+_LAYERS: dict[int, weakref.ref] = {}
+_numbers = itertools.count()
+
+
+@torch.library.custom_op("localllm::fp16_gemm", mutates_args=())
+def fp16_gemm(x: torch.Tensor, layer: int, n_out: int) -> torch.Tensor:
+    """x (..., in) float32 through `Fp16Linear` number `layer`'s packed matrix: (..., n_out)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return _fp16_gemm(rows, _LAYERS[layer]()._packed).view(*x.shape[:-1], n_out)
+
+
+@fp16_gemm.register_fake
+def _(x: torch.Tensor, layer: int, n_out: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], n_out)
 
 
 @functools.cache
@@ -87,6 +107,8 @@ class Fp16Linear(nn.Module):
         # (out, in) fp16 and (out,) fp32; `weight` is None while fbgemm holds the packed copy
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.register_buffer("weight", None)
+        self._number = next(_numbers)
+        _LAYERS[self._number] = weakref.ref(self, lambda _, n=self._number: _LAYERS.pop(n, None))
         self._store(weight.detach())
 
     def _store(self, weight: torch.Tensor) -> None:
@@ -115,6 +137,8 @@ class Fp16Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., in) → (..., out) in x's dtype."""
         if self._packed is not None and x.is_cpu and x.numel():
+            if torch.compiler.is_compiling():
+                return fp16_gemm(x.float(), self._number, self.out_features).to(x.dtype)
             if x.dtype == torch.float32 and x.dim() > 1:  # the hot path: one op (bias added)
                 return _fp16_gemm(x, self._packed)
             rows = x.reshape(-1, self.in_features).float()  # fbgemm takes >= 2-D fp32
@@ -248,6 +272,7 @@ class BlockEmbedding(nn.Module):
     def device(self) -> torch.device:
         return self.blocks.device
 
+    @torch.compiler.disable  # byte decoding: a compiled step starts after it
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (...) → (..., dim)."""
         rows = self.blocks.index_select(0, tokens.reshape(-1))  # (n, bytes per row), a copy

@@ -27,6 +27,8 @@ import torch
 from localllm.backends import TORCH
 from localllm.backends.base import Forward, Piece, TextOnly
 from localllm.backends.torch.cache import BLOCK, KVCache, Pages, Prefix, Rows
+from localllm.backends.torch.compiled import CompiledStep, cache_dir, wanted
+from localllm.backends.torch.models.base import QUERIES_AS_ROWS
 from localllm.chat import template_for
 from localllm.errors import ContextOverflow, LocalLLMError, OutOfBlocks
 from localllm.memory import parse_kv_cache
@@ -159,7 +161,7 @@ class TorchRunner(TextOnly):
     def __init__(self, path: str | Path, *, n_ctx: int, n_slots: int = 1, max_batch: int = 256,
                  device: str = "auto", dtype: str = "auto", kv_cache: str = "f16",
                  evict: str | None = None, threads: int | None = None,
-                 kv_blocks: int | None = None) -> None:  # fmt: skip
+                 kv_blocks: int | None = None, compile: str = "auto") -> None:  # fmt: skip
         """Args:
         n_ctx: positions per slot.
         n_slots: caches held at once.
@@ -171,6 +173,9 @@ class TorchRunner(TextOnly):
         threads: torch's CPU threads (None: as torch has them).
         kv_blocks: blocks of 64 positions the slots' paged pool may hold (None: every slot full
             and the prefix cache's budget; fewer, and a request waits for blocks to come free).
+        compile: `auto` (on CUDA), `on` or `off`: decode steps and verifications of plain
+            paged caches run as one compiled call (`compiled.CompiledStep`; the pool is then
+            allocated whole); everything else, and `off`, runs eagerly.
         """
         if threads:
             torch.set_num_threads(threads)
@@ -231,6 +236,8 @@ class TorchRunner(TextOnly):
         self._step = [0] * self.n_slots  # the largest float copy attention read in one layer
         self._rows: list[Rows] | None = None  # every slot's plain caches, per layer (`new_caches`)
         self.kv_blocks = kv_blocks
+        self.compiled = wanted(compile, self.torch_device)
+        self._compiled: CompiledStep | None = None  # made on the first compiled step
         self._lock = threading.Lock()  # embed() may come from another thread than the engine's
 
     def _load(self, path: str | Path) -> tuple[Any, Any, dict[str, Any]]:
@@ -292,7 +299,7 @@ class TorchRunner(TextOnly):
                 books = {w: Pages(self.n_slots, self.n_ctx, limit, window=w) for w in set(windows)}
                 self._rows = [Rows(self.n_slots, a.n_kv_heads, a.head_dim, self.n_ctx,
                                    dtype=_KV_DTYPES.get(k, self.compute_dtype),
-                                   device=self.torch_device, pages=books[w])
+                                   device=self.torch_device, pages=books[w], static=self.compiled)
                               for w in windows]  # fmt: skip
             rows = self._rows
         return make_caches(self.model, self.n_ctx, kv_types=self.kv_types, policy=policy,
@@ -483,11 +490,17 @@ class TorchRunner(TextOnly):
         model, dev = self.model, self.torch_device
         out: dict[int, torch.Tensor] = {}
         singles = []
+        compiled = self.compiled and not skip
         for i, p in enumerate(pieces):
             if len(p.tokens) == 1:
                 singles.append(i)
                 continue
             caches, tokens = self._caches[p.slot], list(p.tokens)
+            if compiled and len(tokens) <= QUERIES_AS_ROWS and self._plain(p.slot):
+                got = self._run_compiled([p.slot], [tokens])  # a verification of a few drafts
+                if p.logits:
+                    out[i] = got[len(tokens) - p.logits :]
+                continue
             size, n, rows = self._chunk(self._policies[p.slot]), len(tokens), []
             for s in range(0, n, size):
                 chunk = tokens[s : s + size]
@@ -498,7 +511,13 @@ class TorchRunner(TextOnly):
                     rows.append(model.logits(h[max(0, first) :]))
             if rows:
                 out[i] = rows[0] if len(rows) == 1 else torch.cat(rows)
-        if singles:
+        slots = [pieces[i].slot for i in singles]
+        if singles and compiled and all(map(self._plain, slots)):
+            logits = self._run_compiled(slots, [[pieces[i].tokens[0]] for i in singles])
+            for j, i in enumerate(singles):
+                if pieces[i].logits:
+                    out[i] = logits[j : j + 1]
+        elif singles:
             x = torch.tensor([[pieces[i].tokens[0]] for i in singles], dtype=torch.long, device=dev)
             h = model(x, [self._caches[pieces[i].slot] for i in singles], skip=skip)  # (B, 1, dim)
             want = [j for j, i in enumerate(singles) if pieces[i].logits]
@@ -508,6 +527,23 @@ class TorchRunner(TextOnly):
                 for row, j in enumerate(want):
                     out[singles[j]] = logits[row : row + 1]
         return [out[i] for i in range(len(pieces)) if i in out]
+
+    def _plain(self, slot: int) -> bool:
+        """Whether the slot's caches are plain float ones in the paged pool (what a compiled
+        step reads and writes)."""
+        caches = self._slot(slot)
+        return isinstance(caches[0], KVCache) and caches[0].rows is not None
+
+    def _run_compiled(self, slots: list[int], tokens: list[list[int]]) -> torch.Tensor:
+        """T tokens of each slot (as many each) through the compiled step: logits (B·T, vocab)."""
+        if self._compiled is None:
+            self._compiled = CompiledStep(self.model, self.torch_device)
+        caches = [self._caches[s] for s in slots]
+        logits = self._compiled(self._rows, slots, [c[0].offset for c in caches], tokens)  # type: ignore[arg-type]
+        for row in caches:
+            for c in row:
+                c.offset += len(tokens[0])
+        return logits
 
     # -- the prefix cache (`localllm.prefix_cache`): blocks of plain caches ----------------------
 
@@ -639,15 +675,16 @@ def open_runner(path: str | Path, options: Any, *, name: str, digest: str,
                 home: Path | None = None, projector: Path | None = None) -> TorchRunner:  # fmt: skip
     """The registry's factory (a draft model is a second runner the engine opens). A vision
     projector is not read here: the engine refuses a request with images in one line."""
-    del name, digest, home, projector  # the torch runner runs in this process, keeps nothing on disk
+    del name, digest, projector  # the torch runner runs in this process
     from localllm.backends import torch_too_old
 
     old = torch_too_old(torch.__version__)
     if old:
         raise LocalLLMError(old)
+    cache_dir(home)  # compiled kernels kept under the store: a second start reuses them
     return TorchRunner(path, n_ctx=options.ctx, n_slots=options.parallel, device=options.device,
                        dtype=options.dtype, kv_cache=options.kv_cache, evict=options.evict,
-                       threads=options.threads or _default_threads())  # fmt: skip
+                       threads=options.threads or _default_threads(), compile=options.compile)  # fmt: skip
 
 
 def _default_threads() -> int:

@@ -257,7 +257,7 @@ class Masks:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[Any],
-           masks: Masks, *, window: int = 0, scale: float | None = None,
+           masks: Masks | Step, *, window: int = 0, scale: float | None = None,
            k_raw: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Append the new k, v (B, T, KV, hd) to each row's cache and attend from q (B, T, H, hd).
 
@@ -275,6 +275,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[A
     itself; one that `observes` (H2O) gets this step's attention probabilities, which only it
     makes attention compute outside the fused kernel.
     """
+    if isinstance(masks, Step):  # planned beforehand: caches is this layer's (keys, values) pool
+        k_pool, v_pool = caches[0]
+        return rows_attention(q, k, v, k_pool, v_pool, *masks.plans[window], scale=scale)
     outs: list[torch.Tensor | None] = [None] * len(caches)
     if q.shape[1] <= QUERIES_AS_ROWS:
         for group in _row_groups(caches):
@@ -346,24 +349,33 @@ QUERIES_AS_ROWS = 16
 
 class _RowsPlan:
     """What every layer of one step shares in `_attend_rows` for the same rows and window: where
-    the new keys go, the key blocks' count, and the mask as an additive bias (0 or -inf)."""
+    the new keys go, the key blocks' count, and the mask as an additive bias (0 or -inf).
+
+    A compiled step (`compiled.CompiledStep`) pads its entries to `rows` (a batch bucket: a
+    padding entry writes its key into the pages' `spare` block and reads the zero block) and
+    reads at least `blocks` blocks (a dynamic size is never 1: torch specializes 0 and 1)."""
 
     def __init__(self, pages: Any, slots: list[int], offsets: Sequence[int], t: int, window: int,
-                 device: torch.device) -> None:  # fmt: skip
+                 device: torch.device, *, rows: int = 0, blocks: int = 1) -> None:  # fmt: skip
         entries = [s for s in slots for _ in range(t)]  # T queries of a row: T entries
         positions = [o + j for o in offsets for j in range(t)]
         self.n = max(offsets) + t
         # a window's keys start at its earliest query's first visible block (the blocks before
         # it are hidden from every entry: leaving them out changes no bit, `_attend_rows`)
         lo = max(0, min(positions) - window + 1) // ROW_BLOCK if window else 0
-        self.nb = -(-self.n // ROW_BLOCK) - lo
+        self.nb = max(blocks, -(-self.n // ROW_BLOCK) - lo)
         # where each entry's new key goes: (block, place in it) through the slot's table
         where = [(pages.tables[s][p // ROW_BLOCK], p % ROW_BLOCK) for s, p in zip(entries, positions)]
         self.single = where[0] if len(where) == 1 else None  # a plain copy for one row, one token
+        pad = max(0, rows - len(entries))
+        if pad:
+            where += [(pages.spare(), 0)] * pad
+            positions += [lo * ROW_BLOCK] * pad  # sees one key (the zero block's): no NaN
         self.block = torch.tensor([w[0] for w in where], device=device)
         self.place = torch.tensor([w[1] for w in where], device=device)
         # what each entry reads: its row's blocks lo .. lo + nb - 1 (zero blocks past its table)
-        self.gather = torch.tensor(pages.index(entries, lo, lo + self.nb), device=device)
+        gather = pages.index(entries, lo, lo + self.nb) + [0] * (pad * self.nb)
+        self.gather = torch.tensor(gather, device=device).view(len(where), self.nb)
         key = torch.arange(lo * ROW_BLOCK, (lo + self.nb) * ROW_BLOCK, device=device)
         key = key.view(self.nb, 1, 1, ROW_BLOCK)
         length = torch.tensor(positions, device=device).add_(1).view(-1, 1, 1, 1, 1)
@@ -371,6 +383,32 @@ class _RowsPlan:
         if window:
             hidden = hidden | (key < length - window)  # visible when q - k < window
         self.bias = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What `rows_attention` takes: block, place, gather, bias."""
+        return self.block, self.place, self.gather, self.bias
+
+
+class Step:
+    """A forward pass planned beforehand (the compiled step, `compiled.CompiledStep`): the new
+    tokens' positions (B, T) and, for each window (0: none), its rows plan's tensors
+    (`_RowsPlan.tensors`). It stands in for `Masks`, and each layer's `caches` is then its pool's
+    (keys, values): `attend` writes the new keys there and reads through the plan, with no
+    Python number that changes from step to step."""
+
+    def __init__(self, positions: torch.Tensor, plans: dict[int, tuple[torch.Tensor, ...]]) -> None:
+        self.positions, self.plans = positions, plans
+
+
+def step_inputs(caches: Sequence[Sequence[Any]], live: Sequence[int], n_new: int,
+                device: torch.device, step: Step | None = None) -> tuple[torch.Tensor, Masks | Step]:  # fmt: skip
+    """(positions (B, T), masks) of a forward pass over the rows' caches of layers `live`; with
+    a `step`, what it planned."""
+    if step is not None:
+        return step.positions, step
+    pos = positions([[row[i] for i in live] for row in caches], n_new, device)
+    return pos, Masks([row[live[0]].offset for row in caches], n_new, device)
 
 
 def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[Any], *,
@@ -404,10 +442,7 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequ
     (2,000) and 4.7 against 3.7 (eight rows, 2,000): there the float32 copy is the cost. Every
     layer of a step shares one `_RowsPlan` (positions, the mask as a bias): 307 → 166 µs a call
     for one row at 110 keys, SmolLM2's decode 22.7-23.4 → 20.1-20.8 ms a token (issue 33)."""
-    rows = caches[0].rows
-    b0, t, h, hd = q.shape
-    kv = k.shape[2]
-    g = h // kv
+    rows, t = caches[0].rows, q.shape[1]
     slots, offsets = [c.slot for c in caches], [c.offset for c in caches]
     for s_, o in zip(slots, offsets):
         rows.own(s_, o, o + t)  # a block shared with a cached prefix is copied first
@@ -420,22 +455,36 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequ
         plan = _RowsPlan(rows.pages, slots, offsets, t, window, q.device)
         if memo is not None:
             memo[key] = plan
-    b, nb = b0 * t, plan.nb
-    if plan.single is not None:
-        blk, at = plan.single
-        rows.k[blk, :, at] = k[0, 0]  # type: ignore[index]
-        rows.v[blk, :, at] = v[0, 0]  # type: ignore[index]
-    else:
-        rows.k[plan.block, :, plan.place] = k.reshape(b, kv, hd).to(rows.dtype)  # type: ignore[index]
-        rows.v[plan.block, :, plan.place] = v.reshape(b, kv, hd).to(rows.dtype)  # type: ignore[index]
     for c in caches:
         c.offset += t
+    return rows_attention(q, k, v, rows.k, rows.v, *plan.tensors, scale=scale, single=plan.single)
+
+
+def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+                   v_pool: torch.Tensor, block: torch.Tensor, place: torch.Tensor,
+                   gather: torch.Tensor, bias: torch.Tensor, *, scale: float | None,
+                   single: tuple[int, int] | None = None) -> torch.Tensor:  # fmt: skip
+    """`_attend_rows`' tensor work, with no Python number that changes between steps (what a
+    compiled step captures): the new k, v (B, T, KV, hd) into the pools' (n_blocks, KV, BLOCK,
+    hd) blocks at `block`, `place` (E = B·T entries), then each entry's query over its `gather`
+    blocks (E, nb) with `bias` (E, nb, 1, 1, BLOCK). `single`: (block, place) of one entry, a
+    plain copy. Returns (B, T, H * hd)."""
+    b0, t, h, hd = q.shape
+    kv = k.shape[2]
+    g, b, nb = h // kv, b0 * t, gather.shape[1]
+    if single is not None:
+        k_pool[single[0], :, single[1]] = k[0, 0]
+        v_pool[single[0], :, single[1]] = v[0, 0]
+    else:
+        k_pool[block, :, place] = k.reshape(b, kv, hd).to(k_pool.dtype)
+        v_pool[block, :, place] = v.reshape(b, kv, -1).to(v_pool.dtype)
     # each entry's blocks as contiguous float32, (E, nb, KV, ROW_BLOCK, hd)
-    kk = rows.k.index_select(0, plan.gather).view(b, nb, kv, ROW_BLOCK, hd).float()  # type: ignore[union-attr]
-    vv = rows.v.index_select(0, plan.gather).view(b, nb, kv, ROW_BLOCK, -1).float()  # type: ignore[union-attr]
+    at = gather.reshape(-1)
+    kk = k_pool.index_select(0, at).view(b, nb, kv, ROW_BLOCK, hd).float()
+    vv = v_pool.index_select(0, at).view(b, nb, kv, ROW_BLOCK, -1).float()
     qs = q.reshape(b, 1, kv, g, hd).float() * (scale if scale is not None else hd**-0.5)
     s = torch.matmul(qs.expand(b, nb, kv, g, hd).contiguous(), kk.transpose(-1, -2))
-    s = s + plan.bias  # (E, nb, KV, G, ROW_BLOCK), -inf where a key is hidden
+    s = s + bias  # (E, nb, KV, G, ROW_BLOCK), -inf where a key is hidden
     p = (s - s.amax(dim=(1, 4), keepdim=True)).exp()
     total = p.sum(-1).cumsum(1)[:, -1]  # (E, KV, G)
     out = torch.matmul(p, vv).cumsum(1)[:, -1]  # (E, KV, G, hd)

@@ -35,11 +35,12 @@ from localllm.backends.torch.models.base import (
     Masks,
     RMSNorm,
     RoPE,
+    Step,
     apply_rope,
     attend,
     embedding,
-    positions,
     projection,
+    step_inputs,
     working,
 )
 
@@ -135,15 +136,15 @@ class Model(nn.Module):
         self.rope_global = RoPE(args.head_dim, args.rope_base, scale=args.rope_scale, device="cpu")
 
     def forward(self, tokens: torch.Tensor, caches: Sequence[Sequence[KVCache]],
-                skip: Collection[int] = ()) -> torch.Tensor:  # fmt: skip
+                skip: Collection[int] = (), step: Step | None = None) -> torch.Tensor:  # fmt: skip
         """tokens (B, T); caches[b]: row b's per-layer caches. Returns (B, T, dim), normed.
 
-        `skip`: layers left out (a self-speculative draft); their caches are not touched."""
+        `skip`: layers left out (a self-speculative draft); their caches are not touched.
+        `step`: planned beforehand (`base.Step`; caches is then one row of the layers' pools)."""
         h = self.embed(tokens)
         live = [i for i in range(len(self.layers)) if i not in skip]
-        pos = positions([[row[i] for i in live] for row in caches], tokens.shape[1], h.device)
+        pos, masks = step_inputs(caches, live, tokens.shape[1], h.device, step)
         ropes = self.rope_global(pos, h.dtype), self.rope_local(pos, h.dtype)
-        masks = Masks([row[live[0]].offset for row in caches], tokens.shape[1], h.device)
         for i in live:
             layer = self.layers[i]
             h = layer(h, ropes[layer.attention.local], [row[i] for row in caches], masks)

@@ -26,11 +26,12 @@ from localllm.backends.torch.models.base import (
     Masks,
     RMSNorm,
     RoPE,
+    Step,
     apply_rope,
     attend,
     embedding,
-    positions,
     projection,
+    step_inputs,
     working,
 )
 
@@ -124,15 +125,15 @@ class Model(nn.Module):
         return t.reshape(heads, -1, 2, *rest).transpose(1, 2).reshape(t.shape).contiguous()
 
     def forward(self, tokens: torch.Tensor, caches: Sequence[Sequence[KVCache]],
-                skip: Collection[int] = ()) -> torch.Tensor:  # fmt: skip
+                skip: Collection[int] = (), step: Step | None = None) -> torch.Tensor:  # fmt: skip
         """tokens (B, T); caches[b]: row b's per-layer caches. Returns (B, T, dim), normed.
 
-        `skip`: layers left out (a self-speculative draft); their caches are not touched."""
+        `skip`: layers left out (a self-speculative draft); their caches are not touched.
+        `step`: planned beforehand (`base.Step`; caches is then one row of the layers' pools)."""
         h = self.embed(tokens)
         live = [i for i in range(len(self.layers)) if i not in skip]
-        pos = positions([[row[i] for i in live] for row in caches], tokens.shape[1], h.device)
+        pos, masks = step_inputs(caches, live, tokens.shape[1], h.device, step)
         rope = self.rope(pos, h.dtype)
-        masks = Masks([row[live[0]].offset for row in caches], tokens.shape[1], h.device)
         for i in live:
             h = self.layers[i](h, rope, [row[i] for row in caches], masks)
         return self.norm(h)
