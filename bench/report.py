@@ -345,6 +345,22 @@ def rows_kv_pool(d: dict) -> list[Row]:
              g(w, "every position/decode_ms_per_token"), False, None)]  # fmt: skip
 
 
+def rows_torch_compile(d: dict) -> list[Row]:
+    out: list[Row] = []
+    for dtype in ("int4", "f32"):
+        r = d.get(dtype)
+        if not r:
+            continue
+        same = "" if r.get("same_tokens") else f" (tokens differ from token {r.get('first_difference')})"
+        out += [(f"{dtype}: decode ms/token at 1 row, compiled{same}", g(r, "compiled, warm/ms_per_token"), "eager",
+                 g(r, "eager/ms_per_token"), False, None),
+                (f"{dtype}: decode ms/step at 8 rows, compiled", g(r, "compiled, warm/ms_per_step_8"), "eager",
+                 g(r, "eager/ms_per_step_8"), False, None),
+                (f"{dtype}: first step s, compiled, warm cache", g(r, "compiled, warm/first_step_s"),
+                 "cold cache", g(r, "compiled, cold/first_step_s"), False, "warm ≤ 3 s")]  # fmt: skip
+    return out
+
+
 def rows_gguf_parse(d: dict) -> list[Row]:
     return [(f"{name}: parse seconds, ours", r.get("localllm_s"), "gguf-py's reader", r.get("gguf_py_s"), False)
             for name, r in (d.get("results") or {}).items()]  # fmt: skip
@@ -440,6 +456,7 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict], list[Row]], Callable[[dict,
     ("streaming_eval", "`eval --streaming` by chunks", "5x faster than one token at a time, same perplexity",
      rows_streaming_eval, None),
     ("kv_pool", "Paged KV pool", "a shared prefix is held once; a window layer holds its window", rows_kv_pool, None),
+    ("torch_compile", "Compiled step", "the torch engine's compiled decode step against its eager path", rows_torch_compile, None),
     ("gguf_parse", "GGUF reading", "hardened and fast", rows_gguf_parse, None),
     ("llamacpp_agreement", "Agreement with llama.cpp", "the same perplexity", rows_agreement, None),
     ("llamacpp_build", "llama.cpp build", "the portable build costs little", rows_build, None),

@@ -333,7 +333,7 @@ def check_backends() -> Check:
 # -- torch -------------------------------------------------------------------------------------
 
 _TORCH_CODE = """
-import json, torch
+import json, os, shutil, torch
 kernels = []  # the CPU kernels the torch engine's default precision takes, where this torch has them
 try:
     from localllm.backends.torch.quantized import fbgemm_fp16_available, int4_available
@@ -349,6 +349,8 @@ print(json.dumps({
     "cuda": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
     "mps": bool(mps is not None and mps.is_available()),
     "kernels": kernels,
+    # inductor's C++ compiler, which a compiled step (--compile) needs on the CPU
+    "compiler": next(filter(None, map(shutil.which, [os.environ.get("CXX") or "g++", "clang++"])), None),
 }))
 """
 
@@ -369,7 +371,8 @@ def _torch_facts() -> dict[str, Any]:
 
 
 def check_torch() -> Check:
-    data: dict[str, Any] = {"version": None, "cuda_version": None, "cuda": [], "mps": False, "kernels": []}
+    data: dict[str, Any] = {"version": None, "cuda_version": None, "cuda": [], "mps": False, "kernels": [],
+                            "compiler": None}
     if importlib.util.find_spec("torch") is None:
         return Check(
             "torch",
@@ -399,7 +402,11 @@ def check_torch() -> Check:
     if old:
         return Check("torch", False, old, fix=TORCH_FIX, data=data)
     kernels = f"; CPU kernels: {', '.join(data['kernels'])}" if data["kernels"] else ""
-    return Check("torch", True, f"{facts['version']}{cuda}; devices: {', '.join(devices)}{kernels}", data=data)
+    compiled = "; compiled step: " + ("on CUDA by default, " if facts["cuda"] else "") + (
+        f"on the CPU with --compile ({data['compiler']})" if data["compiler"]
+        else "on the CPU it needs a C++ compiler (apt install g++)")  # fmt: skip
+    return Check("torch", True, f"{facts['version']}{cuda}; devices: {', '.join(devices)}{kernels}"
+                                f"{compiled}", data=data)  # fmt: skip
 
 
 # -- memory and disk ---------------------------------------------------------------------------

@@ -22,9 +22,9 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 # smoke runs of 50-85 s each on the 2-core machines, and the two measurements of 20-35 s whose
 # every number the tests hold elsewhere (torch_gemv: tests/backends/torch/test_quantized.py;
 # llamacpp_agreement: tests/backends/torch/test_vs_llamacpp.py; kv_pool: test_rows.py, after
-# loading both models); the rest take 2-20 s
+# loading both models; torch_compile: test_compiled.py, after compiling three times); the rest take 2-20 s
 HEAVY = ("torch_engine", "kv_cache", "speculative", "server", "quantize", "torch_gemv", "llamacpp_agreement",
-         "streaming_eval", "kv_pool")
+         "streaming_eval", "kv_pool", "torch_compile")
 
 
 def bench_lists() -> tuple[list[str], list[tuple]]:

@@ -28,7 +28,7 @@ DATA_KEYS = {  # documented in localllm/doctor.py: the same keys whether a check
     "llama_cpp": {"version", "build", "system_info", "backends", "blas", "gpu_offload"},
     "llama_cpp_probe": {"ok", "reason", "cached"},
     "backends": {"auto", "backends"},
-    "torch": {"version", "cuda_version", "cuda", "mps", "kernels"},
+    "torch": {"version", "cuda_version", "cuda", "mps", "kernels", "compiler"},
     "memory": {"free_bytes", "total_bytes", "gpu"},
     "disk": {"path", "free_bytes", "total_bytes"},
     "store": {"path", "models", "blobs", "references", "hashed", "damaged"},
@@ -395,9 +395,13 @@ def test_torch_absent_broken_and_present(monkeypatch: pytest.MonkeyPatch, tmp_pa
         "version = N(cuda=None)\ncuda = N(is_available=lambda: False)\n"
         "backends = N(mps=N(is_available=lambda: True))\n"
     )
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))  # no g++ or clang++ either
     check = doctor.check_torch()
-    assert check.ok is True and check.detail == "9.9.9; devices: mps, cpu"
-    assert check.data == {"version": "9.9.9", "cuda_version": None, "cuda": [], "mps": True, "kernels": []}
+    assert check.ok is True and check.detail == (
+        "9.9.9; devices: mps, cpu; compiled step: on the CPU it needs a C++ compiler (apt install g++)")
+    assert check.data == {"version": "9.9.9", "cuda_version": None, "cuda": [], "mps": True, "kernels": [],
+                          "compiler": None}
     (fake / "__init__.py").write_text((fake / "__init__.py").read_text().replace("9.9.9", "2.4.1+cpu"))
     check = doctor.check_torch()  # older than the torch engine needs: said, with the fix
     assert check.ok is False and check.detail == (

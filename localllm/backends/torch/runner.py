@@ -14,6 +14,7 @@ positions, shared with the slots that restore them (copy-on-write), never copied
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -36,6 +37,7 @@ from localllm.types import ContextPolicy
 
 __all__ = ["TorchRunner", "on_compute_thread", "open_runner", "resolve_device", "resolve_dtype"]
 
+log = logging.getLogger(__name__)
 _KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # The CPU's default working precision: the fastest path measured here that keeps KL ≤ 0.01 nats
 # and top-1 ≥ 99% against f32 (bench/torch_gemv.py, bench/torch_engine.py; numbers in the issue
@@ -539,7 +541,19 @@ class TorchRunner(TextOnly):
         if self._compiled is None:
             self._compiled = CompiledStep(self.model, self.torch_device)
         caches = [self._caches[s] for s in slots]
-        logits = self._compiled(self._rows, slots, [c[0].offset for c in caches], tokens)  # type: ignore[arg-type]
+        try:
+            logits = self._compiled(self._rows, slots, [c[0].offset for c in caches], tokens)  # type: ignore[arg-type]
+        except (LocalLLMError, torch.OutOfMemoryError):
+            raise
+        except Exception as e:
+            if self._compiled.calls:  # it ran before: not a compile failure
+                raise
+            why = (str(e).strip().splitlines() or [""])[0][:200]
+            log.warning("the compiled step could not be built (%s: %s); the torch engine runs "
+                        "eagerly (--no-compile says so up front)", type(e).__name__, why)  # fmt: skip
+            self.compiled = False
+            x = torch.tensor(tokens, dtype=torch.long, device=self.torch_device)  # (B, T)
+            return self.model.logits(self.model(x, caches)).reshape(x.numel(), -1)
         for row in caches:
             for c in row:
                 c.offset += len(tokens[0])

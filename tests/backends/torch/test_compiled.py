@@ -121,3 +121,31 @@ def test_compile_modes_and_buckets() -> None:
     assert LoadOptions(compile="off").compile == "off"
     with pytest.raises(Exception, match="--compile"):
         LoadOptions(compile="maybe")
+
+
+def test_a_step_that_cannot_be_compiled_runs_eagerly(tmp_path_factory: pytest.TempPathFactory,
+                                                     caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    """A compiler that fails (no C++ compiler on a CPU machine, say) costs one warning line, and
+    the step runs eagerly: the eager runner's very bits, then and after."""
+    from localllm.backends.torch.compiled import CompiledStep
+
+    path = tiny("llama", tmp_path_factory)
+    runs = []
+    for mode in ("off", "on"):
+        r = TorchRunner(path, n_ctx=256, n_slots=2, dtype="f32", compile=mode)
+        if mode == "on":
+            r._compiled = CompiledStep(r.model, r.torch_device)
+
+            def broken(*args: object) -> None:
+                raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore")
+
+            r._compiled._fn = broken  # type: ignore[method-assign]
+        seq = [r.forward([Piece(0, list(range(1, 40)), 1), Piece(1, list(range(3, 30)), 1)]).logits]
+        seq += [r.forward([Piece(0, [t], 1), Piece(1, [t + 1], 1)]).logits for t in range(4)]
+        runs.append(np.concatenate(seq))
+    assert np.array_equal(*runs)
+    assert r.compiled is False
+    lines = [rec.getMessage() for rec in caplog.records if "compiled step" in rec.getMessage()]
+    assert lines == ["the compiled step could not be built (RuntimeError: InvalidCxxCompiler: No "
+                     "working C++ compiler found); the torch engine runs eagerly (--no-compile "
+                     "says so up front)"]  # fmt: skip
