@@ -357,7 +357,10 @@ def rows_torch_compile(d: dict) -> list[Row]:
                 (f"{dtype}: decode ms/step at 8 rows, compiled", g(r, "compiled, warm/ms_per_step_8"), "eager",
                  g(r, "eager/ms_per_step_8"), False, None),
                 (f"{dtype}: first step s, compiled, warm cache", g(r, "compiled, warm/first_step_s"),
-                 "cold cache", g(r, "compiled, cold/first_step_s"), False, "warm ≤ 3 s")]  # fmt: skip
+                 "cold cache", g(r, "compiled, cold/first_step_s"), False, "≤ 3 s")]  # fmt: skip
+    if d.get("llama.cpp") and d.get("int4"):
+        out.append(("default (int4): decode ms/token at 1 row, compiled", g(d, "int4/compiled, warm/ms_per_token"),
+                    "llama.cpp, same file (goal: ≥ 0.8x its speed)", g(d, "llama.cpp/ms_per_token"), False, "≤ 1.25x"))  # fmt: skip
     return out
 
 

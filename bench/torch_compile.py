@@ -9,10 +9,11 @@ tokens greedily, one at a time; then 8 slots decode 32 steps together.
 - `compiled, cold`: `--compile` with an empty inductor cache: the first step's time is the compile.
 - `compiled, warm`: `--compile` again in a new process over the cache the cold run left (what a
   second start of `localllm run` costs).
+- `llama.cpp`: llama-cpp-python on the same file, the same prompt, as many threads, greedy.
 Per variant: seconds to load, seconds for the first decode step (the compile where there is
-one), ms/token at batch 1 (median over the steps after the first 8), ms per step at batch 8, and
-the tokens (compiled and eager should agree). Precisions: the CPU default (int4 feed-forward,
-fbgemm fp16 elsewhere) and f32.
+one), ms/token at batch 1 (the mean after the first token, as for llama.cpp), ms per step at
+batch 8 (torch), and the tokens (compiled and eager should agree). Precisions: the CPU default
+(int4 feed-forward, fbgemm fp16 elsewhere) and f32.
 
 Writes bench/results/torch_compile.json (--quick: 32 tokens, the default precision only;
 bench/results/quick/).
@@ -34,7 +35,20 @@ from common import corpus_dir, log, save
 from torch_engine import model_path
 
 
+def llama_cpp(tokens: int) -> dict:
+    from torch_engine import llama_decode, llama_load
+
+    t0 = time.perf_counter()
+    llm = llama_load(model_path("smollm2"), os.cpu_count() or 1, 1024)
+    load = time.perf_counter() - t0
+    ids = llm.tokenize((corpus_dir() / "alice.txt").read_text().encode(), add_bos=True)[:200]
+    tps, out = llama_decode(llm, ids, tokens + 1)
+    return {"load_s": load, "ms_per_token": 1000 / tps, "tokens": out[1:]}
+
+
 def worker(dtype: str, compile: str, tokens: int) -> dict:
+    if compile == "llama.cpp":
+        return llama_cpp(tokens)
     from localllm.backends.base import Piece
     from localllm.backends.torch.runner import TorchRunner
 
@@ -61,7 +75,7 @@ def worker(dtype: str, compile: str, tokens: int) -> dict:
             steps.append(time.perf_counter() - t)
         lasts = [int(x) for x in logits.argmax(-1)]
     return {"load_s": load, "first_step_s": times[0],
-            "ms_per_token": 1000 * statistics.median(times[8:] or times),
+            "ms_per_token": 1000 * statistics.mean(times[1:] or times),
             "ms_per_step_8": 1000 * statistics.median(steps), "tokens": out}  # fmt: skip
 
 
@@ -96,6 +110,11 @@ def main() -> None:
         for name, r in runs.items():
             log(f"{dtype:5} {name:15} load {r['load_s']:5.1f} s  first step {r['first_step_s']:6.2f} s  "
                 f"{r['ms_per_token']:6.1f} ms/token  8 rows {r['ms_per_step_8']:6.1f} ms/step")  # fmt: skip
+        if dtype == "int4":
+            ref = out["llama.cpp"] = variant(dtype, "llama.cpp", a.tokens, Path(tempfile.gettempdir()))
+            log(f"llama.cpp load {ref['load_s']:5.1f} s  {ref['ms_per_token']:6.1f} ms/token")
+            for name in ("eager", "compiled, warm"):
+                runs[name]["over_llamacpp"] = ref["ms_per_token"] / runs[name]["ms_per_token"]
         runs["same_tokens"] = runs["eager"]["tokens"] == runs["compiled, warm"]["tokens"]
         runs["first_difference"] = next(
             (i for i, (x, y) in enumerate(zip(runs["eager"]["tokens"], runs["compiled, warm"]["tokens"]))
