@@ -63,6 +63,7 @@ class CompiledStep:
         mode = "reduce-overhead" if device.type == "cuda" else None
         self._fn = torch.compile(self._run, mode=mode)
         self.calls = 0  # steps run (tests: the compiled path was taken)
+        self._pools: Sequence[Rows] | None = None  # the pools marked static (CUDA)
 
     def _run(self, tokens: torch.Tensor, pos: torch.Tensor, pools: list[tuple[torch.Tensor, ...]],
              plans: dict[int, tuple[torch.Tensor, ...]]) -> torch.Tensor:  # fmt: skip
@@ -91,6 +92,11 @@ class CompiledStep:
         pos = torch.zeros(size, t, dtype=torch.long)
         pos[:n] = torch.tensor(offsets)[:, None] + torch.arange(t)
         pools = [(r.k, r.v) for r in rows]
+        if dev.type == "cuda" and self._pools is not rows:  # a graph replays on the pool's address
+            for pool in pools:
+                for t in pool:
+                    torch._dynamo.mark_static_address(t)
+            self._pools = rows
         out = self._fn(x.to(dev), pos.to(dev), pools, plans)
         self.calls += 1
         return out[:n].reshape(n * t, -1)

@@ -200,3 +200,22 @@ def test_a_compiled_row_gets_its_bits_whatever_steps_beside_it(
     verified = r.forward([Piece(2, toks[2], 4)]).logits
     assert np.array_equal(verified, np.stack([together[i][2] for i in range(4)]))
     assert r._compiled is not None and r._compiled.calls == 4 + 4 * 4 + 1
+
+
+def test_the_compile_option_reaches_the_runner_and_its_cache_is_under_the_store(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from localllm.backends.torch.runner import open_runner
+    from localllm.cli import compile_mode
+
+    assert [compile_mode(f) for f in (None, True, False)] == ["auto", "on", "off"]
+    path = tiny("llama", tmp_path_factory)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")  # recorded, so the test's value is undone
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    for mode, compiled in (("on", True), ("off", False), ("auto", False)):  # auto: CUDA only
+        opts = LoadOptions(backend="torch", device="cpu", ctx=64, compile=mode)
+        r = open_runner(path, opts, name="tiny", digest="0" * 64, home=tmp_path)
+        assert r.compiled is compiled
+    import os
+
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
