@@ -40,6 +40,12 @@ WattsOption = Annotated[float | None, typer.Option("--watts", help="Power drawn 
 KwhPriceOption = Annotated[float | None, typer.Option("--kwh-price", help="USD per kWh.")]
 # every --backend flag names what the registry knows (importing it imports no backend)
 BACKEND_HELP = f"Backend: {', '.join(backends.names())} (auto: the first that runs here)."
+CompileFlag = Annotated[
+    bool | None,
+    typer.Option("--compile/--no-compile", help="torch engine: run decode steps as one compiled "
+                 "call (default: on CUDA only; on the CPU it pays from the second start, once the "
+                 "compiled kernels are cached under the store)."),
+]
 
 
 def version_lines() -> list[str]:
@@ -673,12 +679,7 @@ def run(
     speculative: Annotated[
         str | None, typer.Option("--speculative", help="off, lookup, self or draft:MODEL.")
     ] = None,
-    compile_step: Annotated[
-        bool | None,
-        typer.Option("--compile/--no-compile", help="torch engine: run decode steps as one "
-                     "compiled call (default: on CUDA only; on the CPU it pays from the second "
-                     "start, once the compiled kernels are cached under the store)."),
-    ] = None,
+    compile_step: CompileFlag = None,
     json_schema: Annotated[
         Path | None, typer.Option("--json-schema", help="Constrain output to a JSON schema.")
     ] = None,
@@ -1283,12 +1284,7 @@ def serve(
         str | None, typer.Option("--speculative", help="off, lookup, self or draft:MODEL (the default per request).")
     ] = None,
     parallel: Annotated[int, typer.Option("--parallel", help="Sequences decoded together per model.")] = 4,
-    compile_step: Annotated[
-        bool | None,
-        typer.Option("--compile/--no-compile", help="torch engine: run decode steps as one "
-                     "compiled call (default: on CUDA only; on the CPU it pays from the second "
-                     "start, once the compiled kernels are cached under the store)."),
-    ] = None,
+    compile_step: CompileFlag = None,
     queue: Annotated[int, typer.Option("--queue", help="Requests that may wait for a slot before 503.")] = 16,
     cors: Annotated[
         list[str] | None, typer.Option("--cors", help="Origin allowed to call from a browser (repeatable).")
