@@ -15,8 +15,11 @@ The pools are allocated whole and never move (`cache.Rows(static=True)`), so on 
 runs as a CUDA graph (`mode="reduce-overhead"`).
 
 The eager path is the oracle: tests compare the two (`tests/backends/torch/test_compiled.py`).
-On the CPU, inductor does not beat the eager default (fbgemm's fp16 matmul is an op it cannot
-see into: 21.9 ms a token eager, 23.3 compiled for SmolLM2), so `auto` compiles on CUDA only.
+fbgemm's fp16 matmul reaches the graph as an opaque op (`quantized.fp16_gemm`), so the step is
+one graph. On a 2-core EPYC, SmolLM2 in the CPU default decodes at 18.1 ms a token compiled
+against 26.1 eager (bench/torch_compile.py), but the first start compiles for about a minute
+and later ones still trace for ~9 s; so `auto` compiles on CUDA only and `--compile` asks for it
+on the CPU (a long-running server).
 """
 
 from __future__ import annotations
@@ -94,8 +97,8 @@ class CompiledStep:
         pools = [(r.k, r.v) for r in rows]
         if dev.type == "cuda" and self._pools is not rows:  # a graph replays on the pool's address
             for pool in pools:
-                for t in pool:
-                    torch._dynamo.mark_static_address(t)
+                for buf in pool:
+                    torch._dynamo.mark_static_address(buf)
             self._pools = rows
         out = self._fn(x.to(dev), pos.to(dev), pools, plans)
         self.calls += 1
