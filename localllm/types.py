@@ -136,6 +136,10 @@ def speculative_mode(spec: str | None) -> str:
     return (spec or "off").partition(":")[0]
 
 
+# the torch engine's compiled step (`backends.torch.compiled`): auto (on CUDA only), on, off
+COMPILE_MODES = ("auto", "on", "off")
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoadOptions:
     """How to load a model: everything that fixes the loaded engine (changing one means a reload).
@@ -155,7 +159,7 @@ class LoadOptions:
     speculative: str | None = None  # off, lookup, self, draft:MODEL
     threads: int | None = None
     parallel: int = DEFAULT_PARALLEL  # sequences decoded together (continuous batching)
-    compile: str = "auto"  # the torch engine's compiled step: auto (on CUDA), on, off
+    compile: str = "auto"  # the torch engine's compiled step: COMPILE_MODES
 
     def __post_init__(self) -> None:
         from localllm import backends
@@ -184,8 +188,8 @@ class LoadOptions:
         object.__setattr__(self, "speculative", _parse_speculative(self.speculative))
         if self.threads is not None and not (isinstance(self.threads, int) and 1 <= self.threads <= 1024):
             raise LocalLLMError(f"--threads must be between 1 and 1024, got {self.threads!r}")
-        if self.compile not in ("auto", "on", "off"):
-            raise LocalLLMError(f"--compile must be auto, on or off, got {self.compile!r}")
+        if self.compile not in COMPILE_MODES:
+            raise LocalLLMError(f"--compile must be {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if isinstance(self.parallel, bool) or not isinstance(self.parallel, int) or not 1 <= self.parallel <= 64:
             raise LocalLLMError(f"--parallel must be between 1 and 64, got {self.parallel!r}")
 

@@ -32,14 +32,13 @@ import torch
 
 from localllm.backends.torch.cache import Rows
 from localllm.backends.torch.models.base import Step, _RowsPlan
-
-MODES = ("auto", "on", "off")
+from localllm.types import COMPILE_MODES
 
 
 def wanted(mode: str, device: torch.device) -> bool:
     """Whether `--compile MODE` compiles on this device: `auto` on CUDA only (see above)."""
-    if mode not in MODES:
-        raise ValueError(f"unknown compile mode {mode!r} ({', '.join(MODES)})")
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"unknown compile mode {mode!r} ({', '.join(COMPILE_MODES)})")
     return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 

@@ -345,7 +345,7 @@ class TorchRunner(TextOnly):
 
     def _drop_unused_pool(self) -> None:
         """Free the pool once no slot's caches are in it and no span holds a block of it."""
-        if self.compiled:  # a static pool (allocated whole) stays: a compiled step reads it
+        if self._rows and self._rows[0].static:  # allocated whole, once: a compiled step reads it
             return
         if not any(p.used for p in self._pages) and not any(map(self._paged, range(self.n_slots))):
             self._rows = None

@@ -4,6 +4,7 @@ and short pieces, give the same logits (float32, within float rounding of a fuse
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -216,6 +217,4 @@ def test_the_compile_option_reaches_the_runner_and_its_cache_is_under_the_store(
         opts = LoadOptions(backend="torch", device="cpu", ctx=64, compile=mode)
         r = open_runner(path, opts, name="tiny", digest="0" * 64, home=tmp_path)
         assert r.compiled is compiled
-    import os
-
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
