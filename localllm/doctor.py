@@ -336,9 +336,11 @@ _TORCH_CODE = """
 import json, os, shutil, torch
 kernels = []  # the CPU kernels the torch engine's default precision takes, where this torch has them
 try:
-    from localllm.backends.torch.quantized import fbgemm_fp16_available, int4_available
+    from localllm.backends.torch.quantized import fbgemm_fp16_available, fp16_row_quantum, int4_available
     kernels += ["int4 matmul"] if int4_available() else []
-    kernels += ["fbgemm fp16"] if fbgemm_fp16_available() else []
+    if fbgemm_fp16_available():  # rows padded where its kernels round a short last block apart
+        q = fp16_row_quantum()
+        kernels += ["fbgemm fp16" + (f" (rows in multiples of {q}, for batch-invariant bits)" if q > 1 else "")]
 except Exception:
     pass
 cuda = torch.cuda.is_available()

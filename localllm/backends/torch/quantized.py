@@ -49,8 +49,8 @@ from torch import nn
 from localllm.backends.torch.weights import FourBit, dequantize, raw
 from localllm.gguf_file import GGUFFile
 
-__all__ = ["BlockEmbedding", "Fp16Linear", "Int4Linear", "fbgemm_fp16_available", "int4_available",
-           "quantize_linear"]
+__all__ = ["BlockEmbedding", "Fp16Linear", "Int4Linear", "device_linear", "fbgemm_fp16_available",
+           "int4_available", "quantize_linear"]
 
 log = logging.getLogger(__name__)
 _fp16_gemm = torch.ops.quantized.linear_dynamic_fp16  # looked up once: each lookup costs a call
@@ -67,7 +67,41 @@ _numbers = itertools.count()
 def fp16_gemm(x: torch.Tensor, layer: int, n_out: int) -> torch.Tensor:
     """x (..., in) float32 through `Fp16Linear` number `layer`'s packed matrix: (..., n_out)."""
     rows = x.reshape(-1, x.shape[-1])
-    return _fp16_gemm(rows, _LAYERS[layer]()._packed).view(*x.shape[:-1], n_out)
+    return _fp16_rows(rows, _LAYERS[layer]()._packed).view(*x.shape[:-1], n_out)
+
+
+def _fp16_rows(rows: torch.Tensor, packed: object) -> torch.Tensor:
+    """fbgemm's fp16 GEMM of rows (n, in) float32, padded with zero rows to a multiple of
+    `fp16_row_quantum()` so that each row gets the same bits whatever the row count."""
+    n, quantum = rows.shape[0], fp16_row_quantum()
+    pad = -n % quantum
+    if not pad:
+        return _fp16_gemm(rows, packed)
+    return _fp16_gemm(torch.cat((rows, rows.new_zeros(pad, rows.shape[1]))), packed)[:n]
+
+
+@functools.cache
+def fp16_row_quantum() -> int:
+    """The row counts at which fbgemm's fp16 GEMM gives a row the same bits as at any other:
+    multiples of this (found once, on a probe).
+
+    fbgemm's kernels take rows in blocks; with its AVX-512 kernels every block rounds alike (1:
+    any count), but its AVX2 ones multiply a last block of one or two rows with kernels of their
+    own that round differently (measured on a Zen 1 EPYC: a row alone, in two, and in three or
+    more gave three different results; padded to a multiple of 3, every count agrees). Padding
+    costs one-row decode most: 1.55x for a 1,536 × 576 product there, 1.47x for the 49,152-row
+    head; rows then come from one kernel at every count, as speculation and batching need."""
+    g = torch.Generator().manual_seed(0)
+    packed = torch.ops.quantized.linear_prepack_fp16(torch.randn(64, 256, generator=g), None)
+    x = torch.randn(40, 256, generator=g)
+    for quantum in (1, 2, 3, 4, 6, 8, 12, 16):
+        whole = _fp16_gemm(torch.cat((x, x.new_zeros(-40 % quantum, 256))), packed)
+        if all(torch.equal(_fp16_gemm(torch.cat((x[:n], x.new_zeros(-n % quantum, 256))), packed)[:n],
+                           whole[:n]) for n in range(1, 40)):  # fmt: skip
+            return quantum
+    log.warning("fbgemm's fp16 GEMM gives a row other bits at each row count here; a greedy "
+                "answer may depend on batching and speculation")  # fmt: skip
+    return 1
 
 
 @fp16_gemm.register_fake
@@ -139,10 +173,8 @@ class Fp16Linear(nn.Module):
         if self._packed is not None and x.is_cpu and x.numel():
             if torch.compiler.is_compiling():
                 return fp16_gemm(x.float(), self._number, self.out_features).to(x.dtype)
-            if x.dtype == torch.float32 and x.dim() > 1:  # the hot path: one op (bias added)
-                return _fp16_gemm(x, self._packed)
             rows = x.reshape(-1, self.in_features).float()  # fbgemm takes >= 2-D fp32
-            y = _fp16_gemm(rows, self._packed)
+            y = _fp16_rows(rows, self._packed)  # (bias added)
             return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
         w = self.dequantize() if self.weight is None else self.weight
         b = None if self.bias is None else self.bias.to(x.dtype)
@@ -169,32 +201,36 @@ class Fp16Linear(nn.Module):
 
 
 @functools.cache
-def int4_available() -> bool:
-    """Whether this torch has the CPU int4 matmul (`_weight_int4pack_mm_for_cpu`); checked once."""
+def int4_available(device: str = "cpu") -> bool:
+    """Whether this torch has the int4 matmul on `device` ("cpu": `_weight_int4pack_mm_for_cpu`;
+    "cuda", "mps": `_weight_int4pack_mm`), and it gives the right numbers; checked once each."""
     try:
-        q = torch.arange(16, dtype=torch.int32).repeat(16, 2)  # (16, 32): codes 0..15
-        packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)
-        zeros = torch.stack([torch.ones(1, 16), torch.full((1, 16), 8.0)], -1)  # w = q
-        y = torch._weight_int4pack_mm_for_cpu(torch.ones(1, 32, dtype=torch.bfloat16), packed,
-                                              32, zeros.to(torch.bfloat16))  # fmt: skip
-        if not torch.equal(y.float(), torch.full((1, 16), 240.0)):
+        q = torch.arange(16, dtype=torch.uint8, device=device).repeat(16, 2)  # (16, 32): codes 0..15
+        one, zero = torch.ones(16, 1, device=device), torch.zeros(16, 1, device=device)
+        y = Int4Linear(FourBit(q, one, zero))(torch.ones(1, 32, dtype=torch.bfloat16, device=device))
+        if not torch.equal(y.float().cpu(), torch.full((1, 16), 240.0)):  # w = q: 2 × (0 + ... + 15)
             raise RuntimeError(f"wrong result {y.tolist()}")
     except Exception as e:  # noqa: BLE001 - any failure means: fp16 weights instead
-        log.warning("torch's CPU int4 matmul is unavailable (%s: %s); 4-bit matrices run as "
-                    "fp16 weights", type(e).__name__, e)  # fmt: skip
+        log.warning("torch's int4 matmul is unavailable on %s (%s: %s); 4-bit matrices run as "
+                    "%s weights", device, type(e).__name__, e,
+                    "fp16" if device == "cpu" else "bf16")  # fmt: skip
         return False
     return True
 
 
 class Int4Linear(nn.Module):
     """y = x @ W.T + b for W kept as the file's 4-bit codes with one (scale, low) per 32 weights
-    (`weights.FourBit`: Q4_0, Q4_1, Q4_K), through torch's CPU int4 matmul: 0.5 bytes per
-    weight plus 4 bytes of bf16 scale and zero per 32.
+    (`weights.FourBit`: Q4_0, Q4_1, Q4_K), through torch's int4 matmul on the device the codes
+    are on: 0.5 bytes per weight plus 4 bytes of bf16 scale and zero per 32.
 
-    That kernel is fast only for bf16 inputs, so activations go in rounded to bf16 (relative
-    error 2^-9); it rounds each dequantized weight to bf16 too, sums in float32 and returns bf16.
-    Scale and zero are bf16 (zero = low + 8 scale: the kernel computes (q - 8) scale + zero).
-    Every other layer stays in float32, so these roundings do not compound.
+    On the CPU that is `_weight_int4pack_mm_for_cpu` over `_convert_weight_to_int4pack_for_cpu`'s
+    layout; on CUDA (and MPS) tinygemm's `_weight_int4pack_mm` over `_convert_weight_to_int4pack`,
+    which takes two codes a byte (the even column in the high nibble) and tiles K by
+    `inner_k_tiles` × 16. Both kernels are fast only for bf16 inputs, so activations go in
+    rounded to bf16 (relative error 2^-9); they round each dequantized weight to bf16 too, sum in
+    float32 and return bf16. Scale and zero are bf16 (zero = low + 8 scale: the kernels compute
+    (q - 8) scale + zero). On the CPU every other layer stays in float32, so these roundings do
+    not compound.
     """
 
     group = 32
@@ -202,29 +238,54 @@ class Int4Linear(nn.Module):
     def __init__(self, weight: FourBit, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        q = weight.q.to(torch.int32)
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 2))
+        q = weight.q
+        if q.device.type == "cpu":
+            packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+        else:  # two codes a byte, the even one high: what tinygemm's packing reads
+            pairs = (q[:, ::2].to(torch.uint8) << 4) | q[:, 1::2].to(torch.uint8)
+            packed = torch._convert_weight_to_int4pack(pairs, self.inner_k_tiles(self.in_features))
+        self.register_buffer("packed", packed)
         zero = weight.low + 8 * weight.scale
         sz = torch.stack([weight.scale, zero], -1).transpose(0, 1)  # (in / 32, out, 2)
         self.register_buffer("scales_zeros", sz.to(torch.bfloat16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
 
     @staticmethod
+    def inner_k_tiles(n_in: int) -> int:
+        """tinygemm's K tiling: the largest of 8, 4, 2 whose 16 × tiles divides the input size."""
+        return next(t for t in (8, 4, 2) if n_in % (16 * t) == 0)
+
+    @staticmethod
     def fits(weight: FourBit) -> bool:
-        """Whether the kernel takes this matrix (its rows come in tiles of 16)."""
+        """Whether the kernels take this matrix: rows in tiles of 16 (the CPU's) and of 8
+        (tinygemm's), columns in groups of 32 (so K tiles of 2 × 16 at least)."""
         return weight.shape[0] % 16 == 0 and weight.shape[1] % Int4Linear.group == 0
+
+    def _mm(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows (n, in) bf16 → (n, out) bf16."""
+        if self.packed.device.type == "cpu":
+            return _int4_mm(rows, self.packed, self.group, self.scales_zeros)
+        return torch._weight_int4pack_mm(rows, self.packed, self.group, self.scales_zeros)
 
     def dequantize(self) -> torch.Tensor:
         """The weight this layer multiplies by (bf16 scales and zeros applied), (out, in) float32."""
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-        return _int4_mm(eye, self.packed, self.group, self.scales_zeros).float().t().contiguous()
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
+        return self._mm(eye).float().t().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = _int4_mm(rows, self.packed, self.group, self.scales_zeros).to(x.dtype)
+        y = self._mm(rows).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        # the packed layouts differ between the CPU and the GPUs: a move is a mistake, said once
+        device = fn(torch.zeros(1)).device
+        if device.type != self.packed.device.type and device.type != "meta":
+            raise ValueError("an Int4Linear is built on its device (its packed layout is the "
+                             "device's); load the model there instead of moving it")  # fmt: skip
+        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -246,6 +307,26 @@ def quantize_linear(weight: torch.Tensor | FourBit, bias: torch.Tensor | None = 
 # KL 1.5e-4 nats; with the attention projections too (their q, k, v and output rounded to bf16),
 # top-1 falls to 99.0%, at the bar the CPU default must hold (>= 99%).
 quantize_linear.four_bit = ("feed_forward.w13", "feed_forward.w2")  # type: ignore[attr-defined]
+
+
+def device_linear(device: torch.device, dtype: torch.dtype) -> Callable[..., nn.Module]:
+    """What a GPU's int4 precision passes to build_model(linear=...): every 4-bit matrix of the
+    file moves to `device` as its codes (1 byte a weight on the way, never a bf16 copy) and stays
+    4-bit (`Int4Linear`, tinygemm's kernel) where the kernel is there and takes it; every other
+    matrix comes decoded on the device in `dtype` (a plain Linear). All projections, attention's
+    too: on a GPU the activations are bf16 anyway, so the kernel's rounding adds nothing."""
+    from localllm.backends.torch.models.base import default_linear
+
+    def linear(weight: torch.Tensor | FourBit, bias: torch.Tensor | None = None) -> nn.Module:
+        if isinstance(weight, FourBit):
+            weight = weight.map(lambda t: t.to(device))
+            if int4_available(device.type) and Int4Linear.fits(weight):
+                return Int4Linear(weight, bias)
+            weight = weight.dequantize(dtype)
+        return default_linear(weight, bias)
+
+    linear.four_bit = ("",)  # type: ignore[attr-defined]  # every projection's name ends so
+    return linear
 
 
 class BlockEmbedding(nn.Module):

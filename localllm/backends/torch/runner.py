@@ -65,20 +65,23 @@ def resolve_dtype(name: str, device: torch.device) -> tuple[str, torch.dtype]:
     """The working precision and the dtype activations are computed in.
 
     f32 is the exact reference path (the oracle tests'). On a GPU bf16/f16 weights and compute
-    (auto: bf16 on CUDA, and on MPS from macOS 14, f16 on older MPS). On the CPU, f16 means fp16 *weights* with f32 compute
-    (`quantized.Fp16Linear`), int4 (the default there) the same with the file's 4-bit
-    feed-forward matrices kept 4-bit (`quantized.Int4Linear`; where torch lacks the kernel they
-    are fp16 too), and bf16 is bf16 throughout (fast only where the CPU has native bf16 dot
-    products).
+    (auto: bf16 on CUDA, and on MPS from macOS 14, f16 on older MPS), and int4 is bf16 with
+    every 4-bit matrix of the file kept 4-bit (`quantized.device_linear`). On the CPU, f16 means
+    fp16 *weights* with f32 compute (`quantized.Fp16Linear`), int4 (the default there) the same
+    with the file's 4-bit feed-forward matrices kept 4-bit (`quantized.Int4Linear`; where torch
+    lacks the kernel they are fp16 too), and bf16 is bf16 throughout (fast only where the CPU
+    has native bf16 dot products).
     """
     if name == "auto":  # on Metal bf16 where macOS has it (f16 overflows in Gemma 3's activations)
         mps = "bf16" if device.type == "mps" and torch.backends.mps.is_macos_or_newer(14, 0) else "f16"
         name = {"cuda": "bf16", "mps": mps}.get(device.type, CPU_DEFAULT_DTYPE)
-    if name == "int4":
-        if device.type != "cpu":
-            raise LocalLLMError(f"int4 is the CPU's working precision; on {device.type} use "
-                                "--dtype bf16 or f16")  # fmt: skip
-        return name, torch.float32
+    if name == "int4":  # the file's 4-bit matrices stay 4-bit; on a GPU the rest is bf16
+        if device.type == "cpu":
+            return name, torch.float32
+        if device.type == "mps" and not torch.backends.mps.is_macos_or_newer(14, 0):
+            raise LocalLLMError("int4 on Apple Metal computes in bf16, which needs macOS 14; use "
+                                "--dtype f16")  # fmt: skip
+        return name, torch.bfloat16
     if name not in _KV_DTYPES:
         raise LocalLLMError(f"the torch engine has no {name} working precision "
                             "(f32, bf16, f16, int4)")  # fmt: skip
@@ -203,6 +206,10 @@ class TorchRunner(TextOnly):
             from localllm.backends.torch.quantized import Fp16Linear, quantize_linear
 
             linear = quantize_linear if self.dtype == "int4" else Fp16Linear.from_float
+        elif self.dtype == "int4":
+            from localllm.backends.torch.quantized import device_linear
+
+            linear = device_linear(self.torch_device, self.compute_dtype)
         self.model_path = str(path)
         self._linear = linear
         self.tokenizer, self.model, meta = self._load(path)
@@ -255,7 +262,8 @@ class TorchRunner(TextOnly):
             model = build_model(
                 f, dtype=self.compute_dtype, device=self.torch_device, linear=linear
             )
-            if linear is not None:  # the head has its own fp16 copy: lookups read the file's rows
+            if linear is not None and self.torch_device.type == "cpu":
+                # the head has its own fp16 copy: lookups read the file's rows
                 from localllm.backends.torch.quantized import BlockEmbedding
 
                 model.tok_embeddings = BlockEmbedding.from_gguf(f, "token_embd.weight",

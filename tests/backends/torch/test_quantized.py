@@ -242,6 +242,73 @@ def test_int4_falls_back_to_fp16_without_the_kernel(monkeypatch: pytest.MonkeyPa
     assert isinstance(quantize_linear(four_bit(32, 64)), Fp16Linear)
 
 
+# -- int4 on a GPU: tinygemm's layout (device_linear) -----------------------------------------
+
+
+def test_int4_gpu_branch_passes_torchs_shape_checks_on_meta() -> None:
+    """The GPU branch (`_convert_weight_to_int4pack`, `_weight_int4pack_mm`) has no kernel
+    without a GPU; on fake tensors (the meta device) torch's own shape functions check every call
+    it makes: two codes a byte in uint8, the K tiling, a 4-D int32 packed matrix, 2-D rows in."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert [Int4Linear.inner_k_tiles(k) for k in (96, 576, 1536, 2048)] == [2, 4, 8, 8]
+    w = four_bit(48, 576)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        layer = Int4Linear(w.map(lambda t: t.to("meta")), torch.zeros(48, device="meta"))
+        y = layer(torch.zeros(2, 3, 576, device="meta"))
+    assert layer.packed.shape == (48 // 8, 576 // (16 * 4), 32, 4 // 2)
+    assert layer.packed.dtype == torch.int32 and layer.scales_zeros.shape == (576 // 32, 48, 2)
+    assert y.shape == (2, 3, 48) and y.dtype == torch.float32
+
+
+def test_device_linear_keeps_every_4_bit_matrix_4_bit() -> None:
+    """The factory a GPU's int4 precision loads with, run here on the CPU's kernel: 4-bit
+    matrices the kernel takes stay codes, every projection (attention's too) is asked for them,
+    and the rest are plain Linears in the compute dtype holding the exact decoded weights."""
+    from localllm.backends.torch.quantized import device_linear
+
+    linear = device_linear(torch.device("cpu"), torch.bfloat16)
+    assert "layers.0.attention.wqkv".endswith(linear.four_bit)
+    assert isinstance(linear(four_bit(32, 64)), Int4Linear)
+    odd = linear(four_bit(24, 64))  # rows the kernel does not take: decoded once, in bf16
+    assert isinstance(odd, torch.nn.Linear) and odd.weight.dtype == torch.bfloat16
+    assert torch.equal(odd.weight, four_bit(24, 64).dequantize(torch.bfloat16))
+    w, b = make(32, 64, bias=True)
+    dense = linear(w, b)
+    assert isinstance(dense, torch.nn.Linear) and dense.weight.data_ptr() == w.data_ptr()
+
+
+def test_device_linear_without_the_kernel_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from localllm.backends.torch.quantized import device_linear
+
+    monkeypatch.setattr(quantized, "int4_available", lambda device="cpu": False)
+    layer = device_linear(torch.device("cpu"), torch.bfloat16)(four_bit(32, 64))
+    assert isinstance(layer, torch.nn.Linear)
+    assert torch.equal(layer.weight, four_bit(32, 64).dequantize(torch.bfloat16))
+
+
+def test_int4_model_through_device_linear_matches_the_cpu_kernel(default_model_path: Path) -> None:
+    """SmolLM2 loaded the way a GPU's int4 loads it (every Q4_1 projection 4-bit, bf16 compute),
+    here with the CPU's kernel: the projections are the file's codes, and its next-token
+    distribution over a corpus line stays near f32's (all of attention's inputs round to bf16,
+    so the bar is the int4 precision's own, KL < 0.05)."""
+    from localllm.backends.torch.models import build_model
+    from localllm.backends.torch.quantized import device_linear
+
+    with GGUFFile(default_model_path) as f:
+        model = build_model(f, dtype=torch.bfloat16, linear=device_linear(torch.device("cpu"),
+                                                                          torch.bfloat16))  # fmt: skip
+        ref = build_model(f)
+    assert isinstance(model.layers[0].attention.wqkv, Int4Linear)
+    assert isinstance(model.layers[29].feed_forward.w2, Int4Linear)
+    ids = torch.tensor([[1, 504, 3156, 282, 253, 655, 314, 1115, 28, 357, 2092, 288]])
+    with torch.no_grad():
+        got = model.logits(model(ids, [model.make_caches(16)])).float().log_softmax(-1)
+        want = ref.logits(ref(ids, [ref.make_caches(16)])).log_softmax(-1)
+    kl = (want.exp() * (want - got)).sum(-1)
+    assert float(kl.max()) < 0.05, kl.tolist()
+
+
 def test_default_model_int4_layout(default_model_path: Path) -> None:
     """SmolLM2 (Q4_1 projections, a Q8_0 embedding) on the CPU default: the feed-forward
     matrices are its own 4-bit codes, attention and the tied head fp16."""
@@ -310,10 +377,11 @@ def _rows_alone_and_together(layer: torch.nn.Module, in_f: int) -> int:
 
 
 def test_a_decode_rows_bits_do_not_depend_on_the_rows_beside_it() -> None:
-    """What keeps a seeded sequence's tokens the same alone and in a batch: fbgemm's fp16 GEMM and
-    torch's int4 matmul give a row the same bits at any row count, so the runner keeps them
-    batched; MKL's float32 GEMM does not (one row takes another kernel than several), so the
-    runner's CPU models evaluate plain projections' decode rows one at a time (`RowsApart`)."""
+    """What keeps a seeded sequence's tokens the same alone and in a batch: fbgemm's fp16 GEMM
+    (its rows padded to `fp16_row_quantum()`) and torch's int4 matmul give a row the same bits at
+    any row count, so the runner keeps them batched; MKL's float32 GEMM does not (one row takes
+    another kernel than several), so the runner's CPU models evaluate plain projections' decode
+    rows one at a time (`RowsApart`)."""
     from localllm.backends.torch.models.base import RowsApart
 
     w, b = make(960, 576, bias=True)
@@ -325,3 +393,25 @@ def test_a_decode_rows_bits_do_not_depend_on_the_rows_beside_it() -> None:
     assert _rows_alone_and_together(RowsApart(plain), 576) == 0
     x = torch.randn(3, 5, 576)  # anything but decode rows goes in whole
     assert torch.equal(RowsApart(plain)(x), plain(x))
+
+
+@pytest.mark.parametrize(("odd_rows", "want"), [((), 1), ((1, 2), 3), ((1,), 2)])
+def test_the_fp16_row_quantum_is_where_every_row_count_agrees(odd_rows: tuple, want: int,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The probe on kernels that round a last block of `odd_rows` rows (of blocks of 6) their own
+    way, as fbgemm's AVX2 kernels do with 1 and 2: it finds the smallest padding that hides them
+    (the real kernel is checked above, on whatever CPU this is)."""
+
+    def gemm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        y = (x[:, None, :] * packed[None]).sum(-1)  # the same sum for a row at any count
+        if x.shape[0] % 6 in odd_rows:
+            y[-(x.shape[0] % 6) :] += 1e-3
+        return y
+
+    monkeypatch.setattr(quantized, "_fp16_gemm", gemm)
+    monkeypatch.setattr(torch.ops.quantized, "linear_prepack_fp16", lambda w, b: w, raising=False)
+    quantized.fp16_row_quantum.cache_clear()
+    try:
+        assert quantized.fp16_row_quantum() == want
+    finally:
+        quantized.fp16_row_quantum.cache_clear()
