@@ -653,7 +653,8 @@ def run(
         str,
         typer.Option("--dtype", help="torch engine's working precision: auto, f32 (exact), bf16, "
                      "f16 (on the CPU: fp16 weights, f32 sums) or int4 (the CPU's default: f16 "
-                     "with the file's 4-bit feed-forward matrices kept 4-bit)."),
+                     "with the file's 4-bit feed-forward matrices kept 4-bit; on a GPU: bf16 with "
+                     "every 4-bit matrix kept 4-bit)."),
     ] = "auto",
     max_tokens: Annotated[
         int | None, typer.Option("--max-tokens", help="Most tokens to generate.")
