@@ -47,9 +47,6 @@ SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT = "Alice was beginning to get very tired of sitting by her sister on the bank"
 SYNTHETIC = {"dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8, "ffn_dim": 8192}
 TINY = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128}
-TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
-                  "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
-                  "tokenizer.ggml.eos_token_id", "tokenizer.chat_template")  # fmt: skip
 
 
 def default_path() -> Path:
@@ -60,62 +57,15 @@ def default_path() -> Path:
 
 
 def write_synthetic(path: Path, shape: dict, tokenizer_from: Path) -> Path:
-    """A Llama GGUF of `shape` with random Q4_0 projections (scale 0.002, random codes: weights
-    within ±0.016), an f16 embedding tied to the head, and `tokenizer_from`'s tokenizer."""
-    import gguf
-    import numpy as np
+    """A Llama GGUF of `shape` with random Q4_0 projections (tests/ggufs.py's writer), an f16
+    embedding tied to the head, and `tokenizer_from`'s tokenizer."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from ggufs import tokenizer_metadata, write_tiny_llama
 
-    from localllm.gguf_file import GGUFFile
-
-    with GGUFFile(tokenizer_from) as f:
-        tok = {k: f.metadata[k] for k in TOKENIZER_KEYS if k in f.metadata}
-    rng = np.random.default_rng(0)
-    dim, ffn, heads, kv = shape["dim"], shape["ffn_dim"], shape["n_heads"], shape["n_kv_heads"]
-    vocab, hd = len(tok["tokenizer.ggml.tokens"]), shape["dim"] // shape["n_heads"]
-    w = gguf.GGUFWriter(str(path), arch="llama")
-    w.add_name("synthetic-llama")
-    w.add_context_length(4096)
-    w.add_embedding_length(dim)
-    w.add_block_count(shape["n_layers"])
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_rope_dimension_count(hd)
-    w.add_rope_freq_base(500000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
-    if "tokenizer.ggml.pre" in tok:
-        w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
-    w.add_token_list(list(tok["tokenizer.ggml.tokens"]))
-    w.add_token_types(list(tok["tokenizer.ggml.token_type"]))
-    if "tokenizer.ggml.merges" in tok:
-        w.add_token_merges(list(tok["tokenizer.ggml.merges"]))
-    w.add_bos_token_id(int(tok["tokenizer.ggml.bos_token_id"]))
-    w.add_eos_token_id(int(tok["tokenizer.ggml.eos_token_id"]))
-    scale = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
-
-    def q4_0(rows: int, cols: int) -> None:  # (rows, cols) as Q4_0 blocks: f16 d, 16 code bytes
-        blocks = np.empty((rows * cols // 32, 18), dtype=np.uint8)
-        blocks[:, :2] = scale
-        blocks[:, 2:] = rng.integers(0, 256, (blocks.shape[0], 16), dtype=np.uint8)
-        return blocks.reshape(rows, cols // 32 * 18)
-
-    ones = np.ones(dim, dtype=np.float32)
-    w.add_tensor("token_embd.weight", (rng.standard_normal((vocab, dim)) * 0.02).astype(np.float16))
-    q4 = gguf.GGMLQuantizationType.Q4_0
-    for i in range(shape["n_layers"]):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
-        for name, rows, cols in (("attn_q", dim, dim), ("attn_k", kv * hd, dim), ("attn_v", kv * hd, dim),
-                                 ("attn_output", dim, dim), ("ffn_gate", ffn, dim), ("ffn_up", ffn, dim),
-                                 ("ffn_down", dim, ffn)):  # fmt: skip
-            w.add_tensor(f"blk.{i}.{name}.weight", q4_0(rows, cols), raw_dtype=q4)
-    w.add_tensor("output_norm.weight", ones)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_tiny_llama(path, tokenizer_metadata(tokenizer_from), n_embd=shape["dim"],
+                            n_layer=shape["n_layers"], n_head=shape["n_heads"],
+                            n_kv_head=shape["n_kv_heads"], n_ff=shape["ffn_dim"], n_ctx=4096,
+                            rope_base=500000.0, q4_0=True)  # fmt: skip
 
 
 def weight_bytes(model) -> int:  # noqa: ANN001

@@ -51,10 +51,14 @@ def write_tiny_llama(
     seed: int = 0,
     dtype: type = np.float16,
     split_max_tensors: int = 0,
+    rope_base: float = 10000.0,
+    q4_0: bool = False,
 ) -> Path:
     """A Llama-architecture GGUF with random weights and the given tokenizer metadata.
 
     With `split_max_tensors`, written as `STEM-0000i-of-0000N.gguf` parts (returns the first).
+    With `q4_0`, the projections are Q4_0 blocks of random codes with d = 0.002 (weights within
+    ±0.016; bench/torch_cuda.py's 1B-class model).
     """
     import gguf
 
@@ -70,7 +74,7 @@ def write_tiny_llama(
     w.add_head_count(n_head)
     w.add_head_count_kv(n_kv_head)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(rope_base)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(1 if dtype == np.float16 else 0)
     w.add_tokenizer_model(tokenizer["tokenizer.ggml.model"])
@@ -95,18 +99,29 @@ def write_tiny_llama(
     def t(*shape: int, scale: float = 0.02) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(dtype)
 
+    d = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
+
+    def proj(name: str, rows: int, cols: int) -> None:
+        if not q4_0:
+            w.add_tensor(name, t(rows, cols))
+            return
+        blocks = np.empty((rows * cols // 32, 18), dtype=np.uint8)  # f16 d, 16 bytes of codes
+        blocks[:, :2] = d
+        blocks[:, 2:] = rng.integers(0, 256, (blocks.shape[0], 16), dtype=np.uint8)
+        w.add_tensor(name, blocks.reshape(rows, -1), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+
     ones = np.ones(n_embd, dtype=np.float32)
     w.add_tensor("token_embd.weight", t(n_vocab, n_embd))
     for i in range(n_layer):
         w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
-        w.add_tensor(f"blk.{i}.attn_q.weight", t(n_embd, n_embd))
-        w.add_tensor(f"blk.{i}.attn_k.weight", t(n_kv_head * head_dim, n_embd))
-        w.add_tensor(f"blk.{i}.attn_v.weight", t(n_kv_head * head_dim, n_embd))
-        w.add_tensor(f"blk.{i}.attn_output.weight", t(n_embd, n_embd))
+        proj(f"blk.{i}.attn_q.weight", n_embd, n_embd)
+        proj(f"blk.{i}.attn_k.weight", n_kv_head * head_dim, n_embd)
+        proj(f"blk.{i}.attn_v.weight", n_kv_head * head_dim, n_embd)
+        proj(f"blk.{i}.attn_output.weight", n_embd, n_embd)
         w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", t(n_ff, n_embd))
-        w.add_tensor(f"blk.{i}.ffn_up.weight", t(n_ff, n_embd))
-        w.add_tensor(f"blk.{i}.ffn_down.weight", t(n_embd, n_ff))
+        proj(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
+        proj(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
+        proj(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
     w.add_tensor("output_norm.weight", ones)
     w.write_header_to_file()
     w.write_kv_data_to_file()
