@@ -281,7 +281,7 @@ class Int4Linear(nn.Module):
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
         # the packed layouts differ between the CPU and the GPUs: a move is a mistake, said once
-        device = fn(torch.zeros(1)).device
+        device = fn(torch.zeros(1, device=self.packed.device)).device
         if device.type != self.packed.device.type and device.type != "meta":
             raise ValueError("an Int4Linear is built on its device (its packed layout is the "
                              "device's); load the model there instead of moving it")  # fmt: skip

@@ -553,9 +553,10 @@ class RowsApart(nn.Module):
     MKL's float32 GEMM (and oneDNN's bf16 one) take one kernel for one row, others for two or
     three and for four and more, each rounding its sums its own way (measured on SmolLM2's
     shapes, torch 2.13 on an AVX-512 EPYC: one row alone never matched the same row among
-    eight). fbgemm's fp16 GEMM (`quantized.Fp16Linear`) and torch's int4 matmul
-    (`quantized.Int4Linear`) give every row the same bits at any row count, so the CPU's default
-    path keeps its batched products; float32 decode reads the weights once per row instead.
+    eight). fbgemm's fp16 GEMM (`quantized.Fp16Linear`, its rows padded where its kernels need
+    it: `quantized.fp16_row_quantum`) and torch's int4 matmul (`quantized.Int4Linear`) give
+    every row the same bits at any row count, so the CPU's default path keeps its batched
+    products; float32 decode reads the weights once per row instead.
     """
 
     def __init__(self, inner: nn.Module) -> None:
