@@ -13,7 +13,7 @@ logits back on the host, the greedy token picked there). Models:
   heads, FFN 8192; SmolLM2's tokenizer, so a 49,152-token vocabulary) written once to a temporary
   Q4_0 GGUF with random codes: bf16 decodes it to bf16 on the device, int4 keeps its codes.
 Precisions: `bf16` (every matrix bf16) and `int4` (the file's 4-bit matrices multiplied by
-tinygemm's int4 kernel, `quantized.device_linear`). `--compile on` is the compiled step
+tinygemm's int4 kernel, `models.base.device_linear`). `--compile on` is the compiled step
 (`backends/torch/compiled.py`: CUDA graphs on CUDA); its first step, the compile, is reported
 apart and the tokens are checked against the eager run's.
 

@@ -49,8 +49,8 @@ from torch import nn
 from localllm.backends.torch.weights import FourBit, dequantize, raw
 from localllm.gguf_file import GGUFFile
 
-__all__ = ["BlockEmbedding", "Fp16Linear", "Int4Linear", "device_linear", "fbgemm_fp16_available",
-           "int4_available", "quantize_linear"]
+__all__ = ["BlockEmbedding", "Fp16Linear", "Int4Linear", "fbgemm_fp16_available", "int4_available",
+           "quantize_linear"]
 
 log = logging.getLogger(__name__)
 _fp16_gemm = torch.ops.quantized.linear_dynamic_fp16  # looked up once: each lookup costs a call
@@ -307,26 +307,6 @@ def quantize_linear(weight: torch.Tensor | FourBit, bias: torch.Tensor | None = 
 # KL 1.5e-4 nats; with the attention projections too (their q, k, v and output rounded to bf16),
 # top-1 falls to 99.0%, at the bar the CPU default must hold (>= 99%).
 quantize_linear.four_bit = ("feed_forward.w13", "feed_forward.w2")  # type: ignore[attr-defined]
-
-
-def device_linear(device: torch.device, dtype: torch.dtype) -> Callable[..., nn.Module]:
-    """What a GPU's int4 precision passes to build_model(linear=...): every 4-bit matrix of the
-    file moves to `device` as its codes (1 byte a weight on the way, never a bf16 copy) and stays
-    4-bit (`Int4Linear`, tinygemm's kernel) where the kernel is there and takes it; every other
-    matrix comes decoded on the device in `dtype` (a plain Linear). All projections, attention's
-    too: on a GPU the activations are bf16 anyway, so the kernel's rounding adds nothing."""
-    from localllm.backends.torch.models.base import default_linear
-
-    def linear(weight: torch.Tensor | FourBit, bias: torch.Tensor | None = None) -> nn.Module:
-        if isinstance(weight, FourBit):
-            weight = weight.map(lambda t: t.to(device))
-            if int4_available(device.type) and Int4Linear.fits(weight):
-                return Int4Linear(weight, bias)
-            weight = weight.dequantize(dtype)
-        return default_linear(weight, bias)
-
-    linear.four_bit = ("",)  # type: ignore[attr-defined]  # every projection's name ends so
-    return linear
 
 
 class BlockEmbedding(nn.Module):

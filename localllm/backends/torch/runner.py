@@ -66,7 +66,7 @@ def resolve_dtype(name: str, device: torch.device) -> tuple[str, torch.dtype]:
 
     f32 is the exact reference path (the oracle tests'). On a GPU bf16/f16 weights and compute
     (auto: bf16 on CUDA, and on MPS from macOS 14, f16 on older MPS), and int4 is bf16 with
-    every 4-bit matrix of the file kept 4-bit (`quantized.device_linear`). On the CPU, f16 means
+    every 4-bit matrix of the file kept 4-bit (`models.base.device_linear`). On the CPU, f16 means
     fp16 *weights* with f32 compute (`quantized.Fp16Linear`), int4 (the default there) the same
     with the file's 4-bit feed-forward matrices kept 4-bit (`quantized.Int4Linear`; where torch
     lacks the kernel they are fp16 too), and bf16 is bf16 throughout (fast only where the CPU
@@ -207,7 +207,7 @@ class TorchRunner(TextOnly):
 
             linear = quantize_linear if self.dtype == "int4" else Fp16Linear.from_float
         elif self.dtype == "int4":
-            from localllm.backends.torch.quantized import device_linear
+            from localllm.backends.torch.models.base import device_linear
 
             linear = device_linear(self.torch_device, self.compute_dtype)
         self.model_path = str(path)

@@ -265,7 +265,7 @@ def test_device_linear_keeps_every_4_bit_matrix_4_bit() -> None:
     """The factory a GPU's int4 precision loads with, run here on the CPU's kernel: 4-bit
     matrices the kernel takes stay codes, every projection (attention's too) is asked for them,
     and the rest are plain Linears in the compute dtype holding the exact decoded weights."""
-    from localllm.backends.torch.quantized import device_linear
+    from localllm.backends.torch.models.base import device_linear
 
     linear = device_linear(torch.device("cpu"), torch.bfloat16)
     assert "layers.0.attention.wqkv".endswith(linear.four_bit)
@@ -279,7 +279,7 @@ def test_device_linear_keeps_every_4_bit_matrix_4_bit() -> None:
 
 
 def test_device_linear_without_the_kernel_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
-    from localllm.backends.torch.quantized import device_linear
+    from localllm.backends.torch.models.base import device_linear
 
     monkeypatch.setattr(quantized, "int4_available", lambda device="cpu": False)
     layer = device_linear(torch.device("cpu"), torch.bfloat16)(four_bit(32, 64))
@@ -293,7 +293,7 @@ def test_int4_model_through_device_linear_matches_the_cpu_kernel(default_model_p
     distribution over a corpus line stays near f32's (all of attention's inputs round to bf16,
     so the bar is the int4 precision's own, KL < 0.05)."""
     from localllm.backends.torch.models import build_model
-    from localllm.backends.torch.quantized import device_linear
+    from localllm.backends.torch.models.base import device_linear
 
     with GGUFFile(default_model_path) as f:
         model = build_model(f, dtype=torch.bfloat16, linear=device_linear(torch.device("cpu"),

@@ -545,6 +545,26 @@ def default_linear(weight: torch.Tensor, bias: torch.Tensor | None, *,
     return m
 
 
+def device_linear(device: torch.device, dtype: torch.dtype) -> Callable[..., nn.Module]:
+    """What a GPU's int4 precision passes to build_model(linear=...): every 4-bit matrix of the
+    file moves to `device` as its codes (1 byte a weight on the way, never a bf16 copy) and stays
+    4-bit (`Int4Linear`, tinygemm's kernel) where the kernel is there and takes it; every other
+    matrix comes decoded on the device in `dtype` (a plain Linear). All projections, attention's
+    too: on a GPU the activations are bf16 anyway, so the kernel's rounding adds nothing."""
+    from localllm.backends.torch import quantized
+
+    def linear(weight: torch.Tensor | FourBit, bias: torch.Tensor | None = None) -> nn.Module:
+        if isinstance(weight, FourBit):
+            weight = weight.map(lambda t: t.to(device))
+            if quantized.int4_available(device.type) and quantized.Int4Linear.fits(weight):
+                return quantized.Int4Linear(weight, bias)
+            weight = weight.dequantize(dtype)
+        return default_linear(weight, bias)
+
+    linear.four_bit = ("",)  # type: ignore[attr-defined]  # every projection's name ends so
+    return linear
+
+
 class RowsApart(nn.Module):
     """A projection whose kernel rounds a row differently with the number of rows beside it,
     made to evaluate the rows of a decode step ((B, 1, in), B > 1) one at a time: each then gets
