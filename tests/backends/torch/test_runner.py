@@ -255,6 +255,20 @@ def test_each_device_has_its_default_precision(device: str, macos14: bool, want:
             resolve_dtype("bf16", torch.device(device))
 
 
+def test_int4_on_a_gpu_computes_in_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """int4 is not the CPU's alone: on CUDA and Metal (macOS 14) its 4-bit matrices go to
+    tinygemm's kernel and the rest computes in bf16; older macOS says what to use instead."""
+    from localllm.backends.torch.runner import resolve_dtype
+
+    monkeypatch.setattr(torch.backends.mps, "is_macos_or_newer", lambda *a: True)
+    assert resolve_dtype("int4", torch.device("cpu")) == ("int4", torch.float32)
+    assert resolve_dtype("int4", torch.device("cuda")) == ("int4", torch.bfloat16)
+    assert resolve_dtype("int4", torch.device("mps")) == ("int4", torch.bfloat16)
+    monkeypatch.setattr(torch.backends.mps, "is_macos_or_newer", lambda *a: False)
+    with pytest.raises(LocalLLMError, match="int4 on Apple Metal computes in bf16, which needs macOS 14"):
+        resolve_dtype("int4", torch.device("mps"))
+
+
 def test_a_kv_cache_type_the_device_cannot_hold_is_one_line() -> None:
     from localllm.backends.torch.runner import check_kv_types
 
