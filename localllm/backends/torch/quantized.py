@@ -73,11 +73,15 @@ def fp16_gemm(x: torch.Tensor, layer: int, n_out: int) -> torch.Tensor:
 def _fp16_rows(rows: torch.Tensor, packed: object) -> torch.Tensor:
     """fbgemm's fp16 GEMM of rows (n, in) float32, padded with zero rows to a multiple of
     `fp16_row_quantum()` so that each row gets the same bits whatever the row count."""
-    n, quantum = rows.shape[0], fp16_row_quantum()
-    pad = -n % quantum
+    return _fp16_padded(rows, packed, fp16_row_quantum())
+
+
+def _fp16_padded(rows: torch.Tensor, packed: object, quantum: int) -> torch.Tensor:
+    """fbgemm's fp16 GEMM of rows (n, in), zero rows added up to a multiple of `quantum`."""
+    pad = -rows.shape[0] % quantum
     if not pad:
         return _fp16_gemm(rows, packed)
-    return _fp16_gemm(torch.cat((rows, rows.new_zeros(pad, rows.shape[1]))), packed)[:n]
+    return _fp16_gemm(torch.cat((rows, rows.new_zeros(pad, rows.shape[1]))), packed)[: rows.shape[0]]
 
 
 @functools.cache
@@ -95,9 +99,8 @@ def fp16_row_quantum() -> int:
     packed = torch.ops.quantized.linear_prepack_fp16(torch.randn(64, 256, generator=g), None)
     x = torch.randn(40, 256, generator=g)
     for quantum in (1, 2, 3, 4, 6, 8, 12, 16):
-        whole = _fp16_gemm(torch.cat((x, x.new_zeros(-40 % quantum, 256))), packed)
-        if all(torch.equal(_fp16_gemm(torch.cat((x[:n], x.new_zeros(-n % quantum, 256))), packed)[:n],
-                           whole[:n]) for n in range(1, 40)):  # fmt: skip
+        whole = _fp16_padded(x, packed, quantum)
+        if all(torch.equal(_fp16_padded(x[:n], packed, quantum), whole[:n]) for n in range(1, 40)):
             return quantum
     log.warning("fbgemm's fp16 GEMM gives a row other bits at each row count here; a greedy "
                 "answer may depend on batching and speculation")  # fmt: skip
