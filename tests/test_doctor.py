@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import shutil
@@ -37,6 +38,8 @@ DATA_KEYS = {  # documented in localllm/doctor.py: the same keys whether a check
     "conversations": {"path", "conversations"},
 }
 SIGILL_PROBE = python_command(SIGILL_SELF)
+TORCH_CHILD = doctor._torch_facts
+TORCH_CHILD_ONCE = functools.cache(TORCH_CHILD)
 
 
 @pytest.fixture(autouse=True)
@@ -44,6 +47,13 @@ def fast_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     """`true` stands in for the llama.cpp probe child (2-3 s a run); the tests about the probe
     use the `real_probe` fixture or set their own command."""
     monkeypatch.setenv("LOCALLLM_LLAMACPP_PROBE", "true")
+
+
+@pytest.fixture(autouse=True)
+def torch_child_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch check's child (importing torch and probing its kernels: 5-10 s a run) runs once
+    for the whole file; test_torch_absent_broken_and_present runs its own children."""
+    monkeypatch.setattr(doctor, "_torch_facts", TORCH_CHILD_ONCE)
 
 
 @pytest.fixture
@@ -371,6 +381,7 @@ def test_doctor_process_imports_nothing_heavy(tiny_llama: Path, real_probe: None
 
 
 def test_torch_absent_broken_and_present(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(doctor, "_torch_facts", TORCH_CHILD)  # a child each time: the fakes below
     real_find_spec = doctor.importlib.util.find_spec
     with monkeypatch.context() as m:
         m.setattr(doctor.importlib.util, "find_spec",
