@@ -7,8 +7,8 @@ SmolLM2 in a precision, one slot reads a prompt (the start of Alice), then decod
 tokens greedily, one at a time; then 8 slots decode 32 steps together.
 - `eager`: `--no-compile` (the CPU's default).
 - `compiled, cold`: `--compile` with an empty inductor cache: the first step's time is the compile.
-- `compiled, warm`: `--compile` again in a new process over the cache the cold run left (what a
-  second start of `localllm run` costs).
+- `compiled, warm`: `--compile` again in a new process over the caches the cold run left (what a
+  second start of `localllm run` costs): inductor's kernels and the whole graphs (`compiled.py`).
 - `llama.cpp`: llama-cpp-python on the same file, the same prompt, as many threads, greedy.
 Per variant: seconds to load, seconds for the first decode step (the compile where there is
 one), ms/token at batch 1 (the mean after the first token, as for llama.cpp), ms per step at
@@ -53,7 +53,9 @@ def worker(dtype: str, compile: str, tokens: int) -> dict:
     from localllm.backends.torch.runner import TorchRunner
 
     t0 = time.perf_counter()
-    r = TorchRunner(model_path("smollm2"), n_ctx=1024, n_slots=8, dtype=dtype, compile=compile)
+    saved = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).parent / "compiled"  # as under a store
+    r = TorchRunner(model_path("smollm2"), n_ctx=1024, n_slots=8, dtype=dtype, compile=compile,
+                    compiled_dir=saved)  # fmt: skip
     load = time.perf_counter() - t0
     ids = r.tokenize((corpus_dir() / "alice.txt").read_text())[:200]
     r.forward([Piece(0, ids[:-1], 0)])
@@ -74,13 +76,15 @@ def worker(dtype: str, compile: str, tokens: int) -> dict:
         if i >= 2:  # the first steps at 8 rows compile that bucket
             steps.append(time.perf_counter() - t)
         lasts = [int(x) for x in logits.argmax(-1)]
+    step = r._compiled
     return {"load_s": load, "first_step_s": times[0],
+            "graphs_loaded": step.loaded if step else 0, "graphs_built": step.built if step else 0,
             "ms_per_token": 1000 * statistics.mean(times[1:] or times),
             "ms_per_step_8": 1000 * statistics.median(steps), "tokens": out}  # fmt: skip
 
 
 def variant(dtype: str, compile: str, tokens: int, cache: Path) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache))
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"))
     p = subprocess.run([sys.executable, __file__, "--worker", dtype, compile, str(tokens)],
                        env=env, capture_output=True, text=True, check=False)  # fmt: skip
     if p.returncode:

@@ -14,6 +14,13 @@ serve every step:
 The pools are allocated whole and never move (`cache.Rows(static=True)`), so on CUDA the step
 runs as a CUDA graph (`mode="reduce-overhead"`).
 
+On the CPU each graph is also kept whole on disk (torch's ahead-of-time compile,
+`aot_compile` / `load_compiled_function`) under the store's `cache/compiled`, named by
+everything the graph depends on (`identity`: torch, this package's torch code, the model's
+modules, shapes and dtypes, the bucket): a later start loads it and skips dynamo's tracing,
+which was most of a warm start (inductor's own cache under `cache/inductor` keeps the kernels).
+A graph that cannot be saved or loaded is compiled the usual way, with one log line.
+
 The eager path is the oracle: tests compare the two (`tests/backends/torch/test_compiled.py`).
 fbgemm's fp16 matmul reaches the graph as an opaque op (`quantized.fp16_gemm`), so the step is
 one graph. On a 2-core EPYC, SmolLM2 in the CPU default decodes at 18.1 ms a token compiled
@@ -24,15 +31,21 @@ on the CPU (a long-running server).
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from localllm.backends.torch.cache import Rows
 from localllm.backends.torch.models.base import Step, _RowsPlan
 from localllm.types import COMPILE_MODES
+
+log = logging.getLogger(__name__)
+HERE = Path(__file__).resolve().parent  # the torch engine's code: a saved graph is of this code
 
 
 def wanted(mode: str, device: torch.device) -> bool:
@@ -42,11 +55,41 @@ def wanted(mode: str, device: torch.device) -> bool:
     return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
-def cache_dir(home: Path | None) -> None:
+def cache_dir(home: Path | None) -> Path | None:
     """Keep inductor's compiled kernels under the store (`home/cache/inductor`), so a second
-    start reuses them; a TORCHINDUCTOR_CACHE_DIR the user set wins."""
-    if home is not None:
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(home / "cache" / "inductor"))
+    start reuses them; a TORCHINDUCTOR_CACHE_DIR the user set wins. Returns where whole
+    compiled steps are kept (`home/cache/compiled`), or None without a store."""
+    if home is None:
+        return None
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(home / "cache" / "inductor"))
+    return home / "cache" / "compiled"
+
+
+def identity(model: torch.nn.Module) -> str:
+    """What a compiled step of `model` depends on besides its inputs, as a digest: torch's
+    version, the source of the torch engine, the model's modules and its parameters' and
+    buffers' names, shapes and dtypes (not their values: the graph reads those at each call)."""
+    h = hashlib.sha256(torch.__version__.encode())
+    for src in sorted(HERE.rglob("*.py")):
+        h.update(src.relative_to(HERE).as_posix().encode() + src.read_bytes())
+    h.update(repr(model).encode() + repr(getattr(model, "args", None)).encode())
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+    return h.hexdigest()[:32]
+
+
+def _mark_dynamic(plans: dict[int, tuple[torch.Tensor, ...]]) -> None:
+    """One graph for any number of key blocks: the plans' gather and bias (`_RowsPlan.tensors`)
+    have a dynamic size in their block dimension."""
+    for _, _, gather, bias in plans.values():
+        torch._dynamo.mark_dynamic(gather, 1)
+        torch._dynamo.mark_dynamic(bias, 1)
+
+
+def _step(model: torch.nn.Module, tokens: torch.Tensor, pos: torch.Tensor,
+          pools: list[tuple[torch.Tensor, ...]], plans: dict[int, tuple[torch.Tensor, ...]]) -> torch.Tensor:  # fmt: skip
+    """What is compiled: the model's forward over the pools and its head."""
+    return model.logits(model(tokens, [pools], step=Step(pos, plans)))  # type: ignore[operator]
 
 
 def bucket(n: int) -> int:
@@ -60,17 +103,84 @@ class CompiledStep:
     `__call__` evaluates T tokens of each of B slots at their offsets and returns the logits
     (B·T, vocab), row after row; the caller moves the caches' offsets."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, saved: Path | None = None) -> None:
+        """`saved`: the folder whole graphs are kept in (CPU only; None: compile in memory)."""
         self.model, self.device = model, device
         mode = "reduce-overhead" if device.type == "cuda" else None
-        self._fn = torch.compile(self._run, mode=mode)
+        self._fn = torch.compile(_step, mode=mode)  # one function whose graphs dynamo keeps
         self.calls = 0  # steps run (tests: the compiled path was taken)
         self._pools: Sequence[Rows] | None = None  # the pools marked static (CUDA)
+        self._saved = saved if device.type == "cpu" else None
+        self._identity = identity(model) if self._saved is not None else ""
+        self._graphs: dict[tuple, Callable[..., torch.Tensor]] = {}  # a whole graph per shape
+        self._unproven: set[tuple] = set()  # graphs read from disk, not yet called
+        self.loaded = self.built = 0  # graphs read from disk / compiled whole (tests, bench)
 
-    def _run(self, tokens: torch.Tensor, pos: torch.Tensor, pools: list[tuple[torch.Tensor, ...]],
-             plans: dict[int, tuple[torch.Tensor, ...]]) -> torch.Tensor:  # fmt: skip
-        model = self.model
-        return model.logits(model(tokens, [pools], step=Step(pos, plans)))  # type: ignore[operator]
+    def _graph(self, key: tuple, args: tuple[Any, ...], *, load: bool = True) -> Callable[..., torch.Tensor]:
+        """The whole graph for these inputs' shapes (`key`): read from disk (`load`), else
+        compiled and written there; where neither works, the in-memory compile."""
+        fn = self._graphs.get(key)
+        if fn is not None or self._saved is None:
+            return fn or self._dynamic
+        plans, path = args[4], self.path(key)
+        if load:
+            try:
+                with path.open("rb") as f:
+                    fn = torch.compiler.load_compiled_function(f)
+                self.loaded += 1
+                self._unproven.add(key)  # until its first call passes its guards
+            except FileNotFoundError:
+                pass
+            except Exception as e:  # damaged, or of another torch: compiled again below
+                log.info("saved compiled step %s not used (%s: %s)", path.name, type(e).__name__, e)
+        if fn is None:
+            # marked copies of the plans: a saved graph's guards want unmarked tensors at a call
+            example = (*args[:4], {w: tuple(t.clone() for t in ts) for w, ts in plans.items()})
+            _mark_dynamic(example[4])
+            try:
+                fn = torch.compile(_step, fullgraph=True).aot_compile((example, {}))  # type: ignore[attr-defined]
+            except Exception as e:  # not one whole graph (or no compiler: said at the first call)
+                log.info("the compiled step is not kept on disk (%s: %s)", type(e).__name__,
+                         (str(e).strip().splitlines() or [""])[0][:200])  # fmt: skip
+                fn = self._dynamic
+            else:
+                self.built += 1
+                try:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    fn.save_compiled_function(str(path))  # type: ignore[attr-defined]
+                except Exception as e:  # a full or read-only disk: kept in memory only
+                    log.warning("could not keep the compiled step in %s (%s)", path.parent, e)
+        self._graphs[key] = fn
+        return fn
+
+    def path(self, key: tuple) -> Path:
+        """The file the graph for `key` (its inputs' shapes) is kept in."""
+        assert self._saved is not None
+        return self._saved / f"{self._identity}-{hashlib.sha256(repr(key).encode()).hexdigest()[:16]}.bin"
+
+    def _call(self, args: tuple[Any, ...]) -> torch.Tensor:
+        """Run the graph for `args`; a saved one that does not take them (its guards fail) is
+        compiled afresh, once, and written over."""
+        tokens, _, pools, plans = args[1:]
+        key = (tuple(tokens.shape), tuple(pools[0][0].shape), str(pools[0][0].dtype), tuple(plans))
+        fn = self._graph(key, args)
+        try:
+            out = fn(*args)
+        except Exception as e:
+            if key not in self._unproven:
+                raise
+            self._unproven.discard(key)
+            log.info("a saved compiled step does not fit (%s): compiled again",
+                     (str(e).strip().splitlines() or [""])[0][:200])  # fmt: skip
+            del self._graphs[key]
+            return self._graph(key, args, load=False)(*args)
+        self._unproven.discard(key)
+        return out
+
+    def _dynamic(self, *args: Any) -> torch.Tensor:
+        """The in-memory compile (dynamo keeps its graphs), the plans' block counts dynamic."""
+        _mark_dynamic(args[4])
+        return self._fn(*args)
 
     def __call__(self, rows: Sequence[Rows], slots: Sequence[int], offsets: Sequence[int],
                  tokens: Sequence[Sequence[int]]) -> torch.Tensor:  # fmt: skip
@@ -86,8 +196,6 @@ class CompiledStep:
         for pages in books:
             plan = _RowsPlan(pages, list(slots), offsets, t, pages.window, dev, rows=size * t,
                              blocks=2)  # fmt: skip
-            torch._dynamo.mark_dynamic(plan.gather, 1)
-            torch._dynamo.mark_dynamic(plan.bias, 1)
             plans[pages.window] = plan.tensors
         x = torch.zeros(size, t, dtype=torch.long)
         x[:n] = torch.tensor(tokens, dtype=torch.long)
@@ -99,6 +207,7 @@ class CompiledStep:
                 for buf in pool:
                     torch._dynamo.mark_static_address(buf)
             self._pools = rows
-        out = self._fn(x.to(dev), pos.to(dev), pools, plans)
+        args = (self.model, x.to(dev), pos.to(dev), pools, plans)
+        out = self._call(args)
         self.calls += 1
         return out[:n].reshape(n * t, -1)

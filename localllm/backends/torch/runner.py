@@ -166,7 +166,8 @@ class TorchRunner(TextOnly):
     def __init__(self, path: str | Path, *, n_ctx: int, n_slots: int = 1, max_batch: int = 256,
                  device: str = "auto", dtype: str = "auto", kv_cache: str = "f16",
                  evict: str | None = None, threads: int | None = None,
-                 kv_blocks: int | None = None, compile: str = "auto") -> None:  # fmt: skip
+                 kv_blocks: int | None = None, compile: str = "auto",
+                 compiled_dir: Path | None = None) -> None:  # fmt: skip
         """Args:
         n_ctx: positions per slot.
         n_slots: caches held at once.
@@ -181,6 +182,7 @@ class TorchRunner(TextOnly):
         compile: `auto` (on CUDA), `on` or `off`: decode steps and verifications of plain
             paged caches run as one compiled call (`compiled.CompiledStep`; the pool is then
             allocated whole); everything else, and `off`, runs eagerly.
+        compiled_dir: where compiled steps are kept whole for the next start (CPU; None: not kept).
         """
         if threads:
             torch.set_num_threads(threads)
@@ -247,6 +249,7 @@ class TorchRunner(TextOnly):
         self.kv_blocks = kv_blocks
         self.compiled = wanted(compile, self.torch_device)
         self._compiled: CompiledStep | None = None  # made on the first compiled step
+        self.compiled_dir = compiled_dir
         self._lock = threading.Lock()  # embed() may come from another thread than the engine's
 
     def _load(self, path: str | Path) -> tuple[Any, Any, dict[str, Any]]:
@@ -549,7 +552,7 @@ class TorchRunner(TextOnly):
     def _run_compiled(self, slots: list[int], tokens: list[list[int]]) -> torch.Tensor:
         """T tokens of each slot (as many each) through the compiled step: logits (B·T, vocab)."""
         if self._compiled is None:
-            self._compiled = CompiledStep(self.model, self.torch_device)
+            self._compiled = CompiledStep(self.model, self.torch_device, self.compiled_dir)
         caches = [self._caches[s] for s in slots]
         try:
             logits = self._compiled(self._rows, slots, [c[0].offset for c in caches], tokens)  # type: ignore[arg-type]
@@ -705,10 +708,11 @@ def open_runner(path: str | Path, options: Any, *, name: str, digest: str,
     old = torch_too_old(torch.__version__)
     if old:
         raise LocalLLMError(old)
-    cache_dir(home)  # compiled kernels kept under the store: a second start reuses them
+    saved = cache_dir(home)  # compiled steps kept under the store: a second start reuses them
     return TorchRunner(path, n_ctx=options.ctx, n_slots=options.parallel, device=options.device,
                        dtype=options.dtype, kv_cache=options.kv_cache, evict=options.evict,
-                       threads=options.threads or _default_threads(), compile=options.compile)  # fmt: skip
+                       threads=options.threads or _default_threads(), compile=options.compile,
+                       compiled_dir=saved)  # fmt: skip
 
 
 def _default_threads() -> int:

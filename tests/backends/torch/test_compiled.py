@@ -52,13 +52,15 @@ def script(r: TorchRunner) -> list[np.ndarray]:
     return out
 
 
-def compare(path: Path, **kw: object) -> tuple[TorchRunner, float, float]:
-    """(compiled runner, largest |difference| of any logit, largest |logit|) of `script`."""
+def compare(path: Path, saved: Path | None = None, **kw: object) -> tuple[TorchRunner, float, float]:
+    """(compiled runner, largest |difference| of any logit, largest |logit|) of `script`; the
+    compiled runner keeps its graphs in `saved` (None: in memory). Its logits: `r.got`."""
     eager = TorchRunner(path, n_ctx=256, n_slots=4, dtype="f32", max_batch=32, compile="off", **kw)
     want = script(eager)
     assert eager._compiled is None
-    r = TorchRunner(path, n_ctx=256, n_slots=4, dtype="f32", max_batch=32, compile="on", **kw)
-    got = script(r)
+    r = TorchRunner(path, n_ctx=256, n_slots=4, dtype="f32", max_batch=32, compile="on",
+                    compiled_dir=saved, **kw)  # fmt: skip
+    got = r.got = script(r)  # type: ignore[attr-defined]
     assert [g.shape for g in got] == [w.shape for w in want]
     diff = max(float(np.abs(g - w).max()) for g, w in zip(got, want))
     scale = max(float(np.abs(w).max()) for w in want)
@@ -83,8 +85,56 @@ def check(r: TorchRunner, diff: float, scale: float) -> None:
 def test_compiled_steps_give_the_eager_logits(family: str,
                                               tmp_path_factory: pytest.TempPathFactory) -> None:  # fmt: skip
     """Llama (every layer one page set) and Gemma 3 (window-16 local layers with pages of their
-    own, a global one): measured 5e-5 (llama, logits up to ~10) and 1.7e-3 (gemma, up to ~65)."""
-    check(*compare(tiny(family, tmp_path_factory)))
+    own, a global one): measured 5e-5 (llama, logits up to ~10) and 1.7e-3 (gemma, up to ~65).
+    Each graph is kept whole on disk: a second runner over the folder compiles nothing and gives
+    the first one's very bits."""
+    path, saved = tiny(family, tmp_path_factory), tmp_path_factory.mktemp("compiled")
+    r, diff, scale = compare(path, saved)
+    check(r, diff, scale)
+    graphs = sorted(saved.glob("*.bin"))
+    assert r._compiled is not None and r._compiled.built == len(graphs) >= 4 and r._compiled.loaded == 0
+    again = TorchRunner(path, n_ctx=256, n_slots=4, dtype="f32", max_batch=32, compile="on",
+                        compiled_dir=saved)  # fmt: skip
+    got = script(again)
+    assert all(np.array_equal(a, b) for a, b in zip(got, r.got))  # type: ignore[attr-defined]
+    assert again._compiled is not None
+    assert (again._compiled.loaded, again._compiled.built) == (len(graphs), 0)
+    assert sorted(saved.glob("*.bin")) == graphs
+
+
+def test_a_saved_graph_that_is_damaged_or_does_not_fit_is_compiled_again(
+    tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A saved graph that does not load (cut short) and one that loads but whose guards refuse
+    the inputs (another shape's graph under its name) are compiled again, each with a log line;
+    the logits are the eager runner's."""
+    import logging
+    import shutil
+
+    caplog.set_level(logging.INFO, logger="localllm.backends.torch.compiled")
+    path, saved = tiny("llama", tmp_path_factory), tmp_path_factory.mktemp("compiled")
+
+    def run(r: TorchRunner) -> np.ndarray:
+        seq = [r.forward([Piece(0, list(range(1, 40)), 1), Piece(1, list(range(5, 30)), 1)]).logits]
+        seq += [r.forward([Piece(0, [t], 1)]).logits for t in range(3)]
+        seq += [r.forward([Piece(0, [t], 1), Piece(1, [t + 1], 1)]).logits for t in range(3)]
+        return np.concatenate(seq)
+
+    want = run(TorchRunner(path, n_ctx=128, n_slots=2, dtype="f32", compile="off"))
+    first = TorchRunner(path, n_ctx=128, n_slots=2, dtype="f32", compile="on", compiled_dir=saved)
+    assert np.allclose(run(first), want, atol=1e-4)
+    step = first._compiled
+    assert step is not None and step.built == 2
+    files = {key[0]: step.path(key) for key in step._graphs}  # by (rows, tokens per row)
+    shutil.copyfile(files[(2, 1)], files[(1, 1)])  # loads, but its guards want 2 rows
+    files[(2, 1)].write_bytes(files[(2, 1)].read_bytes()[:1000])
+    caplog.clear()
+    r = TorchRunner(path, n_ctx=128, n_slots=2, dtype="f32", compile="on", compiled_dir=saved)
+    assert np.allclose(run(r), want, atol=1e-4)
+    assert r._compiled is not None and (r._compiled.loaded, r._compiled.built) == (1, 2)
+    lines = [rec.getMessage() for rec in caplog.records]
+    assert sum("does not fit" in line for line in lines) == 1, lines
+    assert sum("not used" in line for line in lines) == 1, lines
 
 
 @pytest.mark.slow
