@@ -209,9 +209,9 @@ def _tune(b: Any, say: Callable[[str], None], gen_tokens: int, max_skip: float, 
     ratios = [row["speedup"]]
     for _ in range(confirm):
         rate, plain_rate, _same, _best = pair(skip, k)
-        ratios.append(rate / plain_rate)
+        ratios.append(round(rate / plain_rate, 3))  # as the table has them
     speedup = sorted(ratios)[len(ratios) // 2]
-    row["confirmed"] = [round(r, 3) for r in ratios]
+    row["confirmed"] = ratios
     say(
         f"skip {len(skip):2d} k={k} again: "
         + ", ".join(f"{r:.2f}x" for r in ratios[1:])
