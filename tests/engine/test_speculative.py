@@ -512,10 +512,10 @@ def test_sampling_the_first_two_tokens_matches_plain(
     """Temperature 1 with top-k 3 from a fixed prompt: the joint distribution of the first two
     tokens (the second verified against a sampled layer-skip draft) is the same as plain
     sampling's: Pearson's homogeneity test over the 2 x 9 table, p > 0.001, 300 draws each,
-    fixed seeds, all submitted at once, eight decoding together. (The CPU's default precision:
+    fixed seeds, all submitted at once, 32 decoding together. (The CPU's default precision:
     lossless sampling needs no fp32.)"""
     with in_home(tmp_path_factory.mktemp("home")):
-        m = load("smollm2", backend="torch", ctx=256, threads=2, parallel=8)
+        m = load("smollm2", backend="torch", ctx=256, threads=2, parallel=32)
     try:
         assert m.runner.dtype == "int4"  # the CPU's default
         prompt = "My favourite colour is"
