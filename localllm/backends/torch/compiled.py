@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -66,10 +67,13 @@ def cache_dir(home: Path | None) -> Path | None:
 
 
 def identity(model: torch.nn.Module) -> str:
-    """What a compiled step of `model` depends on besides its inputs, as a digest: torch's
-    version, the source of the torch engine, the model's modules and its parameters' and
-    buffers' names, shapes and dtypes (not their values: the graph reads those at each call)."""
-    h = hashlib.sha256(torch.__version__.encode())
+    """What a compiled CPU step of `model` depends on besides its inputs, as a digest: torch's
+    version, the vector instructions inductor writes kernels for (a store may move between
+    CPUs), the source of the torch engine, the model's modules and its parameters' and buffers'
+    names, shapes and dtypes (not their values: the graph reads those at each call)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    h = hashlib.sha256(f"{torch.__version__} {platform.machine()} {pick_vec_isa()!s}".encode())
     for src in sorted(HERE.rglob("*.py")):
         h.update(src.relative_to(HERE).as_posix().encode() + src.read_bytes())
     h.update(repr(model).encode() + repr(getattr(model, "args", None)).encode())
