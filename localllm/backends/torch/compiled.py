@@ -25,8 +25,9 @@ The eager path is the oracle: tests compare the two (`tests/backends/torch/test_
 fbgemm's fp16 matmul reaches the graph as an opaque op (`quantized.fp16_gemm`), so the step is
 one graph. On a 2-core EPYC, SmolLM2 in the CPU default decodes at 18.1 ms a token compiled
 against 26.1 eager (bench/torch_compile.py), but the first start compiles for about a minute
-and later ones still trace for ~9 s; so `auto` compiles on CUDA only and `--compile` asks for it
-on the CPU (a long-running server).
+and later ones still take seconds (f32, graphs loaded from disk: 5.4 s on a Zen 1 EPYC; the
+default precision's graphs are not saved yet, so it traces again: 18 s there); so `auto` compiles
+on CUDA only and `--compile` asks for it on the CPU (a long-running server).
 """
 
 from __future__ import annotations
