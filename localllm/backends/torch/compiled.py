@@ -19,23 +19,28 @@ On the CPU each graph is also kept whole on disk (torch's ahead-of-time compile,
 everything the graph depends on (`identity`: torch, this package's torch code, the model's
 modules, shapes and dtypes, the bucket): a later start loads it and skips dynamo's tracing,
 which was most of a warm start (inductor's own cache under `cache/inductor` keeps the kernels).
-A graph that cannot be saved or loaded is compiled the usual way, with one log line.
+A graph that cannot be saved or loaded is compiled the usual way, with one log line. A graph
+read is touched, so the folder is kept like a cache (`prune`): after each save, graphs unused
+for 30 days go, then the least recently used while the folder holds over 1 GB.
 
 The eager path is the oracle: tests compare the two (`tests/backends/torch/test_compiled.py`).
 fbgemm's fp16 matmul reaches the graph as an opaque op (`quantized.fp16_gemm`), so the step is
 one graph. On a 2-core EPYC, SmolLM2 in the CPU default decodes at 18.1 ms a token compiled
 against 26.1 eager (bench/torch_compile.py), but the first start compiles for about a minute
-and later ones still take seconds (f32, graphs loaded from disk: 5.4 s on a Zen 1 EPYC; the
-default precision's graphs are not saved yet, so it traces again: 18 s there); so `auto` compiles
-on CUDA only and `--compile` asks for it on the CPU (a long-running server).
+and later ones still take seconds (graphs loaded from disk: the first step 5.9 s in the default
+precision, 5.4 s in f32, on a Zen 1 EPYC, against 86 s cold); so `auto` compiles on CUDA only
+and `--compile` asks for it on the CPU (a long-running server). The CPU default's own ops
+(`quantized.fp16_gemm`, `quantized.block_rows`) are what keep its step one graph that saves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import platform
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -83,6 +88,34 @@ def identity(model: torch.nn.Module) -> str:
     return h.hexdigest()[:32]
 
 
+def prune(folder: Path, keep: Path, *, max_bytes: int = 1 << 30, max_age_s: float = 30 * 86400) -> list[Path]:
+    """Remove the graphs in `folder` last used (written or read) over `max_age_s` ago, then the
+    least recently used while the rest hold over `max_bytes`; never `keep` (the one just
+    written). Returns what was removed. Graphs of another torch or model version are never read
+    again, so they age out; the ones in use stay."""
+    now, files = time.time(), []
+    for p in folder.glob("*.bin"):
+        try:
+            st = p.stat()
+        except OSError:  # removed meanwhile (another process pruning)
+            continue
+        files.append((st.st_mtime, st.st_size, p))
+    files.sort()  # oldest first
+    total, gone = sum(size for _, size, _ in files), []
+    for mtime, size, p in files:
+        if p == keep or (now - mtime <= max_age_s and total <= max_bytes):
+            continue
+        try:
+            p.unlink()
+        except OSError:
+            continue
+        total -= size
+        gone.append(p)
+    if gone:
+        log.info("removed %d compiled step(s) unused for long from %s", len(gone), folder)
+    return gone
+
+
 def _mark_dynamic(plans: dict[int, tuple[torch.Tensor, ...]]) -> None:
     """One graph for any number of key blocks: the plans' gather and bias (`_RowsPlan.tensors`)
     have a dynamic size in their block dimension."""
@@ -95,6 +128,12 @@ def _step(model: torch.nn.Module, tokens: torch.Tensor, pos: torch.Tensor,
           pools: list[tuple[torch.Tensor, ...]], plans: dict[int, tuple[torch.Tensor, ...]]) -> torch.Tensor:  # fmt: skip
     """What is compiled: the model's forward over the pools and its head."""
     return model.logits(model(tokens, [pools], step=Step(pos, plans)))  # type: ignore[operator]
+
+
+def _touch(path: Path) -> None:
+    """Mark `path` as just used (its modification time), where the disk lets us."""
+    with contextlib.suppress(OSError):
+        os.utime(path)
 
 
 def bucket(n: int) -> int:
@@ -133,6 +172,7 @@ class CompiledStep:
                 with path.open("rb") as f:
                     fn = torch.compiler.load_compiled_function(f)
                 self.loaded += 1
+                _touch(path)  # in use: `prune` keeps it
                 self._unproven.add(key)  # until its first call passes its guards
             except FileNotFoundError:
                 pass
@@ -155,6 +195,8 @@ class CompiledStep:
                     fn.save_compiled_function(str(path))  # type: ignore[attr-defined]
                 except Exception as e:  # a full or read-only disk: kept in memory only
                     log.warning("could not keep the compiled step in %s (%s)", path.parent, e)
+                else:
+                    prune(path.parent, path)
         self._graphs[key] = fn
         return fn
 

@@ -57,17 +57,20 @@ _fp16_gemm = torch.ops.quantized.linear_dynamic_fp16  # looked up once: each loo
 _int4_mm = getattr(torch, "_weight_int4pack_mm_for_cpu", None)  # torch >= 2.5; else no int4
 
 # fbgemm's packed matrix is an object torch.compile cannot trace into (each call split the
-# compiled step into ~90 graphs, slower than eager): a compiled step calls `fp16_gemm` instead,
-# an op the compiler sees as one opaque call, which finds the layer by a number.
+# compiled step into ~90 graphs, slower than eager) nor keep in a saved graph: a compiled step
+# calls `fp16_gemm` instead, an op the compiler sees as one opaque call, which finds the layer
+# by its number. The number reaches the op as a tensor (the layer's `number` buffer), read at
+# each call: a graph saved by one process then finds the layers of another.
 _LAYERS: dict[int, weakref.ref] = {}
 _numbers = itertools.count()
 
 
 @torch.library.custom_op("localllm::fp16_gemm", mutates_args=())
-def fp16_gemm(x: torch.Tensor, layer: int, n_out: int) -> torch.Tensor:
-    """x (..., in) float32 through `Fp16Linear` number `layer`'s packed matrix: (..., n_out)."""
+def fp16_gemm(x: torch.Tensor, layer: torch.Tensor, n_out: int) -> torch.Tensor:
+    """x (..., in) float32 through the packed matrix of the `Fp16Linear` whose number is
+    `layer` (a 0-d tensor): (..., n_out)."""
     rows = x.reshape(-1, x.shape[-1])
-    return _fp16_rows(rows, _LAYERS[layer]()._packed).view(*x.shape[:-1], n_out)
+    return _fp16_rows(rows, _LAYERS[int(layer)]()._packed).view(*x.shape[:-1], n_out)
 
 
 def _fp16_rows(rows: torch.Tensor, packed: object) -> torch.Tensor:
@@ -108,7 +111,7 @@ def fp16_row_quantum() -> int:
 
 
 @fp16_gemm.register_fake
-def _(x: torch.Tensor, layer: int, n_out: int) -> torch.Tensor:
+def _(x: torch.Tensor, layer: torch.Tensor, n_out: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], n_out)
 
 
@@ -144,8 +147,9 @@ class Fp16Linear(nn.Module):
         # (out, in) fp16 and (out,) fp32; `weight` is None while fbgemm holds the packed copy
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.register_buffer("weight", None)
-        self._number = next(_numbers)
-        _LAYERS[self._number] = weakref.ref(self, lambda _, n=self._number: _LAYERS.pop(n, None))
+        self._key = number = next(_numbers)
+        self.register_buffer("number", torch.tensor(number), persistent=False)  # for `fp16_gemm`
+        _LAYERS[number] = weakref.ref(self, lambda _, n=number: _LAYERS.pop(n, None))
         self._store(weight.detach())
 
     def _store(self, weight: torch.Tensor) -> None:
@@ -173,9 +177,10 @@ class Fp16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., in) → (..., out) in x's dtype."""
-        if self._packed is not None and x.is_cpu and x.numel():
-            if torch.compiler.is_compiling():
-                return fp16_gemm(x.float(), self._number, self.out_features).to(x.dtype)
+        if torch.compiler.is_compiling():  # no look at the packed object: a guard on it cannot be saved
+            if self.weight is None and x.is_cpu and x.numel():  # fbgemm holds the weight
+                return fp16_gemm(x.float(), self.number, self.out_features).to(x.dtype)
+        elif self._packed is not None and x.is_cpu and x.numel():
             rows = x.reshape(-1, self.in_features).float()  # fbgemm takes >= 2-D fp32
             y = _fp16_rows(rows, self._packed)  # (bias added)
             return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -192,7 +197,9 @@ class Fp16Linear(nn.Module):
             self.weight = self.dequantize().to(torch.float16)
             self._packed = None
         weight, self.weight = self.weight, None
+        self.number = None  # stays a CPU tensor (the packed path's), made anew: meta has no value
         super()._apply(fn, recurse)
+        self.number = torch.tensor(self._key)
         if weight is not None:
             self._store(weight.to(device))
         return self
@@ -336,12 +343,30 @@ class BlockEmbedding(nn.Module):
     def device(self) -> torch.device:
         return self.blocks.device
 
-    @torch.compiler.disable  # byte decoding: a compiled step starts after it
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (...) → (..., dim)."""
-        rows = self.blocks.index_select(0, tokens.reshape(-1))  # (n, bytes per row), a copy
-        out = dequantize(rows.view(-1), self.type_name, (rows.shape[0], self.dim), self.dtype)
-        return out.view(*tokens.shape, self.dim)
+        if torch.compiler.is_compiling():  # one opaque op: the step stays one graph
+            return block_rows(self.blocks, tokens, self.type_name, self.dim, self.dtype)
+        return _block_rows(self.blocks, tokens, self.type_name, self.dim, self.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.dim}, rows={self.type_name} as stored"
+
+
+def _block_rows(blocks: torch.Tensor, tokens: torch.Tensor, type_name: str, dim: int,
+                dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """The rows `tokens` (...) of a block-quantized table `blocks` (vocab, bytes per row),
+    decoded: (..., dim) in `dtype`."""
+    rows = blocks.index_select(0, tokens.reshape(-1))  # (n, bytes per row), a copy
+    out = dequantize(rows.view(-1), type_name, (rows.shape[0], dim), dtype)
+    return out.view(*tokens.shape, dim)
+
+
+# The byte decoding is not traceable: a compiled step calls it as one op (a graph break would
+# keep the step from being one graph, and so from being saved whole).
+block_rows = torch.library.custom_op("localllm::block_rows", _block_rows, mutates_args=())
+
+
+@block_rows.register_fake
+def _(blocks: torch.Tensor, tokens: torch.Tensor, type_name: str, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    return blocks.new_empty(*tokens.shape, dim, dtype=dtype)

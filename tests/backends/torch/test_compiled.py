@@ -137,6 +137,57 @@ def test_a_saved_graph_that_is_damaged_or_does_not_fit_is_compiled_again(
     assert sum("not used" in line for line in lines) == 1, lines
 
 
+def test_a_saved_graph_keeps_the_cpu_defaults_own_ops(tmp_path: Path) -> None:
+    """fbgemm's fp16 layers (`fp16_gemm`) and a block-quantized embedding (`block_rows`) reach a
+    compiled step as ops of their own, so the CPU default's step is one graph and is kept on
+    disk; a graph saved over one model's layers, loaded for another's (other layer numbers: the
+    op finds its layer by a number the graph reads at each call), gives that model's eager bits."""
+    from localllm.backends.torch.quantized import BlockEmbedding, Fp16Linear
+
+    def build(seed: int) -> torch.nn.Module:
+        g = torch.Generator().manual_seed(seed)
+        scale = (torch.rand(300, 2, 1, generator=g) / 50).half().view(torch.uint8)  # Q8_0: a fp16 scale
+        codes = torch.randint(-127, 128, (300, 2, 32), generator=g, dtype=torch.int8).view(torch.uint8)
+        emb = BlockEmbedding("Q8_0", torch.cat((scale, codes), -1).reshape(300, 68), 64, torch.float32)
+        return torch.nn.Sequential(emb, Fp16Linear(torch.randn(48, 64, generator=g)), torch.nn.SiLU(),
+                                   Fp16Linear(torch.randn(32, 48, generator=g)))  # fmt: skip
+
+    def step(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        return model(tokens).softmax(-1)
+
+    first, tokens = build(0), torch.tensor([[3, 299, 0], [17, 17, 150]])
+    fn = torch.compile(step, fullgraph=True).aot_compile(((first, tokens), {}))  # one graph, or it raises
+    fn.save_compiled_function(str(tmp_path / "step.bin"))
+    other = build(1)  # other weights, other layer numbers
+    with (tmp_path / "step.bin").open("rb") as f:
+        loaded = torch.compiler.load_compiled_function(f)
+    for model in (other, first):
+        want = step(model, tokens)
+        assert torch.allclose(loaded(model, tokens), want, rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(step(other, tokens), step(first, tokens))
+
+
+def test_saved_graphs_are_pruned_by_age_then_size(tmp_path: Path) -> None:
+    """The folder is a cache: graphs unused for 30 days go, then the least recently used while
+    it holds over the size bound; the one just written always stays."""
+    import time
+
+    from localllm.backends.torch.compiled import prune
+
+    now = time.time()
+    files = {}
+    for name, age_days, size in (("old", 40, 10), ("older", 90, 10), ("a", 3, 400), ("b", 2, 400),
+                                 ("c", 1, 400), ("new", 0, 400), ("kept", 100, 5)):  # fmt: skip
+        files[name] = p = tmp_path / f"{name}.bin"
+        p.write_bytes(b"x" * size)
+        os.utime(p, (now - age_days * 86400, now - age_days * 86400))
+    (tmp_path / "notes.txt").write_text("not a graph")
+    gone = prune(tmp_path, files["kept"], max_bytes=1000)
+    assert sorted(p.stem for p in gone) == ["a", "b", "old", "older"]  # 3 x 400 + 5 > 1000 after the old went
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.bin", "kept.bin", "new.bin", "notes.txt"]
+    assert prune(tmp_path, files["new"], max_bytes=1000) == [files["kept"]]  # kept only while just written
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_compiled_steps_give_the_eager_logits_more_families(
