@@ -17,6 +17,10 @@ keeping every position.
    32 tokens greedily. `windowed`: the local layers' pages give back what their window no longer
    sees (the default); `every position`: those pages keep everything (`Pages.window` 0; the mask
    still hides the same keys, so the tokens are the same). KV bytes in use and decode ms/token.
+3. Codes (smollm2, the default precision, `--kv-cache int8`): one slot reads --context tokens,
+   then decodes 32 greedily. `pool`: int8 codes and scales in the paged pool's blocks, decoded
+   as attention gathers them (issue 33); `stores`: the slot's own per-sequence stores, dequantized
+   whole in every layer at every step (what int8 was before). KV bytes and decode ms/token.
 
 Writes bench/results/kv_pool.json (--quick: 300-token prefix, 2 slots, 700-token context;
 bench/results/quick/).
@@ -120,6 +124,39 @@ def window(n_context: int) -> dict:
     return out
 
 
+@on_compute_thread
+def per_sequence(r: TorchRunner, slot: int) -> None:
+    """The slot's int8 caches as they were before the pool held codes: stores of its own."""
+    from localllm.backends.torch.policies import make_caches
+
+    r.clear(slot)
+    r._caches[slot] = make_caches(r.model, r.n_ctx, kv_types=r.kv_types, dtype=r.compute_dtype,
+                                  device=r.torch_device)  # fmt: skip
+
+
+def codes(n_context: int) -> dict:
+    r = TorchRunner(model_path("smollm2"), n_ctx=n_context + 64, n_slots=1, threads=None, kv_cache="int8")
+    ids = r.tokenize((corpus_dir() / "alice.txt").read_text())[:n_context]
+    out: dict = {"context_tokens": len(ids), "dtype": r.dtype, "kv": "int8"}
+    try:
+        for name in ("stores", "pool"):
+            if name == "stores":
+                per_sequence(r, 0)
+            else:
+                r.clear(0)
+            for i in range(0, len(ids) - 1, r.max_batch):
+                r.forward([Piece(0, ids[i : min(i + r.max_batch, len(ids) - 1)], 0)])
+            kv = in_use(r) if name == "pool" else sum(c.nbytes for c in r._caches[0])
+            tokens, secs = decode(r, [0], [ids[-1]], 32)
+            out[name] = {"kv_bytes": kv, "decode_ms_per_token": 1000 * secs / 32, "tokens": tokens[0]}
+            log(f"codes  {name:14} KV {kv / 2**20:7.1f} MiB  decode {out[name]['decode_ms_per_token']:.1f} ms/token")
+        out["same_tokens"] = out["stores"]["tokens"] == out["pool"]["tokens"]
+        out["speedup"] = out["stores"]["decode_ms_per_token"] / out["pool"]["decode_ms_per_token"]
+    finally:
+        r.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prefix", type=int, default=2000)
@@ -129,7 +166,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.quick:
         a.prefix, a.slots, a.context = 300, 2, 700
-    save("kv_pool", {"prefix": prefix(a.prefix, a.slots), "window": window(a.context)}, quick=a.quick)
+    save("kv_pool", {"prefix": prefix(a.prefix, a.slots), "window": window(a.context),
+                     "codes": codes(a.context)}, quick=a.quick)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -332,7 +332,7 @@ def rows_streaming_eval(d: dict) -> list[Row]:
 
 
 def rows_kv_pool(d: dict) -> list[Row]:
-    p, w = d.get("prefix") or {}, d.get("window") or {}
+    p, w, c = d.get("prefix") or {}, d.get("window") or {}, d.get("codes") or {}
     mib = lambda x: None if x is None else x / 2**20  # noqa: E731
     same = lambda r: "" if r.get("same_tokens") else " (tokens DIFFER)"  # noqa: E731
     return [(f"KV MiB in use, {p.get('slots')} slots on one {p.get('prefix_tokens')}-token prefix: blocks shared{same(p)}",
@@ -342,7 +342,11 @@ def rows_kv_pool(d: dict) -> list[Row]:
             (f"Gemma 3: KV MiB in use at {w.get('context_tokens')} tokens, window layers keep their window{same(w)}",
              mib(g(w, "windowed/kv_bytes")), "every position kept", mib(g(w, "every position/kv_bytes")), False, None),
             ("Gemma 3: decode ms/token there, windowed", g(w, "windowed/decode_ms_per_token"), "every position kept",
-             g(w, "every position/decode_ms_per_token"), False, None)]  # fmt: skip
+             g(w, "every position/decode_ms_per_token"), False, None),
+            (f"int8 KV: decode ms/token at {c.get('context_tokens')} tokens, codes in the pool{same(c)}",
+             g(c, "pool/decode_ms_per_token"), "per-sequence stores", g(c, "stores/decode_ms_per_token"), False, None),
+            ("int8 KV: KV MiB there, codes in the pool", mib(g(c, "pool/kv_bytes")), "per-sequence stores",
+             mib(g(c, "stores/kv_bytes")), False, None)]  # fmt: skip
 
 
 def rows_torch_compile(d: dict) -> list[Row]:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from localllm.backends.torch.kvquant import Plain, Scaled
 from localllm.errors import OutOfBlocks
 
 __all__ = ["BLOCK", "KVCache", "Pages", "PositionIndexed", "Prefix", "Rows", "Span", "make_caches"]
@@ -303,28 +304,60 @@ class Rows:
     one call (`models.base.attend`), where buffers of their own would need one attention call
     per sequence.
 
+    `codecs` (keys', values'; `kvquant.codec`): how a position is stored, token by token — a
+    float type as it is, or int8/fp8 codes with a scale per token and head (`kvquant.Scaled`),
+    each part a pool of its own ((n_blocks, n_kv, BLOCK, width): `k_parts`, `v_parts`). Reads
+    decode what they gather (to `dtype`; keys and values of one float type are read in it), so
+    attention never holds a full-precision copy of the pool, only of the blocks it reads; the
+    prefix cache shares quantized blocks as it shares float ones. The grouped codecs (KIVI's
+    int4/int2) span tokens and keep a residual: they stay in `kvquant.Store`s. Without
+    `codecs`, both are `dtype` as it is.
+
     `static`: the pool is allocated whole (`pages.limit` blocks) on first use and never moves,
     as a compiled step needs (a CUDA graph replays on fixed addresses); else it doubles as the
     pages hand out blocks."""
 
     def __init__(self, n_slots: int, n_kv: int, head_dim: int, capacity: int, *, dtype: torch.dtype,
                  device: torch.device | str = "cpu", v_head_dim: int | None = None,
-                 pages: Pages | None = None, static: bool = False) -> None:  # fmt: skip
+                 pages: Pages | None = None, static: bool = False,
+                 codecs: tuple[Plain, Plain] | None = None) -> None:  # fmt: skip
         self.n_kv, self.head_dim = n_kv, head_dim
         self.v_head_dim = v_head_dim or head_dim
         self.dtype, self.device = dtype, torch.device(device)
+        self.codecs = codecs or (Plain(dtype), Plain(dtype))
+        if any(type(c) not in (Plain, Scaled) for c in self.codecs):
+            raise ValueError("a paged pool stores float or per-token (int8, fp8) codes only")
         self.pages = pages or Pages(n_slots, capacity)  # one for every layer of a runner
         self.pages.layers.append(self)
         if static and self.pages.limit is None:
             raise ValueError("a static pool needs pages with a limit")
         self.static = static
-        self.k: torch.Tensor | None = None  # (n_blocks, n_kv, BLOCK, hd)
-        self.v: torch.Tensor | None = None
+        self.k_parts: tuple[torch.Tensor, ...] = ()  # each (n_blocks, n_kv, BLOCK, width)
+        self.v_parts: tuple[torch.Tensor, ...] = ()
+
+    @property
+    def k(self) -> torch.Tensor | None:
+        """The keys' pool (their codes under a codec), None before the first block."""
+        return self.k_parts[0] if self.k_parts else None
+
+    @property
+    def v(self) -> torch.Tensor | None:
+        return self.v_parts[0] if self.v_parts else None
+
+    @property
+    def parts(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """(keys' parts, values' parts): what a compiled step reads and writes."""
+        return self.k_parts, self.v_parts
 
     @property
     def allocated(self) -> int:
         """Blocks in this layer's pool (the zero block too)."""
         return 0 if self.k is None else self.k.shape[0]
+
+    def _specs(self) -> list[list[tuple[int, torch.dtype]]]:
+        """(width, dtype) of each part, keys' then values'."""
+        return [[(w, dt) for _, w, dt in c.parts(hd, 1)]
+                for c, hd in zip(self.codecs, (self.head_dim, self.v_head_dim))]  # fmt: skip
 
     def _grow(self) -> None:
         """The pool grown to the blocks `pages` has handed out."""
@@ -333,12 +366,14 @@ class Rows:
             return
         if self.static:
             want = max(want, self.pages.limit)  # type: ignore[type-var]
-        k = torch.zeros(want, self.n_kv, BLOCK, self.head_dim, dtype=self.dtype, device=self.device)
-        v = torch.zeros(want, self.n_kv, BLOCK, self.v_head_dim, dtype=self.dtype, device=self.device)
-        if have:
-            k[:have] = self.k  # type: ignore[index]
-            v[:have] = self.v  # type: ignore[index]
-        self.k, self.v = k, v
+        grown_parts = []
+        for old, specs in zip(self.parts, self._specs()):
+            new = tuple(torch.zeros(want, self.n_kv, BLOCK, w, dtype=dt, device=self.device)
+                        for w, dt in specs)  # fmt: skip
+            for a, b in zip(new, old):
+                a[:have] = b
+            grown_parts.append(new)
+        self.k_parts, self.v_parts = grown_parts
 
     def own(self, slot: int, start: int, end: int) -> None:
         """The slot's positions [start, end) in blocks it alone holds (`Pages.own`), in the pool."""
@@ -348,19 +383,21 @@ class Rows:
     def copy(self, src: int, dst: int, lo: int, hi: int) -> None:
         """Positions [lo, hi) of block src into block dst."""
         self._grow()
-        self.k[dst, :, lo:hi] = self.k[src, :, lo:hi]  # type: ignore[index]
-        self.v[dst, :, lo:hi] = self.v[src, :, lo:hi]  # type: ignore[index]
+        for part in (*self.k_parts, *self.v_parts):
+            part[dst, :, lo:hi] = part[src, :, lo:hi]
 
     def write(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (1, n_kv, T, hd) at the slot's positions start .. start + T - 1."""
         self.own(slot, start, start + k.shape[2])
+        new = [c.encode(x) for c, x in zip(self.codecs, (k, v))]  # each part (1, n_kv, T, width)
         table, t, done = self.pages.tables[slot], k.shape[2], 0
         while done < t:
             p = start + done
             b, at = table[p // BLOCK], p % BLOCK
             n = min(t - done, BLOCK - at)
-            self.k[b, :, at : at + n] = k[0, :, done : done + n]  # type: ignore[index]
-            self.v[b, :, at : at + n] = v[0, :, done : done + n]  # type: ignore[index]
+            for pool, parts in zip(self.parts, new):
+                for part, x in zip(pool, parts):
+                    part[b, :, at : at + n] = x[0, :, done : done + n]
             done += n
 
     def read(self, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -373,9 +410,15 @@ class Rows:
         """The first `end` positions of these blocks in turn, as `read` gives a slot's."""
         nb = -(-end // BLOCK)
         idx = torch.tensor(blocks[:nb], dtype=torch.long, device=self.device)
-        k = self.k.index_select(0, idx).transpose(0, 1).reshape(1, self.n_kv, nb * BLOCK, self.head_dim)  # type: ignore[union-attr]
-        v = self.v.index_select(0, idx).transpose(0, 1).reshape(1, self.n_kv, nb * BLOCK, self.v_head_dim)  # type: ignore[union-attr]
-        return k[:, :, :end], v[:, :, :end]
+        ck, cv = self.codecs
+        # one float type stored as it is is read in place; anything else in `dtype`, both alike
+        same = type(ck) is Plain and type(cv) is Plain and ck.dtype == cv.dtype
+        out = []
+        for c, pool in zip(self.codecs, self.parts):
+            parts = [p.index_select(0, idx).transpose(0, 1).reshape(1, self.n_kv, nb * BLOCK, p.shape[-1])[:, :, :end]
+                     for p in pool]  # fmt: skip
+            out.append(c.decode(parts, ck.dtype if same else self.dtype))
+        return out[0], out[1]
 
     def slot_bytes(self, slot: int) -> int:
         """Bytes of the blocks the slot holds in this layer."""
@@ -383,8 +426,8 @@ class Rows:
 
     @property
     def block_bytes(self) -> int:
-        size = torch.empty(0, dtype=self.dtype).element_size()
-        return self.n_kv * BLOCK * (self.head_dim + self.v_head_dim) * size
+        return int(BLOCK * self.n_kv * sum(c.bytes_per_token(hd, 1)
+                   for c, hd in zip(self.codecs, (self.head_dim, self.v_head_dim))))  # fmt: skip
 
     @property
     def nbytes(self) -> int:
@@ -459,6 +502,8 @@ class KVCache(PositionIndexed):
 
     def bytes_per_token(self) -> float:
         """What one more cached token costs, K and V."""
+        if self.rows is not None:
+            return self.rows.block_bytes / BLOCK
         size = torch.empty(0, dtype=self.dtype).element_size()
         return self.n_kv * (self.head_dim + self.v_head_dim) * size
 

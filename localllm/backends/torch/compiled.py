@@ -52,6 +52,9 @@ from localllm.backends.torch.models.base import Step, _RowsPlan
 from localllm.types import COMPILE_MODES
 
 log = logging.getLogger(__name__)
+# inductor keeps a value cast to float16 and back in float32 unless told otherwise: the pool's
+# int8 codes were then made from the unrounded scale (0.7% of them one off), not the stored one
+OPTIONS = {"emulate_precision_casts": True}
 HERE = Path(__file__).resolve().parent  # the torch engine's code: a saved graph is of this code
 
 
@@ -125,7 +128,7 @@ def _mark_dynamic(plans: dict[int, tuple[torch.Tensor, ...]]) -> None:
 
 
 def _step(model: torch.nn.Module, tokens: torch.Tensor, pos: torch.Tensor,
-          pools: list[tuple[torch.Tensor, ...]], plans: dict[int, tuple[torch.Tensor, ...]]) -> torch.Tensor:  # fmt: skip
+          pools: list[tuple[tuple[torch.Tensor, ...], ...]], plans: dict[int, tuple[torch.Tensor, ...]]) -> torch.Tensor:  # fmt: skip
     """What is compiled: the model's forward over the pools and its head."""
     return model.logits(model(tokens, [pools], step=Step(pos, plans)))  # type: ignore[operator]
 
@@ -150,8 +153,9 @@ class CompiledStep:
     def __init__(self, model: torch.nn.Module, device: torch.device, saved: Path | None = None) -> None:
         """`saved`: the folder whole graphs are kept in (CPU only; None: compile in memory)."""
         self.model, self.device = model, device
-        mode = "reduce-overhead" if device.type == "cuda" else None
-        self._fn = torch.compile(_step, mode=mode)  # one function whose graphs dynamo keeps
+        # CUDA graphs on CUDA (what mode="reduce-overhead" sets)
+        options = {**OPTIONS, "triton.cudagraphs": device.type == "cuda"}
+        self._fn = torch.compile(_step, options=options)  # one function whose graphs dynamo keeps
         self.calls = 0  # steps run (tests: the compiled path was taken)
         self._pools: Sequence[Rows] | None = None  # the pools marked static (CUDA)
         self._saved = saved if device.type == "cpu" else None
@@ -183,7 +187,7 @@ class CompiledStep:
             example = (*args[:4], {w: tuple(t.clone() for t in ts) for w, ts in plans.items()})
             _mark_dynamic(example[4])
             try:
-                fn = torch.compile(_step, fullgraph=True).aot_compile((example, {}))  # type: ignore[attr-defined]
+                fn = torch.compile(_step, fullgraph=True, options=OPTIONS).aot_compile((example, {}))  # type: ignore[attr-defined]
             except Exception as e:  # not one whole graph (or no compiler: said at the first call)
                 log.info("the compiled step is not kept on disk (%s: %s)", type(e).__name__,
                          (str(e).strip().splitlines() or [""])[0][:200])  # fmt: skip
@@ -209,7 +213,8 @@ class CompiledStep:
         """Run the graph for `args`; a saved one that does not take them (its guards fail) is
         compiled afresh, once, and written over."""
         tokens, _, pools, plans = args[1:]
-        key = (tuple(tokens.shape), tuple(pools[0][0].shape), str(pools[0][0].dtype), tuple(plans))
+        key = (tuple(tokens.shape), tuple(pools[0][0][0].shape),
+               tuple(str(p.dtype) for parts in pools[0] for p in parts), tuple(plans))  # fmt: skip
         fn = self._graph(key, args)
         try:
             out = fn(*args)
@@ -248,10 +253,10 @@ class CompiledStep:
         x[:n] = torch.tensor(tokens, dtype=torch.long)
         pos = torch.zeros(size, t, dtype=torch.long)
         pos[:n] = torch.tensor(offsets)[:, None] + torch.arange(t)
-        pools = [(r.k, r.v) for r in rows]
+        pools = [r.parts for r in rows]
         if dev.type == "cuda" and self._pools is not rows:  # a graph replays on the pool's address
             for pool in pools:
-                for buf in pool:
+                for buf in (*pool[0], *pool[1]):
                     torch._dynamo.mark_static_address(buf)
             self._pools = rows
         args = (self.model, x.to(dev), pos.to(dev), pools, plans)

@@ -28,9 +28,11 @@ and V per step (freed when the layer is done); only codes, scales and the residu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-__all__ = ["CODECS", "QuantizedKVCache", "Store", "codec", "make_store"]
+__all__ = ["CODECS", "POOLED", "QuantizedKVCache", "Store", "codec", "make_store", "stored"]
 
 RESIDUAL = 128  # KIVI's full-precision window (tokens)
 GROUP = 64  # tokens (keys) or channels (values) sharing one scale and zero
@@ -147,6 +149,7 @@ class Kivi(Plain):
 
 
 CODECS = ("f16", "bf16", "f32", "int8", "fp8", "int4", "int2")
+POOLED = ("f16", "bf16", "f32", "int8", "fp8")  # token by token: what a paged pool stores
 _FLOATS = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 
 
@@ -159,6 +162,14 @@ def codec(kind: str, *, key: bool) -> Plain:
     if kind in ("int4", "int2"):
         return Kivi(int(kind[3]), per_channel=key)
     raise ValueError(f"no {kind} KV codec")
+
+
+def stored(parts: Sequence[torch.Tensor]) -> Plain:
+    """The codec whose parts these are, by their types (a paged pool's, `cache.Rows`): one float
+    part is stored as it is; int8 or fp8 codes come with their scale."""
+    if len(parts) == 1:
+        return Plain(parts[0].dtype)
+    return Scaled("int8" if parts[0].dtype == torch.int8 else "fp8")
 
 
 # -- one of K or V ------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from localllm.backends.torch.cache import Rows
-from localllm.backends.torch.kvquant import QuantizedKVCache, Store, make_store
+from localllm.backends.torch.kvquant import POOLED, QuantizedKVCache, Store, make_store
 from localllm.backends.torch.models.base import RoPE, apply_rope
 from localllm.types import ContextPolicy
 
@@ -252,13 +252,17 @@ def make_caches(model: Any, capacity: int, *, kv_types: tuple[str, str] = ("f16"
                 device: torch.device | str = "cpu", rows: Sequence[Rows] | None = None,
                 slot: int = 0) -> list[Any]:  # fmt: skip
     """One sequence's caches, one per layer of `model`: the plain cache for one float type and no
-    policy (the fast path; row `slot` of each layer's `rows` when given); else K and V stores of
+    policy (the fast path; row `slot` of each layer's `rows` when given, which also hold int8 and
+    fp8 codes: `cache.Rows`' codecs are the types); else K and V stores of
     their types (`kvquant.make_store`), under StreamingLLM (`policy` enabled: sinks and window)
     or H2O (`budget` tokens) or neither. Attention reads them in `dtype`."""
     policy = policy or ContextPolicy()
     k_type, v_type = kv_types
-    if not policy.enabled and not budget and k_type == v_type and k_type in _FLOATS:
-        return model.make_caches(capacity, dtype=_FLOATS[k_type], device=device, rows=rows, slot=slot)
+    if not policy.enabled and not budget and (
+        (k_type == v_type and k_type in _FLOATS) or (rows and k_type in POOLED and v_type in POOLED)
+    ):  # the pool's blocks hold what its codecs say (`cache.Rows`)
+        return model.make_caches(capacity, dtype=_FLOATS.get(k_type, dtype), device=device, rows=rows,
+                                 slot=slot)  # fmt: skip
     a = model.args
 
     def pair(size: int, **kw: Any) -> tuple[Store, Store]:

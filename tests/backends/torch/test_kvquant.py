@@ -170,7 +170,8 @@ def test_capacity_is_enforced() -> None:
 
 @pytest.mark.parametrize("kv_type", ["int8", "fp8", "int4", "int2", "k=int4,v=int8"])
 def test_the_runner_decodes_through_quantized_caches(default_model_path, kv_type) -> None:  # noqa: ANN001
-    """`--kv-cache TYPE` on the torch runner: its slots hold the quantized caches, and the first
+    """`--kv-cache TYPE` on the torch runner: its slots hold the quantized caches (int8 and fp8 in
+    the paged pool, the grouped ones in stores of their own), and the first
     greedy tokens stay the f16 cache's (SmolLM2, f32 weights; 8 tokens past a short prompt: int2
     too, since they sit in KIVI's full-precision residual)."""
     from localllm.backends.base import Piece
@@ -185,7 +186,10 @@ def test_the_runner_decodes_through_quantized_caches(default_model_path, kv_type
             out.append(int(f.logits[-1].argmax()))
             f = r.forward([Piece(0, [out[-1]], 1)])
         tokens[t] = out
-        if t != "f16":
+        if t in ("int8", "fp8"):  # token by token: blocks of the paged pool, shared by prefixes
+            assert all(isinstance(c, KVCache) and c.rows is not None and c.offset > 0 for c in r._caches[0])
+            assert r._rows[0].k.dtype != torch.float16 and r.prefix_budget > 0  # type: ignore[index]
+        elif t != "f16":
             assert all(isinstance(c, QuantizedKVCache) and c.offset > 0 for c in r._caches[0])
             assert r.prefix_budget == 0
         r.close()

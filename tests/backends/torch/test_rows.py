@@ -78,7 +78,8 @@ def alone_and_beside(r: TorchRunner, lengths: list[int], steps: int) -> tuple[in
 LENGTHS = [5, 37, 120, 64, 63, 200, 1, 129]  # one and several key blocks, block edges
 
 
-@pytest.mark.parametrize(("dtype", "kv"), [("f32", "f32"), ("f32", "f16"), ("f16", "f16")])
+@pytest.mark.parametrize(("dtype", "kv"), [("f32", "f32"), ("f32", "f16"), ("f16", "f16"),
+                                           ("f32", "int8"), ("f16", "k=fp8,v=f16")])  # fmt: skip
 def test_a_slot_decodes_the_same_bits_alone_and_beside_seven(tiny_llama: Path, dtype: str,
                                                                kv: str) -> None:  # fmt: skip
     r = TorchRunner(tiny_llama, n_ctx=256, n_slots=8, dtype=dtype, kv_cache=kv, threads=2)
@@ -136,6 +137,49 @@ def test_decode_attention_over_rows_matches_sdpa_and_ignores_the_batch() -> None
             want = F.scaled_dot_product_attention(q[i : i + 1].transpose(1, 2), kk, vv, attn_mask=mask,
                                                   enable_gqa=True)  # fmt: skip
             assert torch.allclose(everyone[i], want.reshape(1, -1), atol=1e-5), (window, i)
+
+
+@pytest.mark.parametrize("types", [("int8", "int8"), ("fp8", "fp8"), ("int8", "f16"), ("f32", "fp8")])
+def test_a_pool_of_codes_holds_what_the_quantized_cache_holds(types: tuple[str, str]) -> None:
+    """int8 and fp8 keys and values in the paged pool (`Rows` with codecs): a slot reads back bit
+    for bit what the per-sequence quantized cache of the same types (`kvquant`) gives, at the
+    same bytes per token; decode attention reads the codes as their blocks are gathered, and
+    equals SDPA over what the slot reads (float32 rounding); a copied block is the same codes."""
+    from localllm.backends.torch.kvquant import QuantizedKVCache, codec, make_store
+
+    g = torch.Generator().manual_seed(11)
+    kv, h, hd = 2, 6, 16
+    codecs = (codec(types[0], key=True), codec(types[1], key=False))
+    rows = Rows(2, kv, hd, 1024, dtype=torch.float32, codecs=codecs)
+    pooled = KVCache(kv, hd, 1024, dtype=torch.float32, rows=rows, slot=1)
+    alone = QuantizedKVCache(*(make_store(t, key=key, n_kv=kv, head_dim=hd, capacity=1024,
+                                          out_dtype=torch.float32)
+                               for t, key in zip(types, (True, False))))  # fmt: skip
+    assert pooled.bytes_per_token() == alone.bytes_per_token()
+    for n in (1, 62, 3, 70, 1):  # across block edges
+        k = torch.randn(1, kv, n, hd, generator=g) * torch.rand(1, kv, n, 1, generator=g) * 5
+        v = torch.randn(1, kv, n, hd, generator=g)
+        got, want = pooled.update_and_fetch(k, v), alone.update_and_fetch(k, v)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and torch.equal(a.float(), b.float()), n
+    assert rows.k.dtype == codecs[0].parts(hd, 1)[0][2] and len(rows.k_parts) == len(codecs[0].parts(hd, 1))
+    q = torch.randn(1, 1, h, hd, generator=g)
+    k, v = torch.randn(1, 1, kv, hd, generator=g), torch.randn(1, 1, kv, hd, generator=g)
+    out = base._attend_rows(q, k, v, [pooled], window=0, scale=None)
+    kk, vv = (x.float() for x in rows.read(1, pooled.offset))  # the step's key too, as stored
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, enable_gqa=True)
+    assert torch.allclose(out, want.transpose(1, 2).reshape(1, 1, -1), atol=1e-5)
+    b = rows.pages.tables[1][0]
+    other = rows.pages.spare()  # a block no slot holds
+    rows.copy(b, other, 0, 64)
+    assert all(torch.equal(p[b], p[other]) for p in (*rows.k_parts, *rows.v_parts))
+
+
+def test_a_pool_refuses_grouped_codes() -> None:
+    from localllm.backends.torch.kvquant import codec
+
+    with pytest.raises(ValueError, match="float or per-token"):
+        Rows(1, 1, 64, 64, dtype=torch.float32, codecs=(codec("int4", key=True), codec("f16", key=False)))
 
 
 def test_each_slot_holds_the_blocks_its_positions_fill() -> None:

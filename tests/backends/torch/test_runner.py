@@ -66,7 +66,7 @@ def test_open_runner_takes_the_load_options(tiny_llama: Path) -> None:
                        kv_cache="int8")  # fmt: skip
     r = open_runner(tiny_llama, opts, name="tiny", digest="0" * 64)
     assert (r.n_ctx, r.n_slots, r.n_threads, r.kv_types) == (128, 2, 2, ("int8", "int8"))
-    assert r.prefix_budget == 0 and r.scoring_chunk == r.max_batch  # int8 reads back as written
+    assert r.prefix_budget > 0 and r.scoring_chunk == r.max_batch  # int8 blocks are shared as written
     r.close()
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from localllm.backends.torch.cache import BLOCK
+from localllm.backends.torch.kvquant import stored
 from localllm.backends.torch.weights import FourBit
 from localllm.errors import InconsistentModel
 from localllm.gguf_file import GGUFFile
@@ -276,8 +277,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[A
     makes attention compute outside the fused kernel.
     """
     if isinstance(masks, Step):  # planned beforehand: caches is this layer's (keys, values) pool
-        k_pool, v_pool = caches[0]
-        return rows_attention(q, k, v, k_pool, v_pool, *masks.plans[window], scale=scale)
+        k_parts, v_parts = caches[0]
+        return rows_attention(q, k, v, k_parts, v_parts, *masks.plans[window], scale=scale)
     outs: list[torch.Tensor | None] = [None] * len(caches)
     if q.shape[1] <= QUERIES_AS_ROWS:
         for group in _row_groups(caches):
@@ -457,31 +458,36 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequ
             memo[key] = plan
     for c in caches:
         c.offset += t
-    return rows_attention(q, k, v, rows.k, rows.v, *plan.tensors, scale=scale, single=plan.single)
+    return rows_attention(q, k, v, *rows.parts, *plan.tensors, scale=scale, single=plan.single)
 
 
-def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
-                   v_pool: torch.Tensor, block: torch.Tensor, place: torch.Tensor,
-                   gather: torch.Tensor, bias: torch.Tensor, *, scale: float | None,
+def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   k_parts: Sequence[torch.Tensor], v_parts: Sequence[torch.Tensor],
+                   block: torch.Tensor, place: torch.Tensor, gather: torch.Tensor,
+                   bias: torch.Tensor, *, scale: float | None,
                    single: tuple[int, int] | None = None) -> torch.Tensor:  # fmt: skip
     """`_attend_rows`' tensor work, with no Python number that changes between steps (what a
     compiled step captures): the new k, v (B, T, KV, hd) into the pools' (n_blocks, KV, BLOCK,
-    hd) blocks at `block`, `place` (E = B·T entries), then each entry's query over its `gather`
-    blocks (E, nb) with `bias` (E, nb, 1, 1, BLOCK). `single`: (block, place) of one entry, a
-    plain copy. Returns (B, T, H * hd)."""
+    width) parts (`cache.Rows.parts`: a float pool, or codes and their scales) at `block`,
+    `place` (E = B·T entries), then each entry's query over its `gather` blocks (E, nb) with
+    `bias` (E, nb, 1, 1, BLOCK). Codes are decoded as their blocks are gathered (one fused
+    kernel when compiled), never as a copy of the pool. `single`: (block, place) of one entry,
+    a plain copy. Returns (B, T, H * hd)."""
     b0, t, h, hd = q.shape
     kv = k.shape[2]
     g, b, nb = h // kv, b0 * t, gather.shape[1]
-    if single is not None:
-        k_pool[single[0], :, single[1]] = k[0, 0]
-        v_pool[single[0], :, single[1]] = v[0, 0]
-    else:
-        k_pool[block, :, place] = k.reshape(b, kv, hd).to(k_pool.dtype)
-        v_pool[block, :, place] = v.reshape(b, kv, -1).to(v_pool.dtype)
+    codecs = stored(k_parts), stored(v_parts)
+    for pool, c, x in zip((k_parts, v_parts), codecs, (k, v)):
+        if single is not None:
+            for part, y in zip(pool, c.encode(x[0, 0])):
+                part[single[0], :, single[1]] = y
+        else:
+            for part, y in zip(pool, c.encode(x.reshape(b, kv, -1))):
+                part[block, :, place] = y
     # each entry's blocks as contiguous float32, (E, nb, KV, ROW_BLOCK, hd)
     at = gather.reshape(-1)
-    kk = k_pool.index_select(0, at).view(b, nb, kv, ROW_BLOCK, hd).float()
-    vv = v_pool.index_select(0, at).view(b, nb, kv, ROW_BLOCK, -1).float()
+    kk, vv = (c.decode([p.index_select(0, at).view(b, nb, kv, ROW_BLOCK, -1) for p in pool], torch.float32)
+              for pool, c in zip((k_parts, v_parts), codecs))  # fmt: skip
     qs = q.reshape(b, 1, kv, g, hd).float() * (scale if scale is not None else hd**-0.5)
     s = torch.matmul(qs.expand(b, nb, kv, g, hd).contiguous(), kk.transpose(-1, -2))
     s = s + bias  # (E, nb, KV, G, ROW_BLOCK), -inf where a key is hidden
