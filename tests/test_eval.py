@@ -92,7 +92,9 @@ def test_streaming_in_both_engines(corpus_dir: Path, capsys: pytest.CaptureFixtu
     assert torch_r["context_shifts"] == llama_r["context_shifts"] == -(-(299 - 64) // 3)
     assert torch_r["discarded_tokens"] == 299 - 64 and llama_r["discarded_tokens"] == 3 * 79
     assert torch_r["perplexity"] == pytest.approx(llama_r["perplexity"], rel=0.02)
-    assert torch_r["kv_peak_bytes"] < 300 * SMOLLM2_F16_PER_TOKEN / 2
+    # the cache holds the window, not the text: in the paged pool, the sinks' block and the
+    # window's two (it straddles a block boundary), 192 positions of 64 each (stores held 128)
+    assert torch_r["kv_peak_bytes"] <= 3 * 64 * SMOLLM2_F16_PER_TOKEN < 300 * SMOLLM2_F16_PER_TOKEN
 
 
 def test_streaming_chunks_score_close_to_one_token_at_a_time(corpus_dir: Path) -> None:

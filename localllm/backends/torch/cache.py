@@ -52,6 +52,16 @@ class PositionIndexed:
         return 0
 
     @property
+    def at(self) -> int:
+        """The next token's position in the slot's page table (a paged StreamingLLM cache's
+        counts forgotten tokens too: `policies.PagedStreaming`)."""
+        return self.offset
+
+    def advance(self, n: int) -> None:
+        """n tokens were written at `at` (by a step that writes the pool itself)."""
+        self.offset += n
+
+    @property
     def held(self) -> int:
         """Keys attention reads (`offset` is the next position; they differ under H2O)."""
         return self.offset
@@ -128,23 +138,26 @@ class Pages:
         if not self.refs[b]:
             self.free.append(b)
 
-    def reserve(self, slot: int, n: int) -> None:
-        """Blocks for the slot's first `n` positions (ValueError past the capacity)."""
-        if n > self.capacity:
-            raise ValueError(f"KV cache full: {n} tokens, capacity {self.capacity}")
+    def reserve(self, slot: int, n: int, held: int | None = None) -> None:
+        """Blocks for the slot's first `n` positions (ValueError past the capacity: `held`
+        positions when not n, a StreamingLLM slot's that forgot some)."""
+        if (n if held is None else held) > self.capacity:
+            raise ValueError(f"KV cache full: {n if held is None else held} tokens, capacity {self.capacity}")
         table = self.tables[slot]
         while len(table) * BLOCK < n:
             table.append(self._take())
 
-    def own(self, slot: int, start: int, end: int) -> None:
+    def own(self, slot: int, start: int, end: int, held: int | None = None) -> None:
         """Blocks for the slot's positions [start, end) that it alone holds, as it is about to
         write them: a block shared with another holder is copied (every layer's) and the copy
-        takes its place in the slot's table."""
-        self.reserve(slot, end)
+        takes its place in the slot's table; a dropped one (`forget`) is a fresh block."""
+        self.reserve(slot, end, held)
         table = self.tables[slot]
         for j in range(start // BLOCK, -(-end // BLOCK)):
             b = table[j]
-            if self.refs[b] > 1:
+            if not b:
+                table[j] = self._take()
+            elif self.refs[b] > 1:
                 table[j] = self._take()
                 self._copy(b, table[j], 0, BLOCK)
                 self._drop(b)
@@ -155,6 +168,15 @@ class Pages:
                 table[first] = 0
                 first += 1
             self.first[slot] = first
+
+    def forget(self, slot: int, start: int, end: int) -> None:
+        """The slot's blocks wholly inside positions [start, end) go back to the pool, their
+        table entries the zero block (what StreamingLLM forgot between its sinks and window)."""
+        table = self.tables[slot]
+        for j in range(-(-start // BLOCK), min(end // BLOCK, len(table))):
+            if table[j]:
+                self._drop(table[j])
+                table[j] = 0
 
     def spare(self) -> int:
         """A block no slot holds, for a compiled step's padding rows to write their keys into
@@ -375,9 +397,9 @@ class Rows:
             grown_parts.append(new)
         self.k_parts, self.v_parts = grown_parts
 
-    def own(self, slot: int, start: int, end: int) -> None:
+    def own(self, slot: int, start: int, end: int, held: int | None = None) -> None:
         """The slot's positions [start, end) in blocks it alone holds (`Pages.own`), in the pool."""
-        self.pages.own(slot, start, end)
+        self.pages.own(slot, start, end, held)
         self._grow()
 
     def copy(self, src: int, dst: int, lo: int, hi: int) -> None:
@@ -386,9 +408,10 @@ class Rows:
         for part in (*self.k_parts, *self.v_parts):
             part[dst, :, lo:hi] = part[src, :, lo:hi]
 
-    def write(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor,
+              held: int | None = None) -> None:  # fmt: skip
         """k, v (1, n_kv, T, hd) at the slot's positions start .. start + T - 1."""
-        self.own(slot, start, start + k.shape[2])
+        self.own(slot, start, start + k.shape[2], held)
         new = [c.encode(x) for c, x in zip(self.codecs, (k, v))]  # each part (1, n_kv, T, width)
         table, t, done = self.pages.tables[slot], k.shape[2], 0
         while done < t:
@@ -421,8 +444,8 @@ class Rows:
         return out[0], out[1]
 
     def slot_bytes(self, slot: int) -> int:
-        """Bytes of the blocks the slot holds in this layer."""
-        return len(self.pages.tables[slot]) * self.block_bytes
+        """Bytes of the blocks the slot holds in this layer (not a dropped entry's)."""
+        return sum(1 for b in self.pages.tables[slot] if b) * self.block_bytes
 
     @property
     def block_bytes(self) -> int:

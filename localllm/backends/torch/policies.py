@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from localllm.backends.torch.cache import Rows
+from localllm.backends.torch.cache import BLOCK, Rows
 from localllm.backends.torch.kvquant import POOLED, QuantizedKVCache, Store, make_store
 from localllm.backends.torch.models.base import RoPE, apply_rope
 from localllm.types import ContextPolicy
 
-__all__ = ["H2OCache", "StreamingCache", "make_caches"]
+__all__ = ["H2OCache", "PagedStreaming", "StreamingCache", "make_caches"]
 
 _FLOATS = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # Tokens a window keeps after forgetting them, until their room is needed: the held ones move
@@ -175,6 +175,100 @@ class StreamingCache(_Forgetting):
         self._sinks = None
 
 
+class PagedStreaming(_Forgetting):
+    """StreamingLLM in the paged pool (`cache.Rows`, issue 33): the sinks and the window are the
+    slot's blocks, keys stored before RoPE, as `StreamingCache` keeps them in stores of its own.
+
+    The slot's table keeps growing with every token, forgotten ones too (`at`: the next token's
+    place in it); what is forgotten is the positions [sinks, sinks + gap) between the sinks and
+    the window, so forgetting copies nothing: the window's start moves on, and a block wholly
+    inside the gap goes back to the pool (once every layer of the slot forgot it: `peers`, the
+    slot's caches, since a layer-skip draft moves some layers only). Positions inside the cache
+    are as the paper's: a sink's is its place, a window key's its place less the gap (`offset`,
+    the next query's, is `at - gap`); attention reads the keys rotated there, in one call with
+    the slot's neighbours in a decode step (`models.base._attend_rows`), or by `update_and_fetch`
+    for a longer piece. The prefix cache takes no StreamingLLM slot (positions inside the cache
+    are not positions in the text)."""
+
+    pre_rope = True
+
+    def __init__(self, rows: Rows, slot: int, *, n_sinks: int, n_window: int, rope: RoPE,
+                 dtype: torch.dtype, peers: list[Any]) -> None:  # fmt: skip
+        super().__init__()
+        self.rows, self.slot = rows, slot
+        self.n_sinks, self.window, self.rope = n_sinks, n_window, rope
+        self.capacity = n_sinks + n_window
+        self.dtype = dtype  # what `update_and_fetch` returns
+        self.peers = peers
+        self.at = 0
+        self.gap = 0  # positions forgotten after the sinks: the window starts at sinks + gap
+
+    @property
+    def offset(self) -> int:
+        return self.at - self.gap
+
+    held = offset
+
+    def _window_len(self) -> int:
+        return max(0, self.at - self.n_sinks - self.gap)
+
+    def make_room(self, n: int) -> int:
+        split = max(0, min(n, self.n_sinks - self.at))
+        win = self._window_len()
+        over = win + n - split - self.window
+        if over <= 0:
+            return 0
+        if over > win:
+            raise ValueError(f"{n} new tokens do not fit a window of {self.window}")
+        self.gap += over
+        lowest = min(p.gap for p in self.peers)
+        self.rows.pages.forget(self.slot, self.n_sinks, self.n_sinks + lowest)
+        return self._forgot(over)
+
+    def advance(self, n: int) -> None:
+        self.at += n
+        self._appended += n
+
+    def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k (1, KV, T, hd) before RoPE, v → every held key, rotated at 0..L-1, and value."""
+        t = k.shape[2]
+        self.rows.write(self.slot, self.at, k, v, held=self.offset + t)
+        self.advance(t)
+        table, b = self.rows.pages.tables[self.slot], BLOCK
+        sinks = min(self.at, self.n_sinks)
+        parts = [self.rows.gather(table, sinks)] if sinks else []
+        if self.at > self.n_sinks:
+            lo = self.n_sinks + self.gap
+            wk, wv = self.rows.gather(table[lo // b :], self.at - lo // b * b)
+            parts.append((wk[:, :, lo % b :], wv[:, :, lo % b :]))
+        kk = torch.cat([x[0] for x in parts], 2).to(self.dtype)
+        vv = torch.cat([x[1] for x in parts], 2).to(self.dtype)
+        cos, sin = self.rope.table(kk.shape[2], kk.dtype)
+        return apply_rope(kk, cos, sin), vv
+
+    def exact(self, n: int) -> bool:
+        return self._appended - n > self._forgot_at
+
+    def trim(self, n: int) -> int:
+        n = max(0, min(n, self.offset))
+        w = min(n, self._window_len())
+        self.at -= w
+        if n > w:  # into the sinks: the window starts afresh after them
+            self.at -= self.gap + n - w
+            self.gap = 0
+        self._appended -= n
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.slot_bytes(self.slot)
+
+    residual_bytes = 0
+
+    def bytes_per_token(self) -> float:
+        return self.rows.block_bytes / BLOCK
+
+
 class H2OCache(_Forgetting):
     """H2O (arXiv 2306.14048): at most `budget` tokens per layer and KV head — the `recent`
     newest and the heavy hitters, the older tokens with the most attention accumulated over every
@@ -258,6 +352,17 @@ def make_caches(model: Any, capacity: int, *, kv_types: tuple[str, str] = ("f16"
     or H2O (`budget` tokens) or neither. Attention reads them in `dtype`."""
     policy = policy or ContextPolicy()
     k_type, v_type = kv_types
+    if (policy.enabled and not budget and rows and k_type in POOLED and v_type in POOLED
+            and not any(r.pages.window for r in rows)):  # fmt: skip
+        # StreamingLLM in the pool's blocks (not beside sliding-window layers, whose pages drop
+        # what their window no longer sees: Gemma 3 keeps stores of its own)
+        sinks = policy.sinks or 0
+        window = min(policy.window, capacity - sinks)
+        peers: list[Any] = []
+        peers += [PagedStreaming(r, slot, n_sinks=sinks, n_window=window,
+                                 rope=model.rope_for(layer), dtype=dtype, peers=peers)
+                  for layer, r in enumerate(rows)]  # fmt: skip
+        return peers
     if not policy.enabled and not budget and (
         (k_type == v_type and k_type in _FLOATS) or (rows and k_type in POOLED and v_type in POOLED)
     ):  # the pool's blocks hold what its codecs say (`cache.Rows`)

@@ -327,7 +327,8 @@ class TorchRunner(TextOnly):
         if self.kv_blocks:
             return self.kv_blocks + 1  # and the zero block
         block = int(BLOCK * sum(c.bytes_per_token() for c in self.new_caches()))  # every layer's
-        return self.n_slots * -(-self.n_ctx // BLOCK) + -(-self.prefix_budget // block) + 1
+        # a StreamingLLM slot's sinks and window may each end in a block of their own
+        return self.n_slots * (-(-self.n_ctx // BLOCK) + 2) + -(-self.prefix_budget // block) + 1
 
     def _slot(self, slot: int) -> list[Any]:
         """The slot's caches, made for its policy on first use."""
@@ -397,7 +398,7 @@ class TorchRunner(TextOnly):
             c.trim(n)
         if self._paged(slot):  # blocks past every layer's positions go back to the pool
             for pages in self._pages:
-                pages.shrink(slot, max(c.offset for c in self._caches[slot]))
+                pages.shrink(slot, max(c.at for c in self._caches[slot]))
         return True
 
     def kv_bytes(self) -> int:
@@ -469,6 +470,7 @@ class TorchRunner(TextOnly):
                 if end > self.n_ctx:
                     raise ContextOverflow(f"{end} tokens do not fit the context of {self.n_ctx}")
         before = {p.slot: [c.offset for c in self._caches[p.slot]] for p in pieces}
+        places = {s: max(c.at for c in self._caches[s]) for s in before if self._paged(s)}
         dropped = {p.slot: self._caches[p.slot][kept[0]].dropped for p in pieces}
         try:
             rows = self._evaluate(pieces, skip)
@@ -482,7 +484,7 @@ class TorchRunner(TextOnly):
                     c.trim(c.offset - n)
                 if self._paged(slot):  # blocks taken for positions it did not keep go back
                     for pages in self._pages:
-                        pages.shrink(slot, max(offsets))
+                        pages.shrink(slot, places[slot])
             if isinstance(e, torch.OutOfMemoryError):
                 tokens = sum(len(p.tokens) for p in pieces)
                 raise LocalLLMError(

@@ -195,3 +195,64 @@ def test_h2o_through_the_runner_and_its_refusals(tiny_llama, default_model_path)
     assert caches[0].offset == r.held(0) > 40 and shifted == caches[0].dropped > 0
     with pytest.raises(LocalLLMError, match="int4 and int2 caches group them"):
         TorchRunner(tiny_llama, n_ctx=64, kv_cache="int4", evict="h2o:16")
+
+
+@pytest.mark.parametrize(("kv", "sinks", "window"), [("f32", 4, 100), ("f16", 3, 70), ("int8", 0, 90)])
+def test_streaming_in_the_pool_is_streaming_in_stores(tiny_llama, kv, sinks, window) -> None:
+    """StreamingLLM in the paged pool (issue 33: the sinks and window are the slot's blocks,
+    forgetting moves the window's start) against `StreamingCache`'s stores of their own, through
+    the runner's model: a prompt in chunks, then 300 tokens one by one (the window forgets from
+    token ~100 on, blocks wholly forgotten go back to the pool), a speculative-style trim on the
+    way, and a batch beside a plain slot. The logits agree to f32 rounding at every step; the
+    slot never holds more blocks than its sinks and window span, and gives them all back."""
+    import numpy as np
+
+    from localllm.backends.base import Piece
+    from localllm.backends.torch.cache import BLOCK
+    from localllm.backends.torch.policies import PagedStreaming
+    from localllm.backends.torch.runner import TorchRunner
+
+    r = TorchRunner(tiny_llama, n_ctx=128, n_slots=2, dtype="f32", threads=2, kv_cache=kv)
+    policy = ContextPolicy(sinks, window)
+    r.clear(0, policy)
+    r.clear(1)
+    stores = r.new_caches(policy)  # no slot: stores of their own
+    assert isinstance(stores[0], StreamingCache)
+    tokens = torch.randint(0, 1000, (360,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def step(toks, with_plain=False):
+        want = last_logits(r.model, toks, stores)
+        pieces = [Piece(0, toks, 1)] + ([Piece(1, [7], 1)] if with_plain else [])
+        got = r.forward(pieces).logits[0]
+        return float((torch.from_numpy(got) - want).abs().max()), float(want.std())
+
+    worst, spread = step(tokens[:40])  # a chunk (more than `QUERIES_AS_ROWS`): update_and_fetch
+    assert isinstance(r._caches[0][0], PagedStreaming)
+    pages = r._rows[0].pages
+    most = -(-sinks // BLOCK) + -(-window // BLOCK) + 1
+    r.forward([Piece(1, tokens[:5], 0)])
+    n = 40  # tokens the slot took since it was last empty
+    for i, tok in enumerate(tokens[40:], 40):
+        err, sd = step([tok], with_plain=i % 3 == 0)
+        n += 1
+        worst, spread = max(worst, err), min(spread, sd)
+        assert r._caches[0][0].offset == r.held(0) == min(n, sinks + window)
+        assert sum(1 for b in pages.tables[0] if b) <= most
+        if i == 60:  # a drafted token taken back before the window is full: exact
+            before = r.forward([Piece(0, [9], 1)]).logits
+            assert r.trim(0, 1, exact=True)
+            assert np.array_equal(r.forward([Piece(0, [9], 1)]).logits, before)
+            assert r.trim(0, 1, exact=True)
+        if i == 200:  # once the window forgets, a draft taken back is not exact: the slot
+            for t in (5, 6, 7):  # starts afresh (its policy kept)
+                r.forward([Piece(0, [t], 1)])
+            assert not r.trim(0, 3, exact=True) and r.held(0) == 0
+            stores[:] = r.new_caches(policy)
+            err, sd = step(tokens[i - 39 : i + 1])
+            worst, n = max(worst, err), 40
+    assert worst <= 1e-4 and spread > 0.1, (worst, spread)
+    assert r._caches[0][0].dropped > 0
+    r.clear(0)
+    r.clear(1)
+    assert pages.used == 0
+    r.close()

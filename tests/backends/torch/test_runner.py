@@ -206,7 +206,7 @@ def test_streaming_shifts_are_reported_and_a_restore_refused(run: TorchRunner) -
     assert not isinstance(run._caches[0][0], KVCache)
     with pytest.raises(LocalLLMError, match="only plain float caches"):
         run.save(0, 0, 4)
-    assert not run.restore(0, []) and run.held(0) == 0  # a policy's caches take no blocks
+    assert not run.restore(0, []) and run.held(0) == 0  # a StreamingLLM slot takes no prefix
 
 
 def test_kv_stats_follow_the_slot(run: TorchRunner) -> None:

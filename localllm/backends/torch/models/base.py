@@ -282,10 +282,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[A
     outs: list[torch.Tensor | None] = [None] * len(caches)
     if q.shape[1] <= QUERIES_AS_ROWS:
         for group in _row_groups(caches):
+            kin = k_raw if k_raw is not None and caches[group[0]].pre_rope else k
             if len(group) == len(caches):  # the common case: every row, in order
-                return _attend_rows(q, k, v, caches, window=window, scale=scale, memo=masks.memo)
+                return _attend_rows(q, kin, v, caches, window=window, scale=scale, memo=masks.memo)
             at = torch.tensor(group, device=q.device)
-            out = _attend_rows(q[at], k[at], v[at], [caches[i] for i in group], window=window,
+            out = _attend_rows(q[at], kin[at], v[at], [caches[i] for i in group], window=window,
                                scale=scale, memo=masks.memo)  # fmt: skip
             for j, i in enumerate(group):
                 outs[i] = out[j : j + 1]
@@ -329,12 +330,13 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 
 
 def _row_groups(caches: Sequence[Any]) -> list[list[int]]:
-    """Indices of the caches that are slots of one `cache.Rows`, grouped by it."""
-    groups: dict[int, list[int]] = {}
+    """Indices of the caches that are slots of one `cache.Rows`, grouped by it and by whether
+    their keys are stored before RoPE (`policies.PagedStreaming`)."""
+    groups: dict[tuple[int, bool], list[int]] = {}
     for i, c in enumerate(caches):
         rows = getattr(c, "rows", None)
         if rows is not None:
-            groups.setdefault(id(rows), []).append(i)
+            groups.setdefault((id(rows), c.pre_rope), []).append(i)
     return list(groups.values())
 
 
@@ -357,7 +359,12 @@ class _RowsPlan:
     reads at least `blocks` blocks (a dynamic size is never 1: torch specializes 0 and 1)."""
 
     def __init__(self, pages: Any, slots: list[int], offsets: Sequence[int], t: int, window: int,
-                 device: torch.device, *, rows: int = 0, blocks: int = 1) -> None:  # fmt: skip
+                 device: torch.device, *, rows: int = 0, blocks: int = 1,
+                 streams: tuple[Sequence[tuple[int, int]], Any] | None = None) -> None:  # fmt: skip
+        self.rot: tuple[torch.Tensor, torch.Tensor] | None = None
+        if streams is not None:
+            self._streams(pages, slots, offsets, t, device, *streams)
+            return
         entries = [s for s in slots for _ in range(t)]  # T queries of a row: T entries
         positions = [o + j for o in offsets for j in range(t)]
         self.n = max(offsets) + t
@@ -385,10 +392,57 @@ class _RowsPlan:
             hidden = hidden | (key < length - window)  # visible when q - k < window
         self.bias = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
 
+    def _streams(self, pages: Any, slots: list[int], ats: Sequence[int], t: int,
+                 device: torch.device, windows: Sequence[tuple[int, int]], rope: Any) -> None:  # fmt: skip
+        """The plan of StreamingLLM rows (`policies.PagedStreaming`): `ats` are their places in
+        their tables, `windows` their (sinks, gap). A row reads its sink blocks and its window's
+        (not the blocks of the gap between, dropped or not), every entry its keys up to itself
+        but those of the gap; each key is rotated at its position inside the cache (its place,
+        less the gap after the sinks), the queries already are (at `offset`)."""
+        b = ROW_BLOCK
+        lists = []
+        for a, (sinks, gap) in zip(ats, windows):
+            end = -(-(a + t) // b)
+            if gap:
+                first = -(-sinks // b)
+                lists.append(list(range(first)) + list(range(max(first, (sinks + gap) // b), end)))
+            else:
+                lists.append(list(range(end)))
+        self.nb = nb = max(1, max(map(len, lists)))
+        self.n = max(ats) + t
+        idx, qpos, lo, hi, where = [], [], [], [], []
+        for s, a, (sinks, gap), blocks in zip(slots, ats, windows, lists):
+            table = pages.tables[s]
+            for j in range(t):
+                p = a + j
+                idx.append(blocks + [-1] * (nb - len(blocks)))
+                qpos.append(p)
+                lo.append(sinks)
+                hi.append(sinks + gap)
+                where.append((table[p // b], p % b))
+        self.single = where[0] if len(where) == 1 else None
+        self.block = torch.tensor([w[0] for w in where], device=device)
+        self.place = torch.tensor([w[1] for w in where], device=device)
+        ix = torch.tensor(idx, device=device)  # (E, nb) indices into the tables, -1: none
+        tables = [pages.tables[s] for s in slots for _ in range(t)]
+        self.gather = torch.tensor([[tb[i] if i >= 0 else 0 for i in row] for tb, row in zip(tables, idx)],
+                                   device=device)  # fmt: skip
+        key = ix[..., None] * b + torch.arange(b, device=device)  # (E, nb, BLOCK) places
+        e = len(where)
+        q_at = torch.tensor(qpos, device=device).view(e, 1, 1)
+        s_lo = torch.tensor(lo, device=device).view(e, 1, 1)
+        s_hi = torch.tensor(hi, device=device).view(e, 1, 1)
+        hidden = (ix[..., None] < 0) | (key > q_at) | ((key >= s_lo) & (key < s_hi))
+        self.bias = torch.zeros(e, nb, 1, 1, b, device=device).masked_fill_(
+            hidden.view(e, nb, 1, 1, b), float("-inf"))  # fmt: skip
+        inside = torch.where(key >= s_hi, key - (s_hi - s_lo), key).clamp_(min=0)
+        cos, sin = rope(inside.view(e, nb * b), torch.float32)  # (E, nb·BLOCK, 1, hd)
+        self.rot = tuple(x.view(e, nb, b, 1, -1).transpose(2, 3) for x in (cos, sin))  # type: ignore[assignment]
+
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """What `rows_attention` takes: block, place, gather, bias."""
-        return self.block, self.place, self.gather, self.bias
+        """What `rows_attention` takes: block, place, gather, bias (and cos, sin: `_streams`)."""
+        return (self.block, self.place, self.gather, self.bias, *(self.rot or ()))
 
 
 class Step:
@@ -444,35 +498,42 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequ
     layer of a step shares one `_RowsPlan` (positions, the mask as a bias): 307 → 166 µs a call
     for one row at 110 keys, SmolLM2's decode 22.7-23.4 → 20.1-20.8 ms a token (issue 33)."""
     rows, t = caches[0].rows, q.shape[1]
-    slots, offsets = [c.slot for c in caches], [c.offset for c in caches]
-    for s_, o in zip(slots, offsets):
-        rows.own(s_, o, o + t)  # a block shared with a cached prefix is copied first
+    slots, ats = [c.slot for c in caches], [c.at for c in caches]
+    for c, a in zip(caches, ats):  # a block shared with a cached prefix is copied first
+        rows.own(c.slot, a, a + t, held=c.offset + t)
     # T queries of a row attend as T rows of one query each: entry (row, j) reads its row's keys
     # up to position offset + j. The layers of a step that share a `Pages` (every layer, or every
-    # layer of one window) share a plan.
-    key = (id(rows.pages), tuple(slots), tuple(offsets), t, window)
+    # layer of one window) share a plan. Keys stored before RoPE (StreamingLLM: k is then the
+    # keys before RoPE) are rotated at their positions inside the cache as they are read.
+    streams = None
+    if caches[0].pre_rope:
+        streams = (tuple((c.n_sinks, c.gap) for c in caches), caches[0].rope)
+    key = (id(rows.pages), tuple(slots), tuple(ats), t, window,
+           streams and (streams[0], id(streams[1])))  # fmt: skip
     plan = memo.get(key) if memo is not None else None
     if plan is None:
-        plan = _RowsPlan(rows.pages, slots, offsets, t, window, q.device)
+        plan = _RowsPlan(rows.pages, slots, ats, t, window, q.device, streams=streams)
         if memo is not None:
             memo[key] = plan
     for c in caches:
-        c.offset += t
+        c.advance(t)
     return rows_attention(q, k, v, *rows.parts, *plan.tensors, scale=scale, single=plan.single)
 
 
 def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    k_parts: Sequence[torch.Tensor], v_parts: Sequence[torch.Tensor],
                    block: torch.Tensor, place: torch.Tensor, gather: torch.Tensor,
-                   bias: torch.Tensor, *, scale: float | None,
+                   bias: torch.Tensor, cos: torch.Tensor | None = None,
+                   sin: torch.Tensor | None = None, *, scale: float | None,
                    single: tuple[int, int] | None = None) -> torch.Tensor:  # fmt: skip
     """`_attend_rows`' tensor work, with no Python number that changes between steps (what a
     compiled step captures): the new k, v (B, T, KV, hd) into the pools' (n_blocks, KV, BLOCK,
     width) parts (`cache.Rows.parts`: a float pool, or codes and their scales) at `block`,
     `place` (E = B·T entries), then each entry's query over its `gather` blocks (E, nb) with
     `bias` (E, nb, 1, 1, BLOCK). Codes are decoded as their blocks are gathered (one fused
-    kernel when compiled), never as a copy of the pool. `single`: (block, place) of one entry,
-    a plain copy. Returns (B, T, H * hd)."""
+    kernel when compiled), never as a copy of the pool. `cos`, `sin` (E, nb, 1, BLOCK, hd): keys
+    stored before RoPE, rotated where each entry reads them. `single`: (block, place) of one
+    entry, a plain copy. Returns (B, T, H * hd)."""
     b0, t, h, hd = q.shape
     kv = k.shape[2]
     g, b, nb = h // kv, b0 * t, gather.shape[1]
@@ -488,6 +549,8 @@ def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     at = gather.reshape(-1)
     kk, vv = (c.decode([p.index_select(0, at).view(b, nb, kv, ROW_BLOCK, -1) for p in pool], torch.float32)
               for pool, c in zip((k_parts, v_parts), codecs))  # fmt: skip
+    if cos is not None and sin is not None:
+        kk = apply_rope(kk, cos, sin)
     qs = q.reshape(b, 1, kv, g, hd).float() * (scale if scale is not None else hd**-0.5)
     s = torch.matmul(qs.expand(b, nb, kv, g, hd).contiguous(), kk.transpose(-1, -2))
     s = s + bias  # (E, nb, KV, G, ROW_BLOCK), -inf where a key is hidden
