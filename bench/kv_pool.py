@@ -2,7 +2,8 @@
 against copied into each slot, and Gemma 3's sliding-window layers keeping their window against
 keeping every position.
 
-    .venv/bin/python bench/kv_pool.py [--prefix 2000] [--slots 4] [--context 2000] [--quick]
+    .venv/bin/python bench/kv_pool.py [--prefix 2000] [--slots 4] [--context 2000]
+        [--stream 3000] [--window 1020] [--quick]
 
 1. Prefix (smollm2, the CPU default precision, f16 keys): one slot evaluates a --prefix-token
    text (Alice) and the prefix is saved (`runner.save`, as the engine's prefix cache does when a
@@ -22,8 +23,16 @@ keeping every position.
    as attention gathers them (issue 33); `stores`: the slot's own per-sequence stores, dequantized
    whole in every layer at every step (what int8 was before). KV bytes and decode ms/token.
 
-Writes bench/results/kv_pool.json (--quick: 300-token prefix, 2 slots, 700-token context;
-bench/results/quick/).
+4. Streaming (smollm2, the default precision, `--streaming 4:--window`, a context of sinks and
+   window): one slot reads --stream tokens (the window forgets what passes it), then decodes 32
+   greedily. `pool`: the sinks and window are the slot's blocks, keys before RoPE rotated as
+   attention reads them (issue 33); `stores`: `StreamingCache`'s stores of its own, the window
+   moved down every 64 tokens. KV bytes and decode ms/token. The tokens may part: decode
+   attention rounds otherwise in the pool (blocks of 64 keys, float32) than SDPA over a store,
+   and the default precision's logits then differ by 0.1-0.6 (plain caches alike: 0.1-0.2).
+
+Writes bench/results/kv_pool.json (--quick: 300-token prefix, 2 slots, 700-token context, 600
+tokens under 4:252; bench/results/quick/).
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from torch_engine import model_path
 
 from localllm.backends.base import Piece
 from localllm.backends.torch.runner import TorchRunner, on_compute_thread
+from localllm.types import ContextPolicy
 
 
 def in_use(r: TorchRunner) -> int:
@@ -130,13 +140,11 @@ def window(n_context: int) -> dict:
 
 
 @on_compute_thread
-def per_sequence(r: TorchRunner, slot: int) -> None:
-    """The slot's int8 caches as they were before the pool held codes: stores of its own."""
-    from localllm.backends.torch.policies import make_caches
-
-    r.clear(slot)
-    r._caches[slot] = make_caches(r.model, r.n_ctx, kv_types=r.kv_types, dtype=r.compute_dtype,
-                                  device=r.torch_device)  # fmt: skip
+def per_sequence(r: TorchRunner, slot: int, policy: ContextPolicy | None = None) -> None:
+    """The slot's caches as they were before the pool held them (int8 codes, StreamingLLM):
+    stores of its own."""
+    r.clear(slot, policy)
+    r._caches[slot] = r.new_caches(policy)  # no slot: not the pool's
 
 
 def codes(n_context: int) -> dict:
@@ -162,17 +170,44 @@ def codes(n_context: int) -> dict:
     return out
 
 
+def streaming(n_context: int, sinks: int, window: int) -> dict:
+    r = TorchRunner(model_path("smollm2"), n_ctx=sinks + window, n_slots=1, threads=None)
+    ids = r.tokenize((corpus_dir() / "alice.txt").read_text())[:n_context]
+    policy = ContextPolicy(sinks, window)
+    out: dict = {"context_tokens": len(ids), "dtype": r.dtype, "kv": "f16", "sinks": sinks, "window": window}
+    try:
+        for name in ("stores", "pool"):
+            if name == "stores":
+                per_sequence(r, 0, policy)
+            else:
+                r.clear(0, policy)
+            r.forward([Piece(0, ids[:-1], 0)])  # in the policy's chunks: the window forgets
+            kv = in_use(r) if name == "pool" else sum(c.nbytes for c in r._caches[0])
+            tokens, secs = decode(r, [0], [ids[-1]], 32)
+            out[name] = {"kv_bytes": kv, "decode_ms_per_token": 1000 * secs, "tokens": tokens[0],
+                         "held": r.held(0)}  # fmt: skip
+            log(f"stream {name:14} KV {kv / 2**20:7.1f} MiB  decode {out[name]['decode_ms_per_token']:.1f} ms/token")
+        out["same_tokens"] = out["stores"]["tokens"] == out["pool"]["tokens"]
+        out["speedup"] = out["stores"]["decode_ms_per_token"] / out["pool"]["decode_ms_per_token"]
+    finally:
+        r.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prefix", type=int, default=2000)
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--context", type=int, default=2000)
+    ap.add_argument("--stream", type=int, default=3000)
+    ap.add_argument("--window", type=int, default=1020)
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
     if a.quick:
-        a.prefix, a.slots, a.context = 300, 2, 700
+        a.prefix, a.slots, a.context, a.stream, a.window = 300, 2, 700, 600, 252
     save("kv_pool", {"prefix": alone(prefix, a.prefix, a.slots), "window": alone(window, a.context),
-                     "codes": alone(codes, a.context)}, quick=a.quick)  # fmt: skip
+                     "codes": alone(codes, a.context),
+                     "streaming": alone(streaming, a.stream, 4, a.window)}, quick=a.quick)  # fmt: skip
 
 
 def alone(section, *args):
