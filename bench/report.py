@@ -333,6 +333,7 @@ def rows_streaming_eval(d: dict) -> list[Row]:
 
 def rows_kv_pool(d: dict) -> list[Row]:
     p, w, c = d.get("prefix") or {}, d.get("window") or {}, d.get("codes") or {}
+    st = d.get("streaming") or {}
     mib = lambda x: None if x is None else x / 2**20  # noqa: E731
     same = lambda r: "" if r.get("same_tokens") else " (tokens DIFFER)"  # noqa: E731
     return [(f"KV MiB in use, {p.get('slots')} slots on one {p.get('prefix_tokens')}-token prefix: blocks shared{same(p)}",
@@ -346,7 +347,12 @@ def rows_kv_pool(d: dict) -> list[Row]:
             (f"int8 KV: decode ms/token at {c.get('context_tokens')} tokens, codes in the pool{same(c)}",
              g(c, "pool/decode_ms_per_token"), "per-sequence stores", g(c, "stores/decode_ms_per_token"), False, None),
             ("int8 KV: KV MiB there, codes in the pool", mib(g(c, "pool/kv_bytes")), "per-sequence stores",
-             mib(g(c, "stores/kv_bytes")), False, None)]  # fmt: skip
+             mib(g(c, "stores/kv_bytes")), False, None),
+            (f"StreamingLLM {st.get('sinks')}:{st.get('window')} after {st.get('context_tokens')} tokens: decode "
+             f"ms/token, sinks and window in the pool{' (tokens part: rounding)' if not st.get('same_tokens') else ''}",
+             g(st, "pool/decode_ms_per_token"), "stores of its own", g(st, "stores/decode_ms_per_token"), False, None),
+            ("StreamingLLM: KV MiB there, in the pool", mib(g(st, "pool/kv_bytes")), "stores of its own",
+             mib(g(st, "stores/kv_bytes")), False, None)]  # fmt: skip
 
 
 def rows_torch_compile(d: dict) -> list[Row]:
@@ -462,7 +468,7 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict], list[Row]], Callable[[dict,
      rows_run_shared, None),
     ("streaming_eval", "`eval --streaming` by chunks", "5x faster than one token at a time, same perplexity",
      rows_streaming_eval, None),
-    ("kv_pool", "Paged KV pool", "a shared prefix is held once; a window layer holds its window", rows_kv_pool, None),
+    ("kv_pool", "Paged KV pool", "a shared prefix is held once; a window layer holds its window; codes and StreamingLLM live in the pool", rows_kv_pool, None),
     ("torch_compile", "Compiled step", "the torch engine's compiled decode step against its eager path", rows_torch_compile, None),
     ("gguf_parse", "GGUF reading", "hardened and fast", rows_gguf_parse, None),
     ("llamacpp_agreement", "Agreement with llama.cpp", "the same perplexity", rows_agreement, None),
