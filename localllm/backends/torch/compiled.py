@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 # inductor keeps a value cast to float16 and back in float32 unless told otherwise: the pool's
 # int8 codes were then made from the unrounded scale (0.7% of them one off), not the stored one
 OPTIONS = {"emulate_precision_casts": True}
+GRAPHS = 128  # graphs of the step kept in memory (dynamo's `recompile_limit` while it runs)
 HERE = Path(__file__).resolve().parent  # the torch engine's code: a saved graph is of this code
 
 
@@ -120,11 +121,11 @@ def prune(folder: Path, keep: Path, *, max_bytes: int = 1 << 30, max_age_s: floa
 
 
 def _mark_dynamic(plans: dict[int, tuple[torch.Tensor, ...]]) -> None:
-    """One graph for any number of key blocks: the plans' gather and bias (`_RowsPlan.tensors`)
-    have a dynamic size in their block dimension."""
-    for _, _, gather, bias in plans.values():
-        torch._dynamo.mark_dynamic(gather, 1)
-        torch._dynamo.mark_dynamic(bias, 1)
+    """One graph for any number of key blocks: the plans' gather and bias (`_RowsPlan.tensors`,
+    and StreamingLLM's cos and sin) have a dynamic size in their block dimension."""
+    for plan in plans.values():
+        for x in plan[2:]:
+            torch._dynamo.mark_dynamic(x, 1)
 
 
 def _step(model: torch.nn.Module, tokens: torch.Tensor, pos: torch.Tensor,
@@ -214,7 +215,8 @@ class CompiledStep:
         compiled afresh, once, and written over."""
         tokens, _, pools, plans = args[1:]
         key = (tuple(tokens.shape), tuple(pools[0][0][0].shape),
-               tuple(str(p.dtype) for parts in pools[0] for p in parts), tuple(plans))  # fmt: skip
+               tuple(str(p.dtype) for parts in pools[0] for p in parts),
+               tuple((w, len(p)) for w, p in plans.items()))  # fmt: skip
         fn = self._graph(key, args)
         try:
             out = fn(*args)
@@ -230,24 +232,34 @@ class CompiledStep:
         return out
 
     def _dynamic(self, *args: Any) -> torch.Tensor:
-        """The in-memory compile (dynamo keeps its graphs), the plans' block counts dynamic."""
+        """The in-memory compile (dynamo keeps its graphs), the plans' block counts dynamic.
+        Dynamo keeps 8 graphs of a function by default, then runs it eagerly for good (a warning
+        line): buckets, verification lengths, windows and StreamingLLM's plans make more than
+        that in a long-running server (the test suite's ninth came with StreamingLLM's and
+        fell back), hence `GRAPHS`."""
         _mark_dynamic(args[4])
-        return self._fn(*args)
+        with torch._dynamo.config.patch(recompile_limit=GRAPHS):
+            return self._fn(*args)
 
     def __call__(self, rows: Sequence[Rows], slots: Sequence[int], offsets: Sequence[int],
-                 tokens: Sequence[Sequence[int]]) -> torch.Tensor:  # fmt: skip
+                 tokens: Sequence[Sequence[int]], *, places: Sequence[int] | None = None,
+                 streams: tuple[Sequence[tuple[int, int]], Any] | None = None) -> torch.Tensor:  # fmt: skip
+        """`offsets`: the slots' next positions (RoPE's); `places`: their next places in their
+        tables where those differ (StreamingLLM slots, `streams`: their (sinks, gap) and RoPE,
+        as `_RowsPlan` takes them)."""
         n, t, dev = len(slots), len(tokens[0]), self.device
+        places = offsets if places is None else places
         books = list({id(r.pages): r.pages for r in rows}.values())
         for pages in books:
-            for s, o in zip(slots, offsets):
-                pages.own(s, o, o + t)  # a block shared with a cached prefix is copied first
+            for s, a, o in zip(slots, places, offsets):
+                pages.own(s, a, a + t, held=o + t)  # a block shared with a prefix is copied first
         for r in rows:
             r._grow()  # a static pool: allocated whole on first use
         size = bucket(n)
         plans = {}
         for pages in books:
-            plan = _RowsPlan(pages, list(slots), offsets, t, pages.window, dev, rows=size * t,
-                             blocks=2)  # fmt: skip
+            plan = _RowsPlan(pages, list(slots), places, t, pages.window, dev, rows=size * t,
+                             blocks=2, streams=streams)  # fmt: skip
             plans[pages.window] = plan.tensors
         x = torch.zeros(size, t, dtype=torch.long)
         x[:n] = torch.tensor(tokens, dtype=torch.long)

@@ -31,6 +31,7 @@ from localllm.backends.torch.cache import BLOCK, KVCache, Pages, Prefix, Rows
 from localllm.backends.torch.compiled import CompiledStep, cache_dir, wanted
 from localllm.backends.torch.kvquant import POOLED, Plain, codec
 from localllm.backends.torch.models.base import QUERIES_AS_ROWS
+from localllm.backends.torch.policies import PagedStreaming
 from localllm.chat import template_for
 from localllm.errors import ContextOverflow, LocalLLMError, OutOfBlocks
 from localllm.memory import parse_kv_cache
@@ -515,7 +516,7 @@ class TorchRunner(TextOnly):
                 singles.append(i)
                 continue
             caches, tokens = self._caches[p.slot], list(p.tokens)
-            if compiled and len(tokens) <= QUERIES_AS_ROWS and self._plain(p.slot) and not self._codes:
+            if compiled and len(tokens) <= QUERIES_AS_ROWS and self._compilable([p.slot]) and not self._codes:
                 got = self._run_compiled([p.slot], [tokens])  # a verification of a few drafts
                 if p.logits:
                     out[i] = got[len(tokens) - p.logits :]
@@ -531,7 +532,7 @@ class TorchRunner(TextOnly):
             if rows:
                 out[i] = rows[0] if len(rows) == 1 else torch.cat(rows)
         slots = [pieces[i].slot for i in singles]
-        if singles and compiled and all(map(self._plain, slots)):
+        if singles and compiled and self._compilable(slots):
             logits = self._run_compiled(slots, [[pieces[i].tokens[0]] for i in singles])
             for j, i in enumerate(singles):
                 if pieces[i].logits:
@@ -548,10 +549,19 @@ class TorchRunner(TextOnly):
         return [out[i] for i in range(len(pieces)) if i in out]
 
     def _plain(self, slot: int) -> bool:
-        """Whether the slot's caches are plain float ones in the paged pool (what a compiled
-        step reads and writes)."""
+        """Whether the slot's caches are plain ones in the paged pool (floats or codes)."""
         caches = self._slot(slot)
         return isinstance(caches[0], KVCache) and caches[0].rows is not None
+
+    def _compilable(self, slots: Sequence[int]) -> bool:
+        """Whether one compiled step takes these slots: plain ones in the paged pool, or
+        StreamingLLM ones there whose layers forgot alike (a layer-skip draft moves some
+        layers only) and share one RoPE; not the two kinds together (they run eagerly)."""
+        if all(map(self._plain, slots)):
+            return True
+        rows = [self._slot(s) for s in slots]
+        return all(isinstance(r[0], PagedStreaming) and len({c.gap for c in r}) == 1
+                   and len({id(c.rope) for c in r}) == 1 for r in rows)  # fmt: skip
 
     @property
     def _codes(self) -> bool:
@@ -566,8 +576,15 @@ class TorchRunner(TextOnly):
         if self._compiled is None:
             self._compiled = CompiledStep(self.model, self.torch_device, self.compiled_dir)
         caches = [self._caches[s] for s in slots]
+        t, streams = len(tokens[0]), None
+        if isinstance(caches[0][0], PagedStreaming):  # what the eager forward's positions do
+            for row in caches:
+                for c in row:
+                    c.make_room(t)
+            streams = ([(row[0].n_sinks, row[0].gap) for row in caches], caches[0][0].rope)
         try:
-            logits = self._compiled(self._rows, slots, [c[0].offset for c in caches], tokens)  # type: ignore[arg-type]
+            logits = self._compiled(self._rows, slots, [c[0].offset for c in caches], tokens,  # type: ignore[arg-type]
+                                    places=[c[0].at for c in caches], streams=streams)  # fmt: skip
         except (LocalLLMError, torch.OutOfMemoryError):
             raise
         except Exception as e:
@@ -581,7 +598,7 @@ class TorchRunner(TextOnly):
             return self.model.logits(self.model(x, caches)).reshape(x.numel(), -1)
         for row in caches:
             for c in row:
-                c.offset += len(tokens[0])
+                c.advance(t)
         return logits
 
     # -- the prefix cache (`localllm.prefix_cache`): blocks of plain caches ----------------------

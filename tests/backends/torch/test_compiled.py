@@ -211,20 +211,53 @@ def test_compiled_steps_give_the_eager_logits_more_families(
 
 
 def test_what_the_compiled_step_cannot_read_runs_eagerly(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """A StreamingLLM slot (caches of its own) and an int4 cache (KIVI's groups span tokens) are
-    not in the paged pool: a compiling runner evaluates them eagerly, with the eager runner's
-    logits."""
+    """An int4 cache (KIVI's groups span tokens) is not in the paged pool: a compiling runner
+    evaluates it eagerly, with the eager runner's logits."""
     path = tiny("llama", tmp_path_factory)
-    for kw, policy in (({}, ContextPolicy(sinks=4, window=60)), ({"kv_cache": "int4"}, None)):
-        logits = []
-        for mode in ("off", "on"):
-            r = TorchRunner(path, n_ctx=256, n_slots=2, dtype="f32", compile=mode, **kw)
-            r.clear(0, policy)
-            seq = [r.forward([Piece(0, list(range(1, 80)), 1)]).logits]
-            seq += [r.forward([Piece(0, [t], 1)]).logits for t in range(5)]
-            logits.append(np.concatenate(seq))
-            assert r._compiled is None
-        assert np.array_equal(*logits)
+    logits = []
+    for mode in ("off", "on"):
+        r = TorchRunner(path, n_ctx=256, n_slots=2, dtype="f32", compile=mode, kv_cache="int4")
+        seq = [r.forward([Piece(0, list(range(1, 80)), 1)]).logits]
+        seq += [r.forward([Piece(0, [t], 1)]).logits for t in range(5)]
+        logits.append(np.concatenate(seq))
+        assert r._compiled is None
+    assert np.array_equal(*logits)
+
+
+def test_streaming_past_the_window_compiled_gives_the_eager_logits(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """StreamingLLM 4:60 in the pool (issue 33), compiled: two slots under the policy decode
+    together far past the window (it forgets, blocks go back), a verification of 4 drafts and its
+    rollback before the window is full, a padded bucket; the logits are the eager runner's within
+    f32 rounding, and the compiled step ran every decode step. A plain slot beside them makes the
+    batch mixed: that step runs eagerly."""
+    path = tiny("llama", tmp_path_factory)
+    rng = np.random.default_rng(1)
+    toks = [int(t) for t in rng.integers(0, 300, 400)]
+    runs = []
+    for mode in ("off", "on"):
+        r = TorchRunner(path, n_ctx=64, n_slots=3, dtype="f32", max_batch=32, compile=mode)
+        for s in (0, 1):
+            r.clear(s, ContextPolicy(4, 60))
+        out = [r.forward([Piece(0, toks[:20], 1), Piece(1, toks[20:30], 1)]).logits]  # 20: eager
+        out.append(r.forward([Piece(0, [5, 6, 7, 8], 4)]).logits)  # a verification: compiled
+        assert r.trim(0, 3, exact=True)
+        for i in range(150):
+            slots = [0, 1] if i % 10 else [1]
+            out.append(r.forward([Piece(s, [toks[30 + 2 * i + s]], 1) for s in slots]).logits)
+        calls = r._compiled.calls if r._compiled else 0
+        out.append(r.forward([Piece(0, [3], 1), Piece(2, [4], 1)]).logits)  # mixed: eager
+        assert (r._compiled.calls if r._compiled else 0) == calls
+        assert r._caches[0][0].dropped > 0 and r.held(0) == 64
+        runs.append((out, calls, r))
+    (want, _, eager), (got, calls, r) = runs
+    assert calls == 2 + 150  # the 10-token piece, the verification, every decode step
+    diff = max(float(np.abs(g - w).max()) for g, w in zip(got, want))
+    assert diff <= 1e-4 * max(1.0, max(float(np.abs(w).max()) for w in want)), diff
+    for s in range(3):
+        r.clear(s)
+    assert all(p.used == 0 for p in r._pages)
 
 
 def test_compile_modes_and_buckets() -> None:

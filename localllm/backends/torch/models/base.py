@@ -278,7 +278,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[A
     """
     if isinstance(masks, Step):  # planned beforehand: caches is this layer's (keys, values) pool
         k_parts, v_parts = caches[0]
-        return rows_attention(q, k, v, k_parts, v_parts, *masks.plans[window], scale=scale)
+        plan = masks.plans[window]  # with cos, sin: keys stored before RoPE (StreamingLLM)
+        kin = k_raw if k_raw is not None and len(plan) > 4 else k
+        return rows_attention(q, kin, v, k_parts, v_parts, *plan, scale=scale)
     outs: list[torch.Tensor | None] = [None] * len(caches)
     if q.shape[1] <= QUERIES_AS_ROWS:
         for group in _row_groups(caches):
@@ -363,7 +365,7 @@ class _RowsPlan:
                  streams: tuple[Sequence[tuple[int, int]], Any] | None = None) -> None:  # fmt: skip
         self.rot: tuple[torch.Tensor, torch.Tensor] | None = None
         if streams is not None:
-            self._streams(pages, slots, offsets, t, device, *streams)
+            self._streams(pages, slots, offsets, t, device, *streams, rows=rows, blocks=blocks)
             return
         entries = [s for s in slots for _ in range(t)]  # T queries of a row: T entries
         positions = [o + j for o in offsets for j in range(t)]
@@ -393,12 +395,14 @@ class _RowsPlan:
         self.bias = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
 
     def _streams(self, pages: Any, slots: list[int], ats: Sequence[int], t: int,
-                 device: torch.device, windows: Sequence[tuple[int, int]], rope: Any) -> None:  # fmt: skip
+                 device: torch.device, windows: Sequence[tuple[int, int]], rope: Any, *,
+                 rows: int = 0, blocks: int = 1) -> None:  # fmt: skip
         """The plan of StreamingLLM rows (`policies.PagedStreaming`): `ats` are their places in
         their tables, `windows` their (sinks, gap). A row reads its sink blocks and its window's
         (not the blocks of the gap between, dropped or not), every entry its keys up to itself
         but those of the gap; each key is rotated at its position inside the cache (its place,
-        less the gap after the sinks), the queries already are (at `offset`)."""
+        less the gap after the sinks), the queries already are (at `offset`). Padding entries
+        (`rows`) write into the spare block and see the zero block's first key."""
         b = ROW_BLOCK
         lists = []
         for a, (sinks, gap) in zip(ats, windows):
@@ -408,23 +412,30 @@ class _RowsPlan:
                 lists.append(list(range(first)) + list(range(max(first, (sinks + gap) // b), end)))
             else:
                 lists.append(list(range(end)))
-        self.nb = nb = max(1, max(map(len, lists)))
+        self.nb = nb = max(blocks, max(map(len, lists)))
         self.n = max(ats) + t
-        idx, qpos, lo, hi, where = [], [], [], [], []
-        for s, a, (sinks, gap), blocks in zip(slots, ats, windows, lists):
+        idx, qpos, lo, hi, where, tables = [], [], [], [], [], []
+        for s, a, (sinks, gap), row in zip(slots, ats, windows, lists):
             table = pages.tables[s]
             for j in range(t):
                 p = a + j
-                idx.append(blocks + [-1] * (nb - len(blocks)))
+                idx.append(row + [-1] * (nb - len(row)))
                 qpos.append(p)
                 lo.append(sinks)
                 hi.append(sinks + gap)
                 where.append((table[p // b], p % b))
+                tables.append(table)
         self.single = where[0] if len(where) == 1 else None
+        for _ in range(max(0, rows - len(where))):  # padding: sees position 0 of the zero block
+            idx.append([0] + [-1] * (nb - 1))
+            qpos.append(0)
+            lo.append(0)
+            hi.append(0)
+            where.append((pages.spare(), 0))
+            tables.append([0])
         self.block = torch.tensor([w[0] for w in where], device=device)
         self.place = torch.tensor([w[1] for w in where], device=device)
         ix = torch.tensor(idx, device=device)  # (E, nb) indices into the tables, -1: none
-        tables = [pages.tables[s] for s in slots for _ in range(t)]
         self.gather = torch.tensor([[tb[i] if i >= 0 else 0 for i in row] for tb, row in zip(tables, idx)],
                                    device=device)  # fmt: skip
         key = ix[..., None] * b + torch.arange(b, device=device)  # (E, nb, BLOCK) places
