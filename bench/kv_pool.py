@@ -27,7 +27,8 @@ keeping every position.
    window): one slot reads --stream tokens (the window forgets what passes it), then decodes 32
    greedily. `pool`: the sinks and window are the slot's blocks, keys before RoPE rotated as
    attention reads them (issue 33); `stores`: `StreamingCache`'s stores of its own, the window
-   moved down every 64 tokens. KV bytes and decode ms/token. The tokens may part: decode
+   moved down every 64 tokens; `pool, compiled`: the pool's slot through the compiled step
+   (`--compile`). KV bytes and decode ms/token. The tokens may part: decode
    attention rounds otherwise in the pool (blocks of 64 keys, float32) than SDPA over a store,
    and the default precision's logits then differ by 0.1-0.6 (plain caches alike: 0.1-0.2).
 
@@ -189,6 +190,16 @@ def streaming(n_context: int, sinks: int, window: int) -> dict:
             log(f"stream {name:14} KV {kv / 2**20:7.1f} MiB  decode {out[name]['decode_ms_per_token']:.1f} ms/token")
         out["same_tokens"] = out["stores"]["tokens"] == out["pool"]["tokens"]
         out["speedup"] = out["stores"]["decode_ms_per_token"] / out["pool"]["decode_ms_per_token"]
+    finally:
+        r.close()
+    r = TorchRunner(model_path("smollm2"), n_ctx=sinks + window, n_slots=1, threads=None, compile="on")
+    try:  # the pool's slot through the compiled step (the first step compiles: the median leaves it)
+        r.clear(0, policy)
+        r.forward([Piece(0, ids[:-1], 0)])
+        tokens, secs = decode(r, [0], [ids[-1]], 32)
+        assert r._compiled is not None and r._compiled.calls == 32
+        out["pool, compiled"] = {"decode_ms_per_token": 1000 * secs, "tokens": tokens[0]}
+        log(f"stream {'pool, compiled':14}                decode {1000 * secs:.1f} ms/token")
     finally:
         r.close()
     return out
