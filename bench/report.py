@@ -352,7 +352,9 @@ def rows_kv_pool(d: dict) -> list[Row]:
              f"ms/token, sinks and window in the pool{' (tokens part: rounding)' if not st.get('same_tokens') else ''}",
              g(st, "pool/decode_ms_per_token"), "stores of its own", g(st, "stores/decode_ms_per_token"), False, None),
             ("StreamingLLM: KV MiB there, in the pool", mib(g(st, "pool/kv_bytes")), "stores of its own",
-             mib(g(st, "stores/kv_bytes")), False, None)]  # fmt: skip
+             mib(g(st, "stores/kv_bytes")), False, None),
+            ("StreamingLLM: decode ms/token there, in the pool, compiled", g(st, "pool, compiled/decode_ms_per_token"),
+             "eager", g(st, "pool/decode_ms_per_token"), False, None)]  # fmt: skip
 
 
 def rows_torch_compile(d: dict) -> list[Row]:
