@@ -1,6 +1,6 @@
 """The torch engine against llama.cpp (the oracle) on both packaged models, teacher-forced over the
-first 1,000 tokens of alice.txt (SmolLM2; 2,000 under `-m slow`) or 2,000 (Gemma 3): top-1 agreement, KL(llama.cpp ‖ torch)
-and perplexity.
+first 1,000 tokens of alice.txt (SmolLM2; 2,000 under `-m slow`) or 2,000 (Gemma 3): top-1
+agreement, KL(llama.cpp ‖ torch) and perplexity.
 
 llama.cpp quantizes activations for its quantized matmuls, so the two are not bit-identical. The
 issue's bars: mean KL ≤ 0.02 nats and perplexities within 1% hold (SmolLM2: KL 0.003, 0.14%); its
