@@ -148,22 +148,24 @@ def per_sequence(r: TorchRunner, slot: int, policy: ContextPolicy | None = None)
     r._caches[slot] = r.new_caches(policy)  # no slot: not the pool's
 
 
-def codes(n_context: int) -> dict:
-    r = TorchRunner(model_path("smollm2"), n_ctx=n_context + 64, n_slots=1, threads=None, kv_cache="int8")
-    ids = r.tokenize((corpus_dir() / "alice.txt").read_text())[:n_context]
-    out: dict = {"context_tokens": len(ids), "dtype": r.dtype, "kv": "int8"}
+def pool_against_stores(r: TorchRunner, ids: list[int], what: str, out: dict,
+                        policy: ContextPolicy | None = None) -> dict:  # fmt: skip
+    """Slot 0 reads ids[:-1] (in the runner's chunks), then decodes 32 tokens greedily: with
+    stores of its own (`per_sequence`), then in the pool. Fills `out` with each one's KV bytes,
+    median decode ms/token and tokens (and what the slot holds), whether the tokens agree and
+    the pool's speedup; the runner is closed."""
     try:
         for name in ("stores", "pool"):
             if name == "stores":
-                per_sequence(r, 0)
+                per_sequence(r, 0, policy)
             else:
-                r.clear(0)
-            for i in range(0, len(ids) - 1, r.max_batch):
-                r.forward([Piece(0, ids[i : min(i + r.max_batch, len(ids) - 1)], 0)])
+                r.clear(0, policy)
+            r.forward([Piece(0, ids[:-1], 0)])  # a policy's chunks: the window forgets
             kv = in_use(r) if name == "pool" else sum(c.nbytes for c in r._caches[0])
             tokens, secs = decode(r, [0], [ids[-1]], 32)
-            out[name] = {"kv_bytes": kv, "decode_ms_per_token": 1000 * secs, "tokens": tokens[0]}
-            log(f"codes  {name:14} KV {kv / 2**20:7.1f} MiB  decode {out[name]['decode_ms_per_token']:.1f} ms/token")
+            out[name] = {"kv_bytes": kv, "decode_ms_per_token": 1000 * secs, "tokens": tokens[0],
+                         "held": r.held(0)}  # fmt: skip
+            log(f"{what:6} {name:14} KV {kv / 2**20:7.1f} MiB  decode {1000 * secs:.1f} ms/token")
         out["same_tokens"] = out["stores"]["tokens"] == out["pool"]["tokens"]
         out["speedup"] = out["stores"]["decode_ms_per_token"] / out["pool"]["decode_ms_per_token"]
     finally:
@@ -171,27 +173,18 @@ def codes(n_context: int) -> dict:
     return out
 
 
+def codes(n_context: int) -> dict:
+    r = TorchRunner(model_path("smollm2"), n_ctx=n_context + 64, n_slots=1, threads=None, kv_cache="int8")
+    ids = r.tokenize((corpus_dir() / "alice.txt").read_text())[:n_context]
+    return pool_against_stores(r, ids, "codes", {"context_tokens": len(ids), "dtype": r.dtype, "kv": "int8"})
+
+
 def streaming(n_context: int, sinks: int, window: int) -> dict:
     r = TorchRunner(model_path("smollm2"), n_ctx=sinks + window, n_slots=1, threads=None)
     ids = r.tokenize((corpus_dir() / "alice.txt").read_text())[:n_context]
     policy = ContextPolicy(sinks, window)
     out: dict = {"context_tokens": len(ids), "dtype": r.dtype, "kv": "f16", "sinks": sinks, "window": window}
-    try:
-        for name in ("stores", "pool"):
-            if name == "stores":
-                per_sequence(r, 0, policy)
-            else:
-                r.clear(0, policy)
-            r.forward([Piece(0, ids[:-1], 0)])  # in the policy's chunks: the window forgets
-            kv = in_use(r) if name == "pool" else sum(c.nbytes for c in r._caches[0])
-            tokens, secs = decode(r, [0], [ids[-1]], 32)
-            out[name] = {"kv_bytes": kv, "decode_ms_per_token": 1000 * secs, "tokens": tokens[0],
-                         "held": r.held(0)}  # fmt: skip
-            log(f"stream {name:14} KV {kv / 2**20:7.1f} MiB  decode {out[name]['decode_ms_per_token']:.1f} ms/token")
-        out["same_tokens"] = out["stores"]["tokens"] == out["pool"]["tokens"]
-        out["speedup"] = out["stores"]["decode_ms_per_token"] / out["pool"]["decode_ms_per_token"]
-    finally:
-        r.close()
+    pool_against_stores(r, ids, "stream", out, policy)
     r = TorchRunner(model_path("smollm2"), n_ctx=sinks + window, n_slots=1, threads=None, compile="on")
     try:  # the pool's slot through the compiled step (the first step compiles: the median leaves it)
         r.clear(0, policy)

@@ -141,8 +141,9 @@ class Pages:
     def reserve(self, slot: int, n: int, held: int | None = None) -> None:
         """Blocks for the slot's first `n` positions (ValueError past the capacity: `held`
         positions when not n, a StreamingLLM slot's that forgot some)."""
-        if (n if held is None else held) > self.capacity:
-            raise ValueError(f"KV cache full: {n if held is None else held} tokens, capacity {self.capacity}")
+        held = n if held is None else held
+        if held > self.capacity:
+            raise ValueError(f"KV cache full: {held} tokens, capacity {self.capacity}")
         table = self.tables[slot]
         while len(table) * BLOCK < n:
             table.append(self._take())

@@ -246,8 +246,8 @@ class PagedStreaming(_Forgetting):
         cos, sin = self.rope.table(kk.shape[2], kk.dtype)
         return apply_rope(kk, cos, sin), vv
 
-    def exact(self, n: int) -> bool:
-        return self._appended - n > self._forgot_at
+    def _stores(self) -> list[Store]:
+        return []  # the pool's blocks: nothing of its own to quantize, keep or report
 
     def trim(self, n: int) -> int:
         n = max(0, min(n, self.offset))
@@ -262,8 +262,6 @@ class PagedStreaming(_Forgetting):
     @property
     def nbytes(self) -> int:
         return self.rows.slot_bytes(self.slot)
-
-    residual_bytes = 0
 
     def bytes_per_token(self) -> float:
         return self.rows.block_bytes / BLOCK
