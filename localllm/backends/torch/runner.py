@@ -29,7 +29,7 @@ from localllm.backends import TORCH
 from localllm.backends.base import Forward, Piece, TextOnly
 from localllm.backends.torch.cache import BLOCK, KVCache, Pages, Prefix, Rows
 from localllm.backends.torch.compiled import CompiledStep, cache_dir, wanted
-from localllm.backends.torch.kvquant import POOLED, Plain, codec
+from localllm.backends.torch.kvquant import POOLED, codec
 from localllm.backends.torch.models.base import QUERIES_AS_ROWS
 from localllm.backends.torch.policies import PagedStreaming
 from localllm.chat import template_for
@@ -516,7 +516,7 @@ class TorchRunner(TextOnly):
                 singles.append(i)
                 continue
             caches, tokens = self._caches[p.slot], list(p.tokens)
-            if compiled and len(tokens) <= QUERIES_AS_ROWS and self._compilable([p.slot]) and not self._codes:
+            if compiled and len(tokens) <= QUERIES_AS_ROWS and self._compilable([p.slot]):
                 got = self._run_compiled([p.slot], [tokens])  # a verification of a few drafts
                 if p.logits:
                     out[i] = got[len(tokens) - p.logits :]
@@ -562,14 +562,6 @@ class TorchRunner(TextOnly):
         rows = [self._slot(s) for s in slots]
         return all(isinstance(r[0], PagedStreaming) and len({c.gap for c in r}) == 1
                    and len({id(c.rope) for c in r}) == 1 for r in rows)  # fmt: skip
-
-    @property
-    def _codes(self) -> bool:
-        """Whether the pool holds int8/fp8 codes. A compiled step of several tokens a row over
-        codes gave other logits than eager (0.3-0.45 on a tiny llama's 4-token verification,
-        torch 2.13's inductor; aot_eager agrees with eager, one token a row agrees too): such
-        pieces run eagerly until that is understood (`test_compiled`)."""
-        return any(type(c) is not Plain for c in self._rows[0].codecs) if self._rows else False
 
     def _run_compiled(self, slots: list[int], tokens: list[list[int]]) -> torch.Tensor:
         """T tokens of each slot (as many each) through the compiled step: logits (B·T, vocab)."""

@@ -107,9 +107,11 @@ def test_compiled_steps_read_int8_and_fp8_codes_in_the_pool(tmp_path_factory: py
     """`--kv-cache k=int8,v=fp8`: the pool holds codes and scales, which the compiled step
     writes and decodes as it gathers them (the eager path decodes them the same way); the same
     script (prefix shared, padded buckets, a verification, a rollback) gives the eager logits.
-    Without `emulate_precision_casts` (`compiled.OPTIONS`) 0.7% of the codes came out one off."""
+    Without `emulate_precision_casts` (`compiled.OPTIONS`) 0.7% of the codes came out one off;
+    with dynamo's automatic dynamic shapes (`CompiledStep._dynamic`) the verification, compiled
+    after the decode steps at 4 key blocks, came out 0.4 off (this test failed then)."""
     r, diff, scale = compare(tiny("llama", tmp_path_factory), kv_cache="k=int8,v=fp8")
-    check(r, diff, scale, pieces=0)  # pieces of several tokens run eagerly over codes (`TorchRunner._codes`)
+    check(r, diff, scale)
     assert [p.dtype for p in (*r._rows[0].k_parts, *r._rows[0].v_parts)] == [
         torch.int8, torch.float16, torch.float8_e4m3fn, torch.float16]  # fmt: skip
 
