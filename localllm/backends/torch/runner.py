@@ -28,7 +28,7 @@ import torch
 from localllm.backends import TORCH
 from localllm.backends.base import Forward, Piece, TextOnly
 from localllm.backends.torch.cache import BLOCK, KVCache, Pages, Prefix, Rows
-from localllm.backends.torch.compiled import CompiledStep, cache_dir, wanted
+from localllm.backends.torch.compiled import CompiledStep, cache_dir, prepare, wanted
 from localllm.backends.torch.kvquant import POOLED, codec
 from localllm.backends.torch.models.base import QUERIES_AS_ROWS
 from localllm.backends.torch.policies import PagedStreaming
@@ -216,6 +216,9 @@ class TorchRunner(TextOnly):
             linear = device_linear(self.torch_device, self.compute_dtype)
         self.model_path = str(path)
         self._linear = linear
+        self.compiled = wanted(compile, self.torch_device)
+        # the compiler's imports and checks overlap the load (`compiled.prepare`)
+        self._prepared = prepare(self.torch_device) if self.compiled else None
         self.tokenizer, self.model, meta = self._load(path)
         if self.budget:
             if any(getattr(layer.attention, "window", 0) for layer in self.model.layers):
@@ -249,7 +252,6 @@ class TorchRunner(TextOnly):
         self._step = [0] * self.n_slots  # the largest float copy attention read in one layer
         self._rows: list[Rows] | None = None  # every slot's plain caches, per layer (`new_caches`)
         self.kv_blocks = kv_blocks
-        self.compiled = wanted(compile, self.torch_device)
         self._compiled: CompiledStep | None = None  # made on the first compiled step
         self.compiled_dir = compiled_dir
         self._lock = threading.Lock()  # embed() may come from another thread than the engine's
@@ -566,7 +568,7 @@ class TorchRunner(TextOnly):
     def _run_compiled(self, slots: list[int], tokens: list[list[int]]) -> torch.Tensor:
         """T tokens of each slot (as many each) through the compiled step: logits (B·T, vocab)."""
         if self._compiled is None:
-            self._compiled = CompiledStep(self.model, self.torch_device, self.compiled_dir)
+            self._compiled = CompiledStep(self.model, self.torch_device, self.compiled_dir, self._prepared)
         caches = [self._caches[s] for s in slots]
         t, streams = len(tokens[0]), None
         if isinstance(caches[0][0], PagedStreaming):  # what the eager forward's positions do
