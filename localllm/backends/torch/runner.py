@@ -217,8 +217,6 @@ class TorchRunner(TextOnly):
         self.model_path = str(path)
         self._linear = linear
         self.compiled = wanted(compile, self.torch_device)
-        # the compiler's imports and checks overlap the load (`compiled.prepare`)
-        self._prepared = prepare(self.torch_device) if self.compiled else None
         self.tokenizer, self.model, meta = self._load(path)
         if self.budget:
             if any(getattr(layer.attention, "window", 0) for layer in self.model.layers):
@@ -255,6 +253,8 @@ class TorchRunner(TextOnly):
         self._compiled: CompiledStep | None = None  # made on the first compiled step
         self.compiled_dir = compiled_dir
         self._lock = threading.Lock()  # embed() may come from another thread than the engine's
+        # the compiler's imports and checks, while the caller idles (`compiled.prepare`)
+        self._prepared = prepare(self.torch_device) if self.compiled else None
 
     def _load(self, path: str | Path) -> tuple[Any, Any, dict[str, Any]]:
         """(tokenizer, model, metadata) of a GGUF file in this runner's precision and device."""

@@ -274,6 +274,41 @@ def test_compile_modes_and_buckets() -> None:
         LoadOptions(compile="maybe")
 
 
+def test_the_compilers_imports_start_with_the_runner_and_the_first_step_waits_for_them(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`compiled.prepare`: a runner that compiles starts the compiler's imports and checks in a
+    thread once loaded (one that does not compile starts nothing), and its first compiled step
+    begins only after that thread ends."""
+    import threading
+
+    import localllm.backends.torch.compiled as compiled
+
+    path, gate, order = tiny("llama", tmp_path_factory), threading.Event(), []
+    real = compiled.prepare
+
+    def slow(device: torch.device) -> threading.Thread:
+        def work() -> None:
+            gate.wait(30)
+            real(device).join()
+            order.append("prepared")
+
+        t = threading.Thread(target=work, daemon=True)
+        t.start()
+        return t
+
+    monkeypatch.setattr("localllm.backends.torch.runner.prepare", slow)
+    assert TorchRunner(path, n_ctx=64, n_slots=1, dtype="f32", compile="off")._prepared is None
+    r = TorchRunner(path, n_ctx=64, n_slots=1, dtype="f32", compile="on")
+    assert r._prepared is not None and r._prepared.is_alive()
+    r.forward([Piece(0, list(range(1, 20)), 1)])  # eager: does not wait
+    assert order == []
+    threading.Timer(0.5, gate.set).start()
+    r.forward([Piece(0, [3], 1)])  # the first compiled step
+    order.append("stepped")
+    assert order == ["prepared", "stepped"] and r._compiled is not None and r._compiled.calls == 1
+
+
 def test_a_step_that_cannot_be_compiled_runs_eagerly(tmp_path_factory: pytest.TempPathFactory,
                                                      caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
     """A compiler that fails (no C++ compiler on a CPU machine, say) costs one warning line, and
