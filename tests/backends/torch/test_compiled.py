@@ -279,34 +279,35 @@ def test_the_compilers_imports_start_with_the_runner_and_the_first_step_waits_fo
 ) -> None:
     """`compiled.prepare`: a runner that compiles starts the compiler's imports and checks in a
     thread once loaded (one that does not compile starts nothing), and its first compiled step
-    begins only after that thread ends."""
+    reaches the compiler only after that thread ended."""
     import threading
 
     import localllm.backends.torch.compiled as compiled
 
-    path, gate, order = tiny("llama", tmp_path_factory), threading.Event(), []
-    real = compiled.prepare
+    path, seen = tiny("llama", tmp_path_factory), []
+    real, call = compiled.prepare, compiled.CompiledStep._call
 
     def slow(device: torch.device) -> threading.Thread:
         def work() -> None:
-            gate.wait(30)
+            threading.Event().wait(1.0)  # a slow import
             real(device).join()
-            order.append("prepared")
 
         t = threading.Thread(target=work, daemon=True)
         t.start()
         return t
 
+    def watched(self: compiled.CompiledStep, args: tuple) -> torch.Tensor:
+        seen.append(r._prepared is not None and r._prepared.is_alive())
+        return call(self, args)
+
     monkeypatch.setattr("localllm.backends.torch.runner.prepare", slow)
+    monkeypatch.setattr(compiled.CompiledStep, "_call", watched)
     assert TorchRunner(path, n_ctx=64, n_slots=1, dtype="f32", compile="off")._prepared is None
     r = TorchRunner(path, n_ctx=64, n_slots=1, dtype="f32", compile="on")
     assert r._prepared is not None and r._prepared.is_alive()
-    r.forward([Piece(0, list(range(1, 20)), 1)])  # eager: does not wait
-    assert order == []
-    threading.Timer(0.5, gate.set).start()
+    r.forward([Piece(0, list(range(1, 20)), 1)])  # eager
     r.forward([Piece(0, [3], 1)])  # the first compiled step
-    order.append("stepped")
-    assert order == ["prepared", "stepped"] and r._compiled is not None and r._compiled.calls == 1
+    assert seen == [False] and r._compiled is not None and r._compiled.calls == 1
 
 
 def test_a_step_that_cannot_be_compiled_runs_eagerly(tmp_path_factory: pytest.TempPathFactory,
