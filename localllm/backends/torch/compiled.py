@@ -150,7 +150,7 @@ def _mark_dynamic(plans: dict[int, tuple[torch.Tensor, ...]]) -> None:
     """One graph for any number of key blocks: the plans' gather and bias (`_RowsPlan.tensors`,
     and StreamingLLM's cos and sin) have a dynamic size in their block dimension."""
     for plan in plans.values():
-        for x in plan[2:]:
+        for x in plan[2:6]:  # not `raw` (`_RowsPlan.tensors`): one per entry
             torch._dynamo.mark_dynamic(x, 1)
 
 
@@ -278,10 +278,10 @@ class CompiledStep:
 
     def __call__(self, rows: Sequence[Rows], slots: Sequence[int], offsets: Sequence[int],
                  tokens: Sequence[Sequence[int]], *, places: Sequence[int] | None = None,
-                 streams: tuple[Sequence[tuple[int, int]], Any] | None = None) -> torch.Tensor:  # fmt: skip
+                 streams: tuple[Sequence[tuple[int, int] | None], Any] | None = None) -> torch.Tensor:  # fmt: skip
         """`offsets`: the slots' next positions (RoPE's); `places`: their next places in their
-        tables where those differ (StreamingLLM slots, `streams`: their (sinks, gap) and RoPE,
-        as `_RowsPlan` takes them)."""
+        tables where those differ (StreamingLLM slots, `streams`: their (sinks, gap), None for
+        a plain slot beside them, and RoPE, as `_RowsPlan` takes them)."""
         n, t, dev = len(slots), len(tokens[0]), self.device
         places = offsets if places is None else places
         books = list({id(r.pages): r.pages for r in rows}.values())

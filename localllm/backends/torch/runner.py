@@ -181,8 +181,8 @@ class TorchRunner(TextOnly):
         threads: torch's CPU threads (None: as torch has them).
         kv_blocks: blocks of 64 positions the slots' paged pool may hold (None: every slot full
             and the prefix cache's budget; fewer, and a request waits for blocks to come free).
-        compile: `auto` (on CUDA), `on` or `off`: decode steps and verifications of plain
-            paged caches run as one compiled call (`compiled.CompiledStep`; the pool is then
+        compile: `auto` (on CUDA), `on` or `off`: decode steps and verifications of paged
+            caches (plain, codes, StreamingLLM) run as one compiled call (`compiled.CompiledStep`; the pool is then
             allocated whole); everything else, and `off`, runs eagerly.
         compiled_dir: where compiled steps are kept whole for the next start (CPU; None: not kept).
         """
@@ -556,14 +556,18 @@ class TorchRunner(TextOnly):
         return isinstance(caches[0], KVCache) and caches[0].rows is not None
 
     def _compilable(self, slots: Sequence[int]) -> bool:
-        """Whether one compiled step takes these slots: plain ones in the paged pool, or
+        """Whether one compiled step takes these slots: plain ones in the paged pool, and
         StreamingLLM ones there whose layers forgot alike (a layer-skip draft moves some
-        layers only) and share one RoPE; not the two kinds together (they run eagerly)."""
-        if all(map(self._plain, slots)):
-            return True
-        rows = [self._slot(s) for s in slots]
-        return all(isinstance(r[0], PagedStreaming) and len({c.gap for c in r}) == 1
-                   and len({id(c.rope) for c in r}) == 1 for r in rows)  # fmt: skip
+        layers only) and share one RoPE."""
+        ropes = set()
+        for s in slots:
+            if self._plain(s):
+                continue
+            r = self._slot(s)
+            if not isinstance(r[0], PagedStreaming) or len({c.gap for c in r}) != 1:
+                return False
+            ropes |= {id(c.rope) for c in r}
+        return len(ropes) <= 1
 
     def _run_compiled(self, slots: list[int], tokens: list[list[int]]) -> torch.Tensor:
         """T tokens of each slot (as many each) through the compiled step: logits (B·T, vocab)."""
@@ -571,11 +575,13 @@ class TorchRunner(TextOnly):
             self._compiled = CompiledStep(self.model, self.torch_device, self.compiled_dir, self._prepared)
         caches = [self._caches[s] for s in slots]
         t, streams = len(tokens[0]), None
-        if isinstance(caches[0][0], PagedStreaming):  # what the eager forward's positions do
-            for row in caches:
-                for c in row:
+        kinds = [isinstance(row[0], PagedStreaming) for row in caches]
+        if any(kinds):  # what the eager forward's positions do
+            for row, streaming in zip(caches, kinds):
+                for c in row if streaming else ():
                     c.make_room(t)
-            streams = ([(row[0].n_sinks, row[0].gap) for row in caches], caches[0][0].rope)
+            windows = [(row[0].n_sinks, row[0].gap) if k else None for row, k in zip(caches, kinds)]
+            streams = (windows, caches[kinds.index(True)][0].rope)
         try:
             logits = self._compiled(self._rows, slots, [c[0].offset for c in caches], tokens,  # type: ignore[arg-type]
                                     places=[c[0].at for c in caches], streams=streams)  # fmt: skip

@@ -232,8 +232,9 @@ def test_streaming_past_the_window_compiled_gives_the_eager_logits(
     """StreamingLLM 4:60 in the pool (issue 33), compiled: two slots under the policy decode
     together far past the window (it forgets, blocks go back), a verification of 4 drafts and its
     rollback before the window is full, a padded bucket; the logits are the eager runner's within
-    f32 rounding, and the compiled step ran every decode step. A plain slot beside them makes the
-    batch mixed: that step runs eagerly."""
+    f32 rounding, and the compiled step ran every decode step. Then a plain slot steps beside
+    them (a mixed batch, padded to 4 rows): compiled too, its keys stored rotated and read
+    unturned, theirs stored before RoPE."""
     path = tiny("llama", tmp_path_factory)
     rng = np.random.default_rng(1)
     toks = [int(t) for t in rng.integers(0, 300, 400)]
@@ -248,13 +249,15 @@ def test_streaming_past_the_window_compiled_gives_the_eager_logits(
         for i in range(150):
             slots = [0, 1] if i % 10 else [1]
             out.append(r.forward([Piece(s, [toks[30 + 2 * i + s]], 1) for s in slots]).logits)
+        out.append(r.forward([Piece(2, toks[:12], 1)]).logits)  # a plain slot's short prompt
+        for i in range(10):
+            out.append(r.forward([Piece(s, [toks[100 + 3 * i + s]], 1) for s in (0, 2, 1)]).logits)
         calls = r._compiled.calls if r._compiled else 0
-        out.append(r.forward([Piece(0, [3], 1), Piece(2, [4], 1)]).logits)  # mixed: eager
-        assert (r._compiled.calls if r._compiled else 0) == calls
         assert r._caches[0][0].dropped > 0 and r.held(0) == 64
         runs.append((out, calls, r))
     (want, _, eager), (got, calls, r) = runs
-    assert calls == 2 + 150  # the 10-token piece, the verification, every decode step
+    # the 10-token piece, the verification, every decode step, the 12-token piece, mixed steps
+    assert calls == 2 + 150 + 1 + 10
     diff = max(float(np.abs(g - w).max()) for g, w in zip(got, want))
     assert diff <= 1e-4 * max(1.0, max(float(np.abs(w).max()) for w in want)), diff
     for s in range(3):

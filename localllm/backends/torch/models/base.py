@@ -279,8 +279,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[A
     if isinstance(masks, Step):  # planned beforehand: caches is this layer's (keys, values) pool
         k_parts, v_parts = caches[0]
         plan = masks.plans[window]  # with cos, sin: keys stored before RoPE (StreamingLLM)
-        kin = k_raw if k_raw is not None and len(plan) > 4 else k
-        return rows_attention(q, kin, v, k_parts, v_parts, *plan, scale=scale)
+        return rows_attention(q, rows_keys(k, k_raw, plan), v, k_parts, v_parts, *plan[:6], scale=scale)
     outs: list[torch.Tensor | None] = [None] * len(caches)
     if q.shape[1] <= QUERIES_AS_ROWS:
         for group in _row_groups(caches):
@@ -362,8 +361,9 @@ class _RowsPlan:
 
     def __init__(self, pages: Any, slots: list[int], offsets: Sequence[int], t: int, window: int,
                  device: torch.device, *, rows: int = 0, blocks: int = 1,
-                 streams: tuple[Sequence[tuple[int, int]], Any] | None = None) -> None:  # fmt: skip
+                 streams: tuple[Sequence[tuple[int, int] | None], Any] | None = None) -> None:  # fmt: skip
         self.rot: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.raw: torch.Tensor | None = None
         if streams is not None:
             self._streams(pages, slots, offsets, t, device, *streams, rows=rows, blocks=blocks)
             return
@@ -395,15 +395,21 @@ class _RowsPlan:
         self.bias = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
 
     def _streams(self, pages: Any, slots: list[int], ats: Sequence[int], t: int,
-                 device: torch.device, windows: Sequence[tuple[int, int]], rope: Any, *,
+                 device: torch.device, windows: Sequence[tuple[int, int] | None], rope: Any, *,
                  rows: int = 0, blocks: int = 1) -> None:  # fmt: skip
         """The plan of StreamingLLM rows (`policies.PagedStreaming`): `ats` are their places in
         their tables, `windows` their (sinks, gap). A row reads its sink blocks and its window's
         (not the blocks of the gap between, dropped or not), every entry its keys up to itself
         but those of the gap; each key is rotated at its position inside the cache (its place,
         less the gap after the sinks), the queries already are (at `offset`). Padding entries
-        (`rows`) write into the spare block and see the zero block's first key."""
+        (`rows`) write into the spare block and see the zero block's first key.
+
+        A window of None is a plain row beside them (a compiled step of both kinds): its keys
+        are stored rotated, so it reads them through cos 1 and sin 0 (the same bits), and
+        `raw` (E,) then says which entries store the keys before RoPE (`rows_keys`)."""
         b = ROW_BLOCK
+        plain = [w is None for w in windows]
+        windows = [w or (0, 0) for w in windows]
         lists = []
         for a, (sinks, gap) in zip(ats, windows):
             end = -(-(a + t) // b)
@@ -448,12 +454,32 @@ class _RowsPlan:
             hidden.view(e, nb, 1, 1, b), float("-inf"))  # fmt: skip
         inside = torch.where(key >= s_hi, key - (s_hi - s_lo), key).clamp_(min=0)
         cos, sin = rope(inside.view(e, nb * b), torch.float32)  # (E, nb·BLOCK, 1, hd)
+        self.raw = None
+        if any(plain):
+            flat = [not f for f in plain for _ in range(t)]
+            self.raw = torch.tensor(flat + [False] * (e - len(flat)), device=device)
+            kept = ~self.raw  # plain rows' and padding entries: turned by nothing
+            cos[kept], sin[kept] = 1.0, 0.0
         self.rot = tuple(x.view(e, nb, b, 1, -1).transpose(2, 3) for x in (cos, sin))  # type: ignore[assignment]
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """What `rows_attention` takes: block, place, gather, bias (and cos, sin: `_streams`)."""
-        return (self.block, self.place, self.gather, self.bias, *(self.rot or ()))
+        """What `rows_attention` takes: block, place, gather, bias (and cos, sin: `_streams`);
+        then `raw` where StreamingLLM and plain rows step together (`rows_keys`)."""
+        raw = () if self.raw is None else (self.raw,)
+        return (self.block, self.place, self.gather, self.bias, *(self.rot or ()), *raw)
+
+
+def rows_keys(k: torch.Tensor, k_raw: torch.Tensor | None, plan: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The keys (B, T, KV, hd) a planned step stores (`Step`): rotated ones (`k`) for plain
+    rows, the keys before RoPE (`k_raw`) for StreamingLLM rows (a plan with cos and sin), entry
+    by entry where the plan has both kinds (its `raw`, (B·T,))."""
+    if k_raw is None or len(plan) <= 4:
+        return k
+    if len(plan) == 6:
+        return k_raw
+    b, t = k.shape[:2]
+    return torch.where(plan[6].view(b, t, 1, 1), k_raw, k)
 
 
 class Step:
