@@ -182,8 +182,9 @@ class TorchRunner(TextOnly):
         kv_blocks: blocks of 64 positions the slots' paged pool may hold (None: every slot full
             and the prefix cache's budget; fewer, and a request waits for blocks to come free).
         compile: `auto` (on CUDA), `on` or `off`: decode steps and verifications of paged
-            caches (plain, codes, StreamingLLM) run as one compiled call (`compiled.CompiledStep`; the pool is then
-            allocated whole); everything else, and `off`, runs eagerly.
+            caches (plain, codes, StreamingLLM) run as one compiled call
+            (`compiled.CompiledStep`; the pool is then allocated whole); everything else, and
+            `off`, runs eagerly.
         compiled_dir: where compiled steps are kept whole for the next start (CPU; None: not kept).
         """
         if threads:
