@@ -577,9 +577,9 @@ class TorchRunner(TextOnly):
         caches = [self._caches[s] for s in slots]
         t, streams = len(tokens[0]), None
         kinds = [isinstance(row[0], PagedStreaming) for row in caches]
-        if any(kinds):  # what the eager forward's positions do
-            for row, streaming in zip(caches, kinds):
-                for c in row if streaming else ():
+        if any(kinds):  # what the eager forward's positions do (a plain cache's is a no-op)
+            for row in caches:
+                for c in row:
                     c.make_room(t)
             windows = [(row[0].n_sinks, row[0].gap) if k else None for row, k in zip(caches, kinds)]
             streams = (windows, caches[kinds.index(True)][0].rope)

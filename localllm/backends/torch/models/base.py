@@ -454,7 +454,6 @@ class _RowsPlan:
             hidden.view(e, nb, 1, 1, b), float("-inf"))  # fmt: skip
         inside = torch.where(key >= s_hi, key - (s_hi - s_lo), key).clamp_(min=0)
         cos, sin = rope(inside.view(e, nb * b), torch.float32)  # (E, nb·BLOCK, 1, hd)
-        self.raw = None
         if any(plain):
             flat = [not f for f in plain for _ in range(t)]
             self.raw = torch.tensor(flat + [False] * (e - len(flat)), device=device)
