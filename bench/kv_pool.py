@@ -3,7 +3,7 @@ against copied into each slot, and Gemma 3's sliding-window layers keeping their
 keeping every position.
 
     .venv/bin/python bench/kv_pool.py [--prefix 2000] [--slots 4] [--context 2000]
-        [--stream 3000] [--window 1020] [--quick]
+        [--stream 3000] [--window 1020] [--budget 1024] [--only kivi,h2o] [--quick]
 
 1. Prefix (smollm2, the CPU default precision, f16 keys): one slot evaluates a --prefix-token
    text (Alice) and the prefix is saved (`runner.save`, as the engine's prefix cache does when a
@@ -32,6 +32,15 @@ keeping every position.
    attention rounds otherwise in the pool (blocks of 64 keys, float32) than SDPA over a store,
    and the default precision's logits then differ by 0.1-0.6 (plain caches alike: 0.1-0.2).
 
+5. KIVI (smollm2, the default precision, `--kv-cache int4`): one slot, then --slots slots, each
+   reads --context tokens and they decode 32 greedily together. `pool`: KIVI's codes in the
+   pool's blocks, each slot's residual in its ring, every row in one attention call (issue 33);
+   `stores`: per-sequence stores, dequantized whole in every layer, one attention call per row;
+   `pool, compiled`: the pool through the compiled step. KV bytes and decode ms a step.
+6. H2O (smollm2, the default precision, f16 keys, `--evict h2o:--budget`): as 5, `pool`: each
+   head's kept tokens in the slot's blocks, the rows in one attention call that also gives each
+   slot its probabilities; `stores`: `H2OCache`'s stores, one call per row.
+
 Writes bench/results/kv_pool.json (--quick: 300-token prefix, 2 slots, 700-token context, 600
 tokens under 4:252; bench/results/quick/).
 """
@@ -39,12 +48,13 @@ tokens under 4:252; bench/results/quick/).
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from common import corpus_dir, log, save
+from common import corpus_dir, log, results_path, save
 from torch_engine import model_path
 
 from localllm.backends.base import Piece
@@ -149,23 +159,27 @@ def per_sequence(r: TorchRunner, slot: int, policy: ContextPolicy | None = None)
 
 
 def pool_against_stores(r: TorchRunner, ids: list[int], what: str, out: dict,
-                        policy: ContextPolicy | None = None) -> dict:  # fmt: skip
-    """Slot 0 reads ids[:-1] (in the runner's chunks), then decodes 32 tokens greedily: with
-    stores of its own (`per_sequence`), then in the pool. Fills `out` with each one's KV bytes,
-    median decode ms/token and tokens (and what the slot holds), whether the tokens agree and
-    the pool's speedup; the runner is closed."""
+                        policy: ContextPolicy | None = None, slots: int = 1) -> dict:  # fmt: skip
+    """Each of `slots` slots reads ids[:-1] (in the runner's chunks), then they decode 32
+    tokens greedily together: with stores of their own (`per_sequence`: a row attends alone),
+    then in the pool (one attention call for every row). Fills `out` with each one's KV bytes
+    (every slot's caches: blocks, a KIVI ring, stores), median decode ms per step and tokens
+    (slot 0's, and what it holds), whether the tokens agree and the pool's speedup; the runner
+    is closed."""
+    rows = list(range(slots))
     try:
         for name in ("stores", "pool"):
-            if name == "stores":
-                per_sequence(r, 0, policy)
-            else:
-                r.clear(0, policy)
-            r.forward([Piece(0, ids[:-1], 0)])  # a policy's chunks: the window forgets
-            kv = in_use(r) if name == "pool" else sum(c.nbytes for c in r._caches[0])
-            tokens, secs = decode(r, [0], [ids[-1]], 32)
+            for s in rows:
+                if name == "stores":
+                    per_sequence(r, s, policy)
+                else:
+                    r.clear(s, policy)
+                r.forward([Piece(s, ids[:-1], 0)])  # a policy's chunks: the window forgets
+            kv = sum(c.nbytes for s in rows for c in r._caches[s])
+            tokens, secs = decode(r, rows, [ids[-1]] * slots, 32)
             out[name] = {"kv_bytes": kv, "decode_ms_per_token": 1000 * secs, "tokens": tokens[0],
                          "held": r.held(0)}  # fmt: skip
-            log(f"{what:6} {name:14} KV {kv / 2**20:7.1f} MiB  decode {1000 * secs:.1f} ms/token")
+            log(f"{what:6} {name:14} KV {kv / 2**20:7.1f} MiB  decode {1000 * secs:.1f} ms a step of {slots}")
         out["same_tokens"] = out["stores"]["tokens"] == out["pool"]["tokens"]
         out["speedup"] = out["stores"]["decode_ms_per_token"] / out["pool"]["decode_ms_per_token"]
     finally:
@@ -198,6 +212,41 @@ def streaming(n_context: int, sinks: int, window: int) -> dict:
     return out
 
 
+def kivi(n_context: int, slots: int) -> dict:
+    """KIVI's int4 keys and values at one slot and at `slots`: pool against stores, then the
+    pool through the compiled step."""
+    out: dict = {}
+    for n in (1, slots):
+        r = TorchRunner(model_path("smollm2"), n_ctx=n_context + 64, n_slots=n, threads=None, kv_cache="int4")
+        ids = r.tokenize((corpus_dir() / "alice.txt").read_text())[:n_context]
+        got = out[f"{n} slots"] = {"context_tokens": len(ids), "dtype": r.dtype, "kv": "int4"}
+        pool_against_stores(r, ids, "kivi", got, slots=n)
+        r = TorchRunner(model_path("smollm2"), n_ctx=n_context + 64, n_slots=n, threads=None,
+                        kv_cache="int4", compile="on")  # fmt: skip
+        try:  # the first steps compile: the median leaves them out
+            for s in range(n):
+                r.forward([Piece(s, ids[:-1], 0)])
+            tokens, secs = decode(r, list(range(n)), [ids[-1]] * n, 32)
+            assert r._compiled is not None and r._compiled.calls == 32
+            got["pool, compiled"] = {"decode_ms_per_token": 1000 * secs, "tokens": tokens[0]}
+            log(f"kivi   {'pool, compiled':14}                decode {1000 * secs:.1f} ms a step of {n}")
+        finally:
+            r.close()
+    return out
+
+
+def h2o(n_context: int, budget: int, slots: int) -> dict:
+    """H2O (`--evict h2o:budget`, f16 keys) at one slot and at `slots`: pool against stores."""
+    out: dict = {}
+    for n in (1, slots):
+        r = TorchRunner(model_path("smollm2"), n_ctx=n_context + 64, n_slots=n, threads=None,
+                        evict=f"h2o:{budget}")  # fmt: skip
+        ids = r.tokenize((corpus_dir() / "alice.txt").read_text())[:n_context]
+        got = out[f"{n} slots"] = {"context_tokens": len(ids), "dtype": r.dtype, "kv": "f16", "budget": budget}
+        pool_against_stores(r, ids, "h2o", got, slots=n)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prefix", type=int, default=2000)
@@ -205,13 +254,21 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2000)
     ap.add_argument("--stream", type=int, default=3000)
     ap.add_argument("--window", type=int, default=1020)
+    ap.add_argument("--budget", type=int, default=1024, help="H2O's tokens per layer and head")
+    ap.add_argument("--only", default="", help="comma-separated sections (default: all)")
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
     if a.quick:
-        a.prefix, a.slots, a.context, a.stream, a.window = 300, 2, 700, 600, 252
-    save("kv_pool", {"prefix": alone(prefix, a.prefix, a.slots), "window": alone(window, a.context),
-                     "codes": alone(codes, a.context),
-                     "streaming": alone(streaming, a.stream, 4, a.window)}, quick=a.quick)  # fmt: skip
+        a.prefix, a.slots, a.context, a.stream, a.window, a.budget = 300, 2, 700, 600, 252, 256
+    sections = {"prefix": (prefix, a.prefix, a.slots), "window": (window, a.context),
+                "codes": (codes, a.context), "streaming": (streaming, a.stream, 4, a.window),
+                "kivi": (kivi, a.context, a.slots), "h2o": (h2o, a.context, a.budget, a.slots)}  # fmt: skip
+    only = [x for x in a.only.split(",") if x] or list(sections)
+    data = {}
+    if a.only and results_path("kv_pool", a.quick).exists():  # the other sections as they were
+        data = {k: v for k, v in json.loads(results_path("kv_pool", a.quick).read_text()).items()
+                if k in sections}  # fmt: skip
+    save("kv_pool", data | {name: alone(*sections[name]) for name in only}, quick=a.quick)
 
 
 def alone(section, *args):

@@ -354,7 +354,28 @@ def rows_kv_pool(d: dict) -> list[Row]:
             ("StreamingLLM: KV MiB there, in the pool", mib(g(st, "pool/kv_bytes")), "stores of its own",
              mib(g(st, "stores/kv_bytes")), False, None),
             ("StreamingLLM: decode ms/token there, in the pool, compiled", g(st, "pool, compiled/decode_ms_per_token"),
-             "eager", g(st, "pool/decode_ms_per_token"), False, None)]  # fmt: skip
+             "eager", g(st, "pool/decode_ms_per_token"), False, None)] + rows_kv_pool_more(d)  # fmt: skip
+
+
+def rows_kv_pool_more(d: dict) -> list[Row]:
+    """KIVI's int4 and H2O in the pool against their stores, at one slot and at several."""
+    out: list[Row] = []
+    mib = lambda x: None if x is None else x / 2**20  # noqa: E731
+    for name, label in (("kivi", "int4 (KIVI) KV"), ("h2o", "H2O")):
+        for slots, r in (d.get(name) or {}).items():
+            what = f"{label}, {slots} at {r.get('context_tokens')} tokens"
+            if r.get("budget"):
+                what += f", budget {r['budget']}"
+            part = "" if r.get("same_tokens") else " (tokens part: rounding)"
+            out += [(f"{what}: decode ms a step, in the pool{part}", g(r, "pool/decode_ms_per_token"),
+                     "per-sequence stores", g(r, "stores/decode_ms_per_token"), False, None),
+                    (f"{what}: KV MiB, in the pool", mib(g(r, "pool/kv_bytes")), "per-sequence stores",
+                     mib(g(r, "stores/kv_bytes")), False, None)]  # fmt: skip
+            if g(r, "pool, compiled/decode_ms_per_token") is not None:
+                out.append((f"{what}: decode ms a step, in the pool, compiled",
+                            g(r, "pool, compiled/decode_ms_per_token"), "eager",
+                            g(r, "pool/decode_ms_per_token"), False, None))  # fmt: skip
+    return out
 
 
 def rows_torch_compile(d: dict) -> list[Row]:
@@ -470,7 +491,7 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict], list[Row]], Callable[[dict,
      rows_run_shared, None),
     ("streaming_eval", "`eval --streaming` by chunks", "5x faster than one token at a time, same perplexity",
      rows_streaming_eval, None),
-    ("kv_pool", "Paged KV pool", "a shared prefix is held once; a window layer holds its window; codes and StreamingLLM live in the pool", rows_kv_pool, None),
+    ("kv_pool", "Paged KV pool", "a shared prefix is held once; a window layer holds its window; codes, KIVI, StreamingLLM and H2O live in the pool", rows_kv_pool, None),
     ("torch_compile", "Compiled step", "the torch engine's compiled decode step against its eager path", rows_torch_compile, None),
     ("gguf_parse", "GGUF reading", "hardened and fast", rows_gguf_parse, None),
     ("llamacpp_agreement", "Agreement with llama.cpp", "the same perplexity", rows_agreement, None),

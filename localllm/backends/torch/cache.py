@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from localllm.backends.torch.kvquant import Plain, Scaled
+from localllm.backends.torch.kvquant import RESIDUAL, Kivi, Plain, Scaled
 from localllm.errors import OutOfBlocks
 
 __all__ = ["BLOCK", "KVCache", "Pages", "PositionIndexed", "Prefix", "Rows", "Span", "make_caches"]
@@ -98,13 +98,23 @@ class Pages:
 
     The pages of sliding-window layers (`window`: a key is visible from query q when q - k <
     window) keep only the blocks a query from the slot's next position can see: the older ones
-    go back to the pool as the slot writes on, their table entries the zero block (`first`)."""
+    go back to the pool as the slot writes on, their table entries the zero block (`first`).
+
+    `residual` (KIVI's int4/int2 codes, `Rows`): a block is coded once the slot has written
+    `residual` positions past it (`coded`); until then its positions are floats in a ring of
+    `RING` blocks per slot beside the pool (`ring`), which also keeps the last coded block's
+    originals, so that a rollback of up to one block reopens it exactly."""
+
+    RING = 4  # a slot's float blocks: residual + BLOCK - 1 positions span 3, and the last coded
 
     def __init__(self, n_slots: int, capacity: int, limit: int | None = None,
-                 window: int = 0) -> None:  # fmt: skip
+                 window: int = 0, residual: int = 0) -> None:  # fmt: skip
         self.capacity = capacity  # positions one slot may hold
         self.limit = limit  # blocks the pool may grow to, the zero block too (None: no bound)
         self.window = window
+        self.residual = residual
+        if residual and (residual % BLOCK or residual + BLOCK > (self.RING - 1) * BLOCK):
+            raise ValueError(f"a residual of {residual} positions does not fit the ring")
         self.tables: list[list[int]] = [[] for _ in range(n_slots)]
         self.first = [0] * n_slots  # a window's slot: its blocks before this one are dropped
         self.free: list[int] = []
@@ -115,6 +125,24 @@ class Pages:
     @property
     def n_blocks(self) -> int:
         return len(self.refs)
+
+    def coded(self, end: int) -> int:
+        """Blocks a slot of `end` positions holds as codes (the residual's policy: KIVI's
+        groups quantize once `residual` later tokens arrived, `kvquant.Store`)."""
+        return max(0, end - self.residual) // BLOCK
+
+    def ring(self, slot: int, j: int) -> int:
+        """The ring block holding the floats of the slot's block j (index 0: zeros)."""
+        return 1 + slot * self.RING + j % self.RING
+
+    @property
+    def ring_blocks(self) -> int:
+        """Blocks of each layer's ring: the zero block, every slot's, a spare for padding."""
+        return 2 + len(self.tables) * self.RING if self.residual else 0
+
+    @property
+    def ring_spare(self) -> int:
+        return self.ring_blocks - 1
 
     def _take(self) -> int:
         if not self.free:  # double the pool: new blocks at the end
@@ -209,6 +237,8 @@ class Pages:
             self._drop(b)
         self.tables[slot] = []
         self.first[slot] = 0
+        for layer in self.layers:
+            layer.forget_ring(slot)
 
     def span(self, slot: int, start: int, end: int) -> Span:
         """A handle on the slot's positions [start, end): the blocks that hold them, shared."""
@@ -327,14 +357,18 @@ class Rows:
     one call (`models.base.attend`), where buffers of their own would need one attention call
     per sequence.
 
-    `codecs` (keys', values'; `kvquant.codec`): how a position is stored, token by token — a
-    float type as it is, or int8/fp8 codes with a scale per token and head (`kvquant.Scaled`),
-    each part a pool of its own ((n_blocks, n_kv, BLOCK, width): `k_parts`, `v_parts`). Reads
-    decode what they gather (to `dtype`; keys and values of one float type are read in it), so
-    attention never holds a full-precision copy of the pool, only of the blocks it reads; the
-    prefix cache shares quantized blocks as it shares float ones. The grouped codecs (KIVI's
-    int4/int2) span tokens and keep a residual: they stay in `kvquant.Store`s. Without
-    `codecs`, both are `dtype` as it is.
+    `codecs` (keys', values'; `kvquant.codec`): how a position is stored — a float type as it
+    is, int8/fp8 codes with a scale per token and head (`kvquant.Scaled`), or KIVI's int4/int2
+    (`kvquant.Kivi`: a block is one group, its scales and zeros per channel for keys, per token
+    for values), each part a pool of its own ((n_blocks, n_kv, rows, width): `k_parts`,
+    `v_parts`). KIVI codes a block only when `pages.residual` later positions are written
+    (`Pages.coded`); until then, and for the last coded block, its floats are in this layer's
+    ring (`k_ring`, `v_ring`: (`pages.ring_blocks`, n_kv, BLOCK, hd), float16 under float32
+    compute, as `kvquant.Store`'s residual) — so a slot reads what the per-sequence store
+    reads, bit for bit. Reads decode what they gather (to `dtype`; keys and values of one float
+    type are read in it), so attention never holds a full-precision copy of the pool, only of
+    the blocks it reads; the prefix cache shares quantized blocks as it shares float ones (not
+    KIVI's: a prefix's residual is in its slot's ring). Without `codecs`, both are `dtype`.
 
     `static`: the pool is allocated whole (`pages.limit` blocks) on first use and never moves,
     as a compiled step needs (a CUDA graph replays on fixed addresses); else it doubles as the
@@ -348,15 +382,27 @@ class Rows:
         self.v_head_dim = v_head_dim or head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.codecs = codecs or (Plain(dtype), Plain(dtype))
-        if any(type(c) not in (Plain, Scaled) for c in self.codecs):
-            raise ValueError("a paged pool stores float or per-token (int8, fp8) codes only")
-        self.pages = pages or Pages(n_slots, capacity)  # one for every layer of a runner
+        grouped = [type(c) is Kivi for c in self.codecs]
+        if any(type(c) not in (Plain, Scaled, Kivi) for c in self.codecs) or len(set(grouped)) > 1:
+            raise ValueError("a paged pool stores float or per-token (int8, fp8) codes, or KIVI's "
+                             "int4/int2 for both keys and values")  # fmt: skip
+        self.grouped = grouped[0]
+        self.pages = pages or Pages(n_slots, capacity, residual=RESIDUAL if self.grouped else 0)
+        if self.grouped != bool(self.pages.residual):
+            raise ValueError("KIVI's codes and a residual go together")
         self.pages.layers.append(self)
         if static and self.pages.limit is None:
             raise ValueError("a static pool needs pages with a limit")
         self.static = static
-        self.k_parts: tuple[torch.Tensor, ...] = ()  # each (n_blocks, n_kv, BLOCK, width)
+        self.k_parts: tuple[torch.Tensor, ...] = ()  # each (n_blocks, n_kv, rows, width)
         self.v_parts: tuple[torch.Tensor, ...] = ()
+        # KIVI: each layer's floats of the blocks not yet coded (and of the last coded one),
+        # and which block each ring block holds (-1: none)
+        self.ring_dtype = torch.float16 if dtype == torch.float32 else dtype
+        self.k_ring: torch.Tensor | None = None
+        self.v_ring: torch.Tensor | None = None
+        self._ring_of = [[-1] * Pages.RING for _ in range(n_slots)]
+        self._coded = [0] * n_slots  # blocks the slot holds as codes in this layer
 
     @property
     def k(self) -> torch.Tensor | None:
@@ -369,7 +415,10 @@ class Rows:
 
     @property
     def parts(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """(keys' parts, values' parts): what a compiled step reads and writes."""
+        """(keys' parts, values' parts): what a step reads and writes (KIVI's ring last)."""
+        if self.grouped:
+            self._grow()
+            return (*self.k_parts, self.k_ring), (*self.v_parts, self.v_ring)  # type: ignore[return-value]
         return self.k_parts, self.v_parts
 
     @property
@@ -377,22 +426,26 @@ class Rows:
         """Blocks in this layer's pool (the zero block too)."""
         return 0 if self.k is None else self.k.shape[0]
 
-    def _specs(self) -> list[list[tuple[int, torch.dtype]]]:
-        """(width, dtype) of each part, keys' then values'."""
-        return [[(w, dt) for _, w, dt in c.parts(hd, 1)]
-                for c, hd in zip(self.codecs, (self.head_dim, self.v_head_dim))]  # fmt: skip
+    def _specs(self) -> list[list[tuple[int, int, torch.dtype]]]:
+        """(rows, width, dtype) of each part of a block, keys' then values'."""
+        return [c.parts(hd, BLOCK) for c, hd in zip(self.codecs, (self.head_dim, self.v_head_dim))]
 
     def _grow(self) -> None:
-        """The pool grown to the blocks `pages` has handed out."""
+        """The pool grown to the blocks `pages` has handed out (and KIVI's ring made)."""
+        if self.grouped and self.k_ring is None:
+            self.k_ring, self.v_ring = (
+                torch.zeros(self.pages.ring_blocks, self.n_kv, BLOCK, hd, dtype=self.ring_dtype,
+                            device=self.device)
+                for hd in (self.head_dim, self.v_head_dim))  # fmt: skip
         have, want = self.allocated, self.pages.n_blocks
         if want <= have:
             return
         if self.static:
             want = max(want, self.pages.limit)  # type: ignore[type-var]
         grown_parts = []
-        for old, specs in zip(self.parts, self._specs()):
-            new = tuple(torch.zeros(want, self.n_kv, BLOCK, w, dtype=dt, device=self.device)
-                        for w, dt in specs)  # fmt: skip
+        for old, specs in zip((self.k_parts, self.v_parts), self._specs()):
+            new = tuple(torch.zeros(want, self.n_kv, rows, w, dtype=dt, device=self.device)
+                        for rows, w, dt in specs)  # fmt: skip
             for a, b in zip(new, old):
                 a[:have] = b
             grown_parts.append(new)
@@ -403,32 +456,136 @@ class Rows:
         self.pages.own(slot, start, end, held)
         self._grow()
 
+    def ready(self, slot: int, start: int, end: int, held: int | None = None) -> None:
+        """`own`, for a step that writes positions [start, end) itself (`models.base.rows_attention`:
+        KIVI's into the ring): the blocks `end` puts past the residual are coded first (they
+        end before `start`: a step writes fewer positions than the residual)."""
+        self.own(slot, start, end, held)
+        if self.grouped:
+            self._seal(slot, self.pages.coded(end))
+            for j in range(start // BLOCK, -(-end // BLOCK)):
+                self._ring_of[slot][j % Pages.RING] = j
+
+    def _seal(self, slot: int, n: int) -> None:
+        """Code the slot's blocks up to n from their floats in the ring."""
+        table = self.pages.tables[slot]
+        for j in range(self._coded[slot], n):
+            if not table[j]:  # a window's block no query sees any more: dropped, not coded
+                continue
+            if self._ring_of[slot][j % Pages.RING] != j:
+                raise RuntimeError(f"block {j} of slot {slot} is in neither the ring nor the pool")
+            r = self.pages.ring(slot, j)
+            for c, ring, pool in zip(self.codecs, (self.k_ring, self.v_ring), (self.k_parts, self.v_parts)):
+                for part, y in zip(pool, c.encode(ring[r][None, :, None])):  # type: ignore[index]
+                    part[table[j]] = y[0, :, 0]
+        self._coded[slot] = max(self._coded[slot], n)
+
+    def forget_ring(self, slot: int) -> None:
+        """The slot holds nothing (`Pages.release`)."""
+        self._ring_of[slot] = [-1] * Pages.RING
+        self._coded[slot] = 0
+
+    def exact(self, slot: int, end: int) -> bool:
+        """Whether cutting the slot back to `end` positions reopens only blocks whose floats
+        the ring still holds (else `reopen` decodes their codes: `kvquant.Store.truncate`)."""
+        return not self.grouped or all(self._ring_of[slot][j % Pages.RING] == j
+                                       for j in range(self.pages.coded(end), self._coded[slot]))  # fmt: skip
+
+    def reopen(self, slot: int, end: int) -> None:
+        """The slot was cut back to `end` positions: blocks it puts back inside the residual are
+        floats in the ring again (from their originals, or decoded where those are gone)."""
+        if not self.grouped:
+            return
+        n, table = self.pages.coded(end), self.pages.tables[slot]
+        for j in range(n, self._coded[slot]):
+            if self._ring_of[slot][j % Pages.RING] == j:
+                continue
+            r = self.pages.ring(slot, j)
+            for c, ring, pool in zip(self.codecs, (self.k_ring, self.v_ring), (self.k_parts, self.v_parts)):
+                ring[r] = c.decode([p[table[j]] for p in pool], self.ring_dtype)  # type: ignore[index]
+            self._ring_of[slot][j % Pages.RING] = j
+        self._coded[slot] = min(self._coded[slot], n)
+
     def copy(self, src: int, dst: int, lo: int, hi: int) -> None:
-        """Positions [lo, hi) of block src into block dst."""
+        """Positions [lo, hi) of block src into block dst (a coded block whole)."""
         self._grow()
+        if self.grouped:
+            lo, hi = 0, BLOCK
         for part in (*self.k_parts, *self.v_parts):
             part[dst, :, lo:hi] = part[src, :, lo:hi]
 
     def write(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor,
               held: int | None = None) -> None:  # fmt: skip
         """k, v (1, n_kv, T, hd) at the slot's positions start .. start + T - 1."""
-        self.own(slot, start, start + k.shape[2], held)
+        t = k.shape[2]
+        self.own(slot, start, start + t, held)
+        if self.grouped:
+            return self._write_grouped(slot, start, k, v)
         new = [c.encode(x) for c, x in zip(self.codecs, (k, v))]  # each part (1, n_kv, T, width)
-        table, t, done = self.pages.tables[slot], k.shape[2], 0
+        table, done = self.pages.tables[slot], 0
         while done < t:
             p = start + done
             b, at = table[p // BLOCK], p % BLOCK
             n = min(t - done, BLOCK - at)
-            for pool, parts in zip(self.parts, new):
+            for pool, parts in zip((self.k_parts, self.v_parts), new):
                 for part, x in zip(pool, parts):
                     part[b, :, at : at + n] = x[0, :, done : done + n]
             done += n
+
+    def _write_grouped(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """KIVI: block after block, the new floats into the ring, then the block coded once the
+        end is `residual` past it (a long piece codes blocks it wrote whole)."""
+        end = start + k.shape[2]
+        last = self.pages.coded(end)
+        for j in range(self._coded[slot], -(-end // BLOCK)):
+            lo, hi = max(start, j * BLOCK), min(end, j * BLOCK + BLOCK)
+            if lo < hi:
+                r = self.pages.ring(slot, j)
+                self.k_ring[r, :, lo % BLOCK : lo % BLOCK + hi - lo] = k[0, :, lo - start : hi - start]  # type: ignore[index]
+                self.v_ring[r, :, lo % BLOCK : lo % BLOCK + hi - lo] = v[0, :, lo - start : hi - start]  # type: ignore[index]
+                self._ring_of[slot][j % Pages.RING] = j
+            if j < last:
+                self._seal(slot, j + 1)
+
+    def keep(self, slot: int, n: int, index: torch.Tensor) -> None:
+        """Of the slot's first n places, keep those at `index` (n_kv, m) (sorted, each head its
+        own) at places 0 .. m - 1, every part alike (H2O: `policies.PagedH2O`)."""
+        if self.grouped:
+            raise ValueError("KIVI's codes span tokens: they cannot be kept one by one")
+        table, m = self.pages.tables[slot], index.shape[1]
+        nb, mb = -(-n // BLOCK), -(-m // BLOCK)
+        at = torch.tensor(table[:nb], dtype=torch.long, device=self.device)
+        index = index.to(self.device)
+        for part in (*self.k_parts, *self.v_parts):
+            x = part.index_select(0, at).transpose(0, 1).reshape(self.n_kv, nb * BLOCK, -1)
+            kept = torch.zeros(self.n_kv, mb * BLOCK, x.shape[-1], dtype=x.dtype, device=x.device)
+            kept[:, :m] = torch.gather(x, 1, index[..., None].expand(-1, -1, x.shape[-1]))
+            part[at[:mb]] = kept.view(self.n_kv, mb, BLOCK, -1).transpose(0, 1)
 
     def read(self, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot's keys and values up to `end` as (1, n_kv, L, hd) tensors (a copy): all `end`
         of them, or under a window the last L from its first held block."""
         lo = self.pages.first[slot]
+        if self.grouped:
+            return self._read_grouped(slot, lo, end)
         return self.gather(self.pages.tables[slot][lo:], end - lo * BLOCK)
+
+    def _read_grouped(self, slot: int, lo: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """KIVI: the coded blocks decoded, then the ring's floats, each in `dtype`."""
+        table, coded = self.pages.tables[slot], self._coded[slot]
+        out = []
+        for c, pool, ring in zip(self.codecs, (self.k_parts, self.v_parts), (self.k_ring, self.v_ring)):
+            blocks = []
+            if lo < coded:
+                idx = torch.tensor(table[lo:coded], dtype=torch.long, device=self.device)
+                x = c.decode([p.index_select(0, idx) for p in pool], self.dtype)  # (nb, KV, BLOCK, hd)
+                blocks.append(x.transpose(0, 1).reshape(1, self.n_kv, -1, x.shape[-1]))
+            fl = [self.pages.ring(slot, j) for j in range(max(lo, coded), -(-end // BLOCK))]
+            if fl:
+                x = ring[torch.tensor(fl, device=self.device)].to(self.dtype)  # type: ignore[index]
+                blocks.append(x.transpose(0, 1).reshape(1, self.n_kv, -1, x.shape[-1]))
+            out.append(torch.cat(blocks, 2)[:, :, : end - lo * BLOCK])
+        return out[0], out[1]
 
     def gather(self, blocks: Sequence[int], end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `end` positions of these blocks in turn, as `read` gives a slot's."""
@@ -438,25 +595,35 @@ class Rows:
         # one float type stored as it is is read in place; anything else in `dtype`, both alike
         same = type(ck) is Plain and type(cv) is Plain and ck.dtype == cv.dtype
         out = []
-        for c, pool in zip(self.codecs, self.parts):
+        for c, pool in zip(self.codecs, (self.k_parts, self.v_parts)):
             parts = [p.index_select(0, idx).transpose(0, 1).reshape(1, self.n_kv, nb * BLOCK, p.shape[-1])[:, :, :end]
                      for p in pool]  # fmt: skip
             out.append(c.decode(parts, ck.dtype if same else self.dtype))
         return out[0], out[1]
 
     def slot_bytes(self, slot: int) -> int:
-        """Bytes of the blocks the slot holds in this layer (not a dropped entry's)."""
-        return sum(1 for b in self.pages.tables[slot] if b) * self.block_bytes
+        """Bytes of the blocks the slot holds in this layer (not a dropped entry's), and of
+        its ring (KIVI)."""
+        return sum(1 for b in self.pages.tables[slot] if b) * self.block_bytes + self.ring_bytes
+
+    @property
+    def ring_bytes(self) -> int:
+        """Bytes of one slot's ring (0 without KIVI)."""
+        if not self.grouped:
+            return 0
+        size = torch.empty(0, dtype=self.ring_dtype).element_size()
+        return Pages.RING * BLOCK * self.n_kv * (self.head_dim + self.v_head_dim) * size
 
     @property
     def block_bytes(self) -> int:
-        return int(BLOCK * self.n_kv * sum(c.bytes_per_token(hd, 1)
+        return int(BLOCK * self.n_kv * sum(c.bytes_per_token(hd, BLOCK)
                    for c, hd in zip(self.codecs, (self.head_dim, self.v_head_dim))))  # fmt: skip
 
     @property
     def nbytes(self) -> int:
-        """Bytes of this layer's pool."""
-        return self.allocated * self.block_bytes
+        """Bytes of this layer's pool (and ring)."""
+        ring = 0 if self.k_ring is None else self.ring_bytes // Pages.RING * self.pages.ring_blocks
+        return self.allocated * self.block_bytes + ring
 
 
 class KVCache(PositionIndexed):
@@ -518,11 +685,24 @@ class KVCache(PositionIndexed):
             return 0
         return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
 
-    residual_bytes = 0  # nothing is kept beside the cache itself
+    @property
+    def residual_bytes(self) -> int:
+        """Full-precision bytes beside the cache: KIVI's ring in the pool, else none."""
+        return 0 if self.rows is None else self.rows.ring_bytes
 
     def exact(self, n: int) -> bool:
-        """Trimming n keeps every key the next query sees (a window's dropped blocks do not)."""
-        return self.rows is None or self.rows.pages.keeps(self.slot, self.offset - n)
+        """Trimming n keeps every key the next query sees (a window's dropped blocks do not)
+        as it was read (KIVI: `Rows.exact`)."""
+        if self.rows is None:
+            return True
+        end = self.offset - n
+        return self.rows.pages.keeps(self.slot, end) and self.rows.exact(self.slot, end)
+
+    def trim(self, n: int) -> int:
+        n = super().trim(n)
+        if self.rows is not None:
+            self.rows.reopen(self.slot, self.offset)
+        return n
 
     def bytes_per_token(self) -> float:
         """What one more cached token costs, K and V."""

@@ -290,6 +290,9 @@ class CompiledStep:
                 pages.own(s, a, a + t, held=o + t)  # a block shared with a prefix is copied first
         for r in rows:
             r._grow()  # a static pool: allocated whole on first use
+            if r.grouped:  # KIVI: blocks the step puts past the residual are coded first
+                for s, a, o in zip(slots, places, offsets):
+                    r.ready(s, a, a + t, held=o + t)
         size = bucket(n)
         plans = {}
         for pages in books:

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["CODECS", "POOLED", "QuantizedKVCache", "Store", "codec", "make_store", "stored"]
+__all__ = ["CODECS", "GROUPED", "POOLED", "QuantizedKVCache", "Store", "codec", "make_store", "pooled", "stored"]
 
 RESIDUAL = 128  # KIVI's full-precision window (tokens)
 GROUP = 64  # tokens (keys) or channels (values) sharing one scale and zero
@@ -149,8 +149,14 @@ class Kivi(Plain):
 
 
 CODECS = ("f16", "bf16", "f32", "int8", "fp8", "int4", "int2")
-POOLED = ("f16", "bf16", "f32", "int8", "fp8")  # token by token: what a paged pool stores
+POOLED = ("f16", "bf16", "f32", "int8", "fp8")  # token by token: what a pool's prefix shares
+GROUPED = ("int4", "int2")  # in a pool for keys and values both (`cache.Rows`), no prefix
 _FLOATS = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
+
+
+def pooled(kinds: Sequence[str]) -> bool:
+    """Whether a paged pool (`cache.Rows`) stores keys and values of these types."""
+    return all(k in POOLED for k in kinds) or all(k in GROUPED for k in kinds)
 
 
 def codec(kind: str, *, key: bool) -> Plain:
@@ -165,11 +171,16 @@ def codec(kind: str, *, key: bool) -> Plain:
 
 
 def stored(parts: Sequence[torch.Tensor]) -> Plain:
-    """The codec whose parts these are, by their types (a paged pool's, `cache.Rows`): one float
-    part is stored as it is; int8 or fp8 codes come with their scale."""
+    """The codec whose parts these are, by their types and shapes (a paged pool's, `cache.Rows`,
+    each (n_blocks, n_kv, rows, width)): one float part is stored as it is; int8 or fp8 codes
+    come with their scale; KIVI's packed codes with their scales, zeros and the float ring,
+    whose width is the head's (keys' scales are one row a block: per channel)."""
     if len(parts) == 1:
         return Plain(parts[0].dtype)
-    return Scaled("int8" if parts[0].dtype == torch.int8 else "fp8")
+    if len(parts) == 2:
+        return Scaled("int8" if parts[0].dtype == torch.int8 else "fp8")
+    codes, scale, _, ring = parts
+    return Kivi(8 * codes.shape[-1] // ring.shape[-1], per_channel=scale.shape[2] == 1)
 
 
 # -- one of K or V ------------------------------------------------------------------------------

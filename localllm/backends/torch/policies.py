@@ -1,6 +1,8 @@
-"""Caches that forget: StreamingLLM's sinks and window, and H2O's heavy hitters. Both hold their
-keys and values in `kvquant.Store`s, so every cache type composes with them (int4 keys with a
-window, int8 with H2O, ...), and both keep the cache interface (`cache.KVCache`) plus:
+"""Caches that forget: StreamingLLM's sinks and window, and H2O's heavy hitters. A runner's slots
+keep them in the paged pool's blocks (`PagedStreaming`, `PagedH2O`: float and int8/fp8 types);
+otherwise (KIVI's int4/int2 under StreamingLLM, mixed types, caches outside a pool) they hold
+their keys and values in `kvquant.Store`s, so every cache type composes with them (int4 keys
+with a window, int8 with H2O, ...). All keep the cache interface (`cache.KVCache`) plus:
 
     cache.make_room(n)     before n new tokens: forget what the policy says; returns how many
     cache.dropped          tokens forgotten so far
@@ -19,11 +21,11 @@ from typing import Any
 import torch
 
 from localllm.backends.torch.cache import BLOCK, Rows
-from localllm.backends.torch.kvquant import POOLED, QuantizedKVCache, Store, make_store
+from localllm.backends.torch.kvquant import POOLED, QuantizedKVCache, Store, make_store, pooled
 from localllm.backends.torch.models.base import RoPE, apply_rope
 from localllm.types import ContextPolicy
 
-__all__ = ["H2OCache", "PagedStreaming", "StreamingCache", "make_caches"]
+__all__ = ["H2OCache", "PagedH2O", "PagedStreaming", "StreamingCache", "make_caches"]
 
 _FLOATS = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # Tokens a window keeps after forgetting them, until their room is needed: the held ones move
@@ -267,7 +269,125 @@ class PagedStreaming(_Forgetting):
         return self.rows.block_bytes / BLOCK
 
 
-class H2OCache(_Forgetting):
+class _Scores(_Forgetting):
+    """H2O's attention accumulated by each held token, per KV head (`scores` (KV, held)), and
+    the scores as they were before each of the last `KEPT` pieces: taking drafted tokens back
+    (`trim`) puts back what their queries added, so that speculation leaves the next choice of
+    what to forget as plain decoding makes it."""
+
+    KEPT = 16
+
+    def __init__(self, n_kv: int, device: torch.device | str) -> None:
+        super().__init__()
+        self.scores = torch.zeros(n_kv, 0, dtype=torch.float32, device=device)
+        self._before: list[tuple[int, torch.Tensor]] = []  # (`_appended` then, scores then)
+
+    def _append_scores(self, n: int) -> None:
+        """Before n new tokens: the scores kept, a zero for each new one."""
+        self._before = [*self._before[-(self.KEPT - 1) :], (self._appended, self.scores)]
+        self._appended += n
+        fresh = torch.zeros(self.scores.shape[0], n, dtype=self.scores.dtype, device=self.scores.device)
+        self.scores = torch.cat([self.scores, fresh], 1)  # a new tensor: the kept one stays
+
+    def observe(self, probs: torch.Tensor) -> None:
+        """probs (KV, L): this step's attention on each held token, summed over its queries."""
+        self.scores += probs.float()
+
+    def _trim_scores(self, n: int, held: int) -> None:
+        self._appended -= n
+        back = [s for a, s in self._before if a == self._appended]
+        self._before = [(a, s) for a, s in self._before if a < self._appended]
+        self.scores = back[0] if back else self.scores[:, :held]
+
+    def exact(self, n: int) -> bool:
+        return super().exact(n) and (n <= 0 or any(a == self._appended - n for a, _ in self._before))
+
+
+class PagedH2O(_Scores):
+    """H2O in the paged pool (`cache.Rows`, issue 33), as `H2OCache` keeps it in stores of its
+    own: the slot's blocks hold the kept tokens of each KV head at its first `at` places (each
+    head its own heavy hitters, so the place of a token differs between heads; keys keep their
+    RoPE at their positions in the text, so a place is only where a key is kept). Forgetting
+    moves each head's kept tokens down in every part of the pool (`Rows.keep`: codes too), as
+    the store's `keep` does. A decode step attends with the slot's neighbours in one call and
+    gets the probabilities back for the scores (`models.base._attend_rows`); a longer piece
+    reads its keys by `update_and_fetch`. No prefix cache: places are not positions."""
+
+    observes = True
+
+    def __init__(self, rows: Rows, slot: int, *, budget: int, recent: int | None = None) -> None:
+        super().__init__(rows.n_kv, rows.device)
+        self.rows, self.slot = rows, slot
+        self.budget = budget
+        self.recent = budget // 2 if recent is None else recent
+        self.capacity = rows.pages.capacity  # positions: the model's context
+        self.at = 0  # places held (the next token's place in the slot's table)
+        self.pos = 0
+
+    @property
+    def offset(self) -> int:
+        return self.pos
+
+    @property
+    def held(self) -> int:
+        return self.at
+
+    def _stores(self) -> list[Store]:
+        return []  # the pool's blocks
+
+    def make_room(self, n: int) -> int:
+        index = _heavy_and_recent(self.scores, self.at, n, self.budget, self.recent)
+        if index is None:
+            return 0
+        self.rows.keep(self.slot, self.at, index)
+        over = self.at - index.shape[1]
+        self.at = index.shape[1]
+        self.scores = torch.gather(self.scores, 1, index)
+        return self._forgot(over)
+
+    def advance(self, n: int) -> None:
+        self.at += n
+        self.pos += n
+        self._append_scores(n)
+
+    def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = k.shape[2]
+        self.rows.write(self.slot, self.at, k, v, held=self.at + t)
+        self.advance(t)
+        return self.rows.read(self.slot, self.at)
+
+    def trim(self, n: int) -> int:
+        n = max(0, min(n, self.at))
+        self.at -= n
+        self.pos -= n
+        self._trim_scores(n, self.at)
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.slot_bytes(self.slot)
+
+    def bytes_per_token(self) -> float:
+        return self.rows.block_bytes / BLOCK
+
+
+def _heavy_and_recent(scores: torch.Tensor, held: int, n: int, budget: int,
+                      recent: int) -> torch.Tensor | None:  # fmt: skip
+    """H2O's choice before n new tokens: None when they fit the budget, else which of the held
+    tokens each KV head keeps, (KV, kept) sorted — the `recent` newest and the older ones with
+    the most attention (`scores` (KV, held))."""
+    over = held + n - budget
+    if over <= 0:
+        return None
+    older = held - min(held, recent)  # candidates: all but the recent ones
+    if over > older:
+        raise ValueError(f"{n} new tokens do not fit an H2O budget of {budget}")
+    heavy = scores[:, :older].topk(older - over, dim=1).indices.sort(dim=1).values
+    kept = torch.arange(older, held, device=heavy.device).expand(heavy.shape[0], -1)
+    return torch.cat([heavy, kept], 1)
+
+
+class H2OCache(_Scores):
     """H2O (arXiv 2306.14048): at most `budget` tokens per layer and KV head — the `recent`
     newest and the heavy hitters, the older tokens with the most attention accumulated over every
     query so far (summed over the query heads that share the KV head). Keys keep their RoPE at
@@ -276,13 +396,12 @@ class H2OCache(_Forgetting):
     observes = True
 
     def __init__(self, k: Store, v: Store, *, budget: int, recent: int | None = None) -> None:
-        super().__init__()
+        super().__init__(k.n_kv, k.device)
         self.k, self.v = k, v
         self.budget = budget
         self.recent = budget // 2 if recent is None else recent
         self.capacity = k.capacity  # positions: the model's context
         self.pos = 0
-        self.scores = torch.zeros(k.n_kv, 0, dtype=torch.float32, device=k.device)
 
     def _stores(self) -> list[Store]:
         return [self.k, self.v]
@@ -297,41 +416,28 @@ class H2OCache(_Forgetting):
 
     def make_room(self, n: int) -> int:
         held = len(self.k)
-        over = held + n - self.budget
-        if over <= 0:
+        index = _heavy_and_recent(self.scores, held, n, self.budget, self.recent)
+        if index is None:
             return 0
-        older = held - min(held, self.recent)  # candidates: all but the recent ones
-        if over > older:
-            raise ValueError(f"{n} new tokens do not fit an H2O budget of {self.budget}")
-        heavy = self.scores[:, :older].topk(older - over, dim=1).indices.sort(dim=1).values
-        recent = torch.arange(older, held, device=heavy.device).expand(heavy.shape[0], -1)
-        index = torch.cat([heavy, recent], 1)
         self.k.keep(index)
         self.v.keep(index)
         self.scores = torch.gather(self.scores, 1, index)
-        return self._forgot(over)
+        return self._forgot(held - index.shape[1])
 
     def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.k.append(k)
         self.v.append(v)
         t = k.shape[2]
         self.pos += t
-        self._appended += t
-        fresh = torch.zeros(self.scores.shape[0], t, dtype=self.scores.dtype, device=self.scores.device)
-        self.scores = torch.cat([self.scores, fresh], 1)
+        self._append_scores(t)
         return self.k.fetch(), self.v.fetch()
-
-    def observe(self, probs: torch.Tensor) -> None:
-        """probs (KV, L): this step's attention on each held token, summed over its queries."""
-        self.scores += probs.float()
 
     def trim(self, n: int) -> int:
         n = max(0, min(n, len(self.k)))
         self.k.truncate(n)
         self.v.truncate(n)
-        self.scores = self.scores[:, : len(self.k)]
         self.pos -= n
-        self._appended -= n
+        self._trim_scores(n, len(self.k))
         return n
 
     def bytes_per_token(self) -> float:
@@ -344,8 +450,8 @@ def make_caches(model: Any, capacity: int, *, kv_types: tuple[str, str] = ("f16"
                 device: torch.device | str = "cpu", rows: Sequence[Rows] | None = None,
                 slot: int = 0) -> list[Any]:  # fmt: skip
     """One sequence's caches, one per layer of `model`: the plain cache for one float type and no
-    policy (the fast path; row `slot` of each layer's `rows` when given, which also hold int8 and
-    fp8 codes: `cache.Rows`' codecs are the types); else K and V stores of
+    policy (the fast path; row `slot` of each layer's `rows` when given, which also hold int8,
+    fp8 and KIVI's codes: `cache.Rows`' codecs are the types); else K and V stores of
     their types (`kvquant.make_store`), under StreamingLLM (`policy` enabled: sinks and window)
     or H2O (`budget` tokens) or neither. Attention reads them in `dtype`."""
     policy = policy or ContextPolicy()
@@ -361,8 +467,10 @@ def make_caches(model: Any, capacity: int, *, kv_types: tuple[str, str] = ("f16"
                                  rope=model.rope_for(layer), dtype=dtype, peers=peers)
                   for layer, r in enumerate(rows)]  # fmt: skip
         return peers
+    if budget and not policy.enabled and rows and k_type in POOLED and v_type in POOLED:
+        return [PagedH2O(r, slot, budget=budget) for r in rows]  # H2O in the pool's blocks
     if not policy.enabled and not budget and (
-        (k_type == v_type and k_type in _FLOATS) or (rows and k_type in POOLED and v_type in POOLED)
+        (k_type == v_type and k_type in _FLOATS) or (rows and pooled(kv_types))
     ):  # the pool's blocks hold what its codecs say (`cache.Rows`)
         return model.make_caches(capacity, dtype=_FLOATS.get(k_type, dtype), device=device, rows=rows,
                                  slot=slot)  # fmt: skip
@@ -384,7 +492,7 @@ def make_caches(model: Any, capacity: int, *, kv_types: tuple[str, str] = ("f16"
                                          n_window=window,
                                          rope=model.rope_for(layer)))  # fmt: skip
         elif budget:
-            caches.append(H2OCache(*pair(capacity), budget=budget))
+            caches.append(H2OCache(*pair(capacity), budget=budget))  # a cache outside the pool
         else:
             caches.append(QuantizedKVCache(*pair(capacity)))
     return caches

@@ -1,9 +1,11 @@
 """The torch runner (`localllm.backends.base.Runner`): a GGUF model on one torch device, its
 tokenizer, and one set of per-layer caches per slot. The engine decides what runs; this evaluates.
 
-A slot's caches are one plain cache per layer (`cache.KVCache`), its blocks of that layer's
-`cache.Rows` (a paged pool: a slot holds the 64-position blocks its positions fill), or, for a context
-policy, quantized KV types or H2O eviction, caches with buffers of their own (`policies`). A
+A slot's caches are one cache per layer in its blocks of that layer's `cache.Rows` (a paged pool:
+a slot holds the 64-position blocks its positions fill): a plain one (`cache.KVCache`: floats,
+int8/fp8 codes, KIVI's int4/int2 with their residual), StreamingLLM's or H2O's
+(`policies.PagedStreaming`, `policies.PagedH2O`); only StreamingLLM over KIVI's codes and a mix
+of KIVI's and other types keep buffers of their own (`policies`). A
 forward pass evaluates each multi-token piece on its own, in chunks (peak memory does not grow
 with the prompt), then every one-token piece together as one (B, 1) batch that attends over the
 shared rows (`models.base.attend`), each row getting the bits it gets alone. The prefix cache
@@ -29,7 +31,7 @@ from localllm.backends import TORCH
 from localllm.backends.base import Forward, Piece, TextOnly
 from localllm.backends.torch.cache import BLOCK, KVCache, Pages, Prefix, Rows
 from localllm.backends.torch.compiled import CompiledStep, cache_dir, prepare, wanted
-from localllm.backends.torch.kvquant import POOLED, codec
+from localllm.backends.torch.kvquant import GROUPED, POOLED, RESIDUAL, codec, pooled
 from localllm.backends.torch.models.base import QUERIES_AS_ROWS
 from localllm.backends.torch.policies import PagedStreaming
 from localllm.chat import template_for
@@ -177,12 +179,12 @@ class TorchRunner(TextOnly):
         device, dtype: see `resolve_device`, `resolve_dtype`.
         kv_cache: the cache's types, `TYPE` or `k=TYPE,v=TYPE` (f16, bf16, f32, or int8, fp8,
             int4, int2 codes: `kvquant`); attention computes in the working dtype.
-        evict: `h2o:BUDGET` (`policies.H2OCache`) or None. StreamingLLM is per slot (`clear`).
+        evict: `h2o:BUDGET` (`policies.PagedH2O`) or None. StreamingLLM is per slot (`clear`).
         threads: torch's CPU threads (None: as torch has them).
         kv_blocks: blocks of 64 positions the slots' paged pool may hold (None: every slot full
             and the prefix cache's budget; fewer, and a request waits for blocks to come free).
         compile: `auto` (on CUDA), `on` or `off`: decode steps and verifications of paged
-            caches (plain, codes, StreamingLLM) run as one compiled call
+            caches (plain, codes, KIVI's, StreamingLLM; not H2O's) run as one compiled call
             (`compiled.CompiledStep`; the pool is then allocated whole); everything else, and
             `off`, runs eagerly.
         compiled_dir: where compiled steps are kept whole for the next start (CPU; None: not kept).
@@ -313,9 +315,11 @@ class TorchRunner(TextOnly):
                 a = self.model.args
                 windows = [getattr(layer.attention, "window", 0) for layer in self.model.layers]
                 limit = self._pool_blocks()
-                books = {w: Pages(self.n_slots, self.n_ctx, limit, window=w) for w in set(windows)}
+                grouped = all(t in GROUPED for t in self.kv_types)  # KIVI's: a float residual
+                books = {w: Pages(self.n_slots, self.n_ctx, limit, window=w,
+                                  residual=RESIDUAL if grouped else 0) for w in set(windows)}  # fmt: skip
                 codecs = (tuple(codec(t, key=key) for t, key in zip(self.kv_types, (True, False)))
-                          if all(t in POOLED for t in self.kv_types) else None)  # fmt: skip
+                          if pooled(self.kv_types) else None)  # fmt: skip
                 self._rows = [Rows(self.n_slots, a.n_kv_heads, a.head_dim, self.n_ctx,
                                    dtype=self.compute_dtype, device=self.torch_device,
                                    pages=books[w], static=self.compiled, codecs=codecs)
@@ -481,8 +485,9 @@ class TorchRunner(TextOnly):
         except Exception as e:
             for slot, offsets in before.items():
                 caches = self._caches[slot]
-                if caches and caches[kept[0]].dropped != dropped[slot]:
-                    self._forget(slot)  # what was forgotten is gone: start afresh
+                if caches and (caches[kept[0]].dropped != dropped[slot]
+                               or not all(c.exact(c.offset - n) for c, n in zip(caches, offsets))):  # fmt: skip
+                    self._forget(slot)  # what was forgotten (or coded) is gone: start afresh
                     continue
                 for c, n in zip(caches, offsets):
                     c.trim(c.offset - n)
@@ -619,7 +624,8 @@ class TorchRunner(TextOnly):
     def save(self, slot: int, start: int, end: int) -> Prefix:
         """A handle on positions [start, end) of the slot: the blocks that hold them, shared."""
         caches = self._caches[slot]
-        if not caches or not all(isinstance(c, KVCache) and c.rows is not None for c in caches):
+        if not caches or not all(isinstance(c, KVCache) and c.rows is not None
+                                 and not c.rows.grouped for c in caches):  # fmt: skip
             raise LocalLLMError("only plain float caches can be saved for the prefix cache")
         if not 0 <= start <= end <= min(c.offset for c in caches):
             raise ValueError(f"positions [{start}, {end}) are not held (the slot holds "
@@ -648,7 +654,7 @@ class TorchRunner(TextOnly):
         books = self._pages
         if (
             not self._paged(slot)
-            or not all(isinstance(c, KVCache) for c in caches)
+            or not all(isinstance(c, KVCache) and not c.rows.grouped for c in caches)
             or sum(n for _, n in pieces) > self.n_ctx
             or not all(isinstance(h, Prefix) and not h.released
                        and [sp.pages for sp in h.spans] == books for h, _ in pieces)  # fmt: skip

@@ -30,16 +30,19 @@ def tiny(family: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_gguf(hf_model(family), tmp_path_factory.mktemp(family) / f"{family}.gguf")
 
 
-def script(r: TorchRunner) -> list[np.ndarray]:
+def script(r: TorchRunner, lengths: tuple[int, ...] = (40, 90, 130, 12), prefix: bool = True) -> list[np.ndarray]:
     """One run of everything the compiled step serves, on 4 slots: prompts in chunks (eager),
-    a prefix restored into a slot (its blocks shared, copied as the slot writes into them),
-    64 decode steps of all four slots, 8 of three (a padded bucket), 8 of one, a verification
-    of 4 drafts, its rollback, and the steps after. Returns every forward's logits."""
+    a prefix restored into a slot (its blocks shared, copied as the slot writes into them; not
+    `prefix`: the slot's prompt alone), 64 decode steps of all four slots, 8 of three (a padded
+    bucket), 8 of one, a verification of 4 drafts, its rollback, and the steps after. Returns
+    every forward's logits."""
     rng = np.random.default_rng(0)
-    ps = [[int(t) for t in rng.integers(0, 300, n)] for n in (40, 90, 130, 12)]
+    ps = [[int(t) for t in rng.integers(0, 300, n)] for n in lengths]
     out = [r.forward([Piece(s, p, 1) for s, p in enumerate(ps[:3])]).logits]
-    handle = r.save(1, 0, 74)  # 74 positions: one whole block and part of the next
-    assert r.restore(3, [(handle, 74)])
+    handle = None
+    if prefix:
+        handle = r.save(1, 0, 74)  # 74 positions: one whole block and part of the next
+        assert r.restore(3, [(handle, 74)])
     out.append(r.forward([Piece(3, ps[3], 1)]).logits)  # a short piece: compiled where it can
     for slots, steps in (([0, 1, 2, 3], 64), ([3, 0, 2], 8), ([1], 8)):
         for _ in range(steps):
@@ -48,19 +51,22 @@ def script(r: TorchRunner) -> list[np.ndarray]:
     out.append(r.forward([Piece(2, [5, 6, 7, 8], 4)]).logits)
     assert r.trim(2, 3, exact=True)
     out.append(r.forward([Piece(2, [9], 1), Piece(0, [10], 1)]).logits)
-    r.release(handle)
+    if handle is not None:
+        r.release(handle)
     return out
 
 
-def compare(path: Path, saved: Path | None = None, **kw: object) -> tuple[TorchRunner, float, float]:
-    """(compiled runner, largest |difference| of any logit, largest |logit|) of `script`; the
-    compiled runner keeps its graphs in `saved` (None: in memory). Its logits: `r.got`."""
-    eager = TorchRunner(path, n_ctx=256, n_slots=4, dtype="f32", max_batch=32, compile="off", **kw)
-    want = script(eager)
+def compare(path: Path, saved: Path | None = None, n_ctx: int = 256, plan: dict | None = None,
+            **kw: object) -> tuple[TorchRunner, float, float]:  # fmt: skip
+    """(compiled runner, largest |difference| of any logit, largest |logit|) of `script` (with
+    `plan`'s arguments); the compiled runner keeps its graphs in `saved` (None: in memory).
+    Its logits: `r.got`."""
+    eager = TorchRunner(path, n_ctx=n_ctx, n_slots=4, dtype="f32", max_batch=32, compile="off", **kw)
+    want = script(eager, **(plan or {}))
     assert eager._compiled is None
-    r = TorchRunner(path, n_ctx=256, n_slots=4, dtype="f32", max_batch=32, compile="on",
+    r = TorchRunner(path, n_ctx=n_ctx, n_slots=4, dtype="f32", max_batch=32, compile="on",
                     compiled_dir=saved, **kw)  # fmt: skip
-    got = r.got = script(r)  # type: ignore[attr-defined]
+    got = r.got = script(r, **(plan or {}))  # type: ignore[attr-defined]
     assert [g.shape for g in got] == [w.shape for w in want]
     diff = max(float(np.abs(g - w).max()) for g, w in zip(got, want))
     scale = max(float(np.abs(w).max()) for w in want)
@@ -114,6 +120,22 @@ def test_compiled_steps_read_int8_and_fp8_codes_in_the_pool(tmp_path_factory: py
     check(r, diff, scale)
     assert [p.dtype for p in (*r._rows[0].k_parts, *r._rows[0].v_parts)] == [
         torch.int8, torch.float16, torch.float8_e4m3fn, torch.float16]  # fmt: skip
+
+
+def test_compiled_steps_read_kivi_codes_and_the_ring(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`--kv-cache k=int4,v=int2`: the pool holds KIVI's packed codes, scales and zeros, and each
+    slot's float residual in the ring; the compiled step writes the new keys into the ring and
+    reads the coded blocks and the ring's as the eager path does. A block is coded once 128
+    positions follow it: slot 1 (120 + 80 tokens) codes its first while it decodes, slot 2's
+    verification (117 + 72 + 4) codes it and the rollback of 3 reopens it. No prefix: a
+    residual is not shared."""
+    r, diff, scale = compare(tiny("llama", tmp_path_factory), kv_cache="k=int4,v=int2",
+                             plan={"lengths": (40, 120, 117, 12), "prefix": False})  # fmt: skip
+    check(r, diff, scale)  # slot 3's prompt of 12 tokens too
+    rows = r._rows[0]
+    assert [p.dtype for p in (*rows.k_parts, *rows.v_parts)] == [torch.uint8, torch.float16, torch.float16] * 2
+    assert [rows._coded[s] for s in range(4)] == [0, 1, 0, 0]
+    assert not rows.k_ring[0].any() and not rows.v_ring[0].any()  # type: ignore[index]
 
 
 def test_a_saved_graph_that_is_damaged_or_does_not_fit_is_compiled_again(
@@ -212,13 +234,15 @@ def test_compiled_steps_give_the_eager_logits_more_families(
     check(*compare(tiny(family, tmp_path_factory)))
 
 
-def test_what_the_compiled_step_cannot_read_runs_eagerly(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """An int4 cache (KIVI's groups span tokens) is not in the paged pool: a compiling runner
-    evaluates it eagerly, with the eager runner's logits."""
+@pytest.mark.parametrize("kw", [{"kv_cache": "k=int4,v=f16"}, {"evict": "h2o:40"}])
+def test_what_the_compiled_step_cannot_read_runs_eagerly(kw: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """KIVI's keys beside float values (stores of their own: the pool codes keys and values
+    alike) and H2O (in the pool, but attention must hand its probabilities back): a compiling
+    runner evaluates them eagerly, with the eager runner's logits."""
     path = tiny("llama", tmp_path_factory)
     logits = []
     for mode in ("off", "on"):
-        r = TorchRunner(path, n_ctx=256, n_slots=2, dtype="f32", compile=mode, kv_cache="int4")
+        r = TorchRunner(path, n_ctx=256, n_slots=2, dtype="f32", compile=mode, **kw)  # type: ignore[arg-type]
         seq = [r.forward([Piece(0, list(range(1, 80)), 1)]).logits]
         seq += [r.forward([Piece(0, [t], 1)]).logits for t in range(5)]
         logits.append(np.concatenate(seq))

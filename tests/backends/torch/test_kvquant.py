@@ -171,7 +171,8 @@ def test_capacity_is_enforced() -> None:
 @pytest.mark.parametrize("kv_type", ["int8", "fp8", "int4", "int2", "k=int4,v=int8"])
 def test_the_runner_decodes_through_quantized_caches(default_model_path, kv_type) -> None:  # noqa: ANN001
     """`--kv-cache TYPE` on the torch runner: its slots hold the quantized caches (int8 and fp8 in
-    the paged pool, the grouped ones in stores of their own), and the first
+    the paged pool, shared by prefixes; int4 and int2 there too, with their float residual in
+    the pool's ring; a mix of both kinds in stores of their own), and the first
     greedy tokens stay the f16 cache's (SmolLM2, f32 weights; 8 tokens past a short prompt: int2
     too, since they sit in KIVI's full-precision residual)."""
     from localllm.backends.base import Piece
@@ -189,6 +190,10 @@ def test_the_runner_decodes_through_quantized_caches(default_model_path, kv_type
         if t in ("int8", "fp8"):  # token by token: blocks of the paged pool, shared by prefixes
             assert all(isinstance(c, KVCache) and c.rows is not None and c.offset > 0 for c in r._caches[0])
             assert r._rows[0].k.dtype != torch.float16 and r.prefix_budget > 0  # type: ignore[index]
+        elif t in ("int4", "int2"):  # grouped: blocks of the pool, coded past the residual
+            assert all(isinstance(c, KVCache) and c.rows is not None and c.rows.grouped
+                       and c.offset > 0 for c in r._caches[0])  # fmt: skip
+            assert r._rows[0].k.dtype == torch.uint8 and r.prefix_budget == 0  # type: ignore[index]
         elif t != "f16":
             assert all(isinstance(c, QuantizedKVCache) and c.offset > 0 for c in r._caches[0])
             assert r.prefix_budget == 0

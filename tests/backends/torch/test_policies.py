@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 from localllm.backends.torch.kvquant import make_store  # noqa: E402
 from localllm.backends.torch.models.base import Masks, attend  # noqa: E402
-from localllm.backends.torch.policies import H2OCache, StreamingCache, make_caches  # noqa: E402
+from localllm.backends.torch.policies import H2OCache, PagedH2O, StreamingCache, make_caches  # noqa: E402
 from localllm.types import ContextPolicy  # noqa: E402
 
 SINKS, WINDOW, N = 2, 8, 40
@@ -191,7 +191,7 @@ def test_h2o_through_the_runner_and_its_refusals(tiny_llama, default_model_path)
         assert f.logits.shape == (1, r.n_vocab)
         shifted += f.shifted.get(0, 0)
     caches = r._caches[0]
-    assert all(isinstance(c, H2OCache) and len(c.k) <= 16 for c in caches)
+    assert all(isinstance(c, PagedH2O) and c.held <= 16 for c in caches)
     assert caches[0].offset == r.held(0) > 40 and shifted == caches[0].dropped > 0
     with pytest.raises(LocalLLMError, match="int4 and int2 caches group them"):
         TorchRunner(tiny_llama, n_ctx=64, kv_cache="int4", evict="h2o:16")
@@ -250,6 +250,61 @@ def test_streaming_in_the_pool_is_streaming_in_stores(tiny_llama, kv, sinks, win
             stores[:] = r.new_caches(policy)
             err, sd = step(tokens[i - 39 : i + 1])
             worst, n = max(worst, err), 40
+    assert worst <= 1e-4 and spread > 0.1, (worst, spread)
+    assert r._caches[0][0].dropped > 0
+    r.clear(0)
+    r.clear(1)
+    assert pages.used == 0
+    r.close()
+
+
+@pytest.mark.parametrize("kv", ["f32", "int8"])
+def test_h2o_in_the_pool_is_h2o_in_stores(tiny_llama, kv) -> None:
+    """H2O in the paged pool (issue 33: each KV head's kept tokens at the first places of the
+    slot's blocks, moved down as it forgets) against `H2OCache`'s stores of their own, through
+    the runner's model: a prompt in chunks that already forget, then 150 tokens one by one,
+    every third beside a second H2O slot in one attention call (whose probabilities feed each
+    slot's scores), a draft taken back exactly before anything is forgotten in between. The
+    logits and every kept token's accumulated attention agree to f32 rounding at every step;
+    the slot holds the blocks its budget spans and gives them back."""
+    import numpy as np
+
+    from localllm.backends.base import Piece
+    from localllm.backends.torch.cache import BLOCK
+    from localllm.backends.torch.runner import TorchRunner
+
+    budget = 100
+    r = TorchRunner(tiny_llama, n_ctx=256, n_slots=2, dtype="f32", threads=2, kv_cache=kv,
+                    evict=f"h2o:{budget}")  # fmt: skip
+    stores = r.new_caches()  # no slot: stores of their own
+    assert isinstance(stores[0], H2OCache)
+    tokens = torch.randint(0, 1000, (230,), generator=torch.Generator().manual_seed(2)).tolist()
+    r.forward([Piece(1, tokens[:30], 0)])
+
+    def step(toks, beside=False):
+        want = last_logits(r.model, toks, stores)
+        pieces = [Piece(0, toks, 1)] + ([Piece(1, [7], 1)] if beside else [])
+        got = r.forward(pieces).logits[0]
+        return float((torch.from_numpy(got) - want).abs().max()), float(want.std())
+
+    worst, spread = step(tokens[:80])  # two chunks of 50 and 30: the second forgets 10
+    assert isinstance(r._caches[0][0], PagedH2O) and r._caches[0][0].dropped == 0
+    pages = r._rows[0].pages
+    for i, tok in enumerate(tokens[80:], 80):
+        err, sd = step([tok], beside=i % 3 == 0)
+        worst, spread = max(worst, err), min(spread, sd)
+        c = r._caches[0][0]
+        assert c.offset == r.held(0) == i + 1 and c.held == min(i + 1, budget)
+        for a, b in zip(r._caches[0], stores):  # the attention each kept token collected
+            assert torch.allclose(a.scores, b.scores, rtol=1e-4, atol=1e-5), i
+        assert sum(1 for b in pages.tables[0] if b) <= -(-(budget + 1) // BLOCK)
+        if i == 90:  # nothing forgotten since: a draft taken back is exact
+            before = r.forward([Piece(0, [9], 1)]).logits
+            assert r.trim(0, 1, exact=True)
+            assert np.array_equal(r.forward([Piece(0, [9], 1)]).logits, before)
+            assert r.trim(0, 1, exact=True)
+        if i > budget:  # it forgets at every token now: a draft taken back is not exact
+            assert not c.exact(1) and c.exact(0)
     assert worst <= 1e-4 and spread > 0.1, (worst, spread)
     assert r._caches[0][0].dropped > 0
     r.clear(0)

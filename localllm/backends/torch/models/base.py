@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localllm.backends.torch.cache import BLOCK
-from localllm.backends.torch.kvquant import stored
+from localllm.backends.torch.cache import BLOCK, Pages
+from localllm.backends.torch.kvquant import Kivi, Plain, stored
 from localllm.backends.torch.weights import FourBit
 from localllm.errors import InconsistentModel
 from localllm.gguf_file import GGUFFile
@@ -350,6 +350,9 @@ ROW_BLOCK = BLOCK  # the paged pool's blocks (`cache.Rows`)
 # decode steps would, query by query, so that its tokens get the bits plain decoding gives them
 QUERIES_AS_ROWS = 16
 
+# Ring blocks an entry of a KIVI pool reads (`_RowsPlan._grouped`): the blocks not yet coded
+RING_READS = Pages.RING - 1
+
 
 class _RowsPlan:
     """What every layer of one step shares in `_attend_rows` for the same rows and window: where
@@ -366,6 +369,9 @@ class _RowsPlan:
         self.raw: torch.Tensor | None = None
         if streams is not None:
             self._streams(pages, slots, offsets, t, device, *streams, rows=rows, blocks=blocks)
+            return
+        if pages.residual:
+            self._grouped(pages, slots, offsets, t, window, device, rows=rows, blocks=blocks)
             return
         entries = [s for s in slots for _ in range(t)]  # T queries of a row: T entries
         positions = [o + j for o in offsets for j in range(t)]
@@ -393,6 +399,53 @@ class _RowsPlan:
         if window:
             hidden = hidden | (key < length - window)  # visible when q - k < window
         self.bias = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
+
+    def _grouped(self, pages: Any, slots: list[int], offsets: Sequence[int], t: int, window: int,
+                 device: torch.device, *, rows: int = 0, blocks: int = 1) -> None:  # fmt: skip
+        """The plan of rows in a KIVI pool (`cache.Rows` with a residual): an entry reads its
+        row's coded blocks (the pool's, `gather`'s first columns, the zero block past them),
+        then `RING_READS` blocks from the first one not coded (the ring's, its last columns:
+        the residual spans at most that many); the new keys go into the ring. Every entry of a
+        row reads the blocks coded at the row's end, as the per-sequence store does after it
+        appends them all (`kvquant.Store`). Padding entries write into the ring's spare block
+        and see the zero block's first key."""
+        b, nr = ROW_BLOCK, RING_READS
+        self.n = max(offsets) + t
+        codes, ring, keys, where, qpos = [], [], [], [], []
+        for s, o in zip(slots, offsets):
+            c = pages.coded(o + t)
+            for p in range(o, o + t):
+                lo = max(0, p - window + 1) // b if window else 0
+                codes.append((s, list(range(lo, c))))
+                ring.append([pages.ring(s, j) if j * b <= p else 0 for j in range(c, c + nr)])
+                keys.append((lo, c))
+                where.append((pages.ring(s, p // b), p % b))
+                qpos.append(p)
+        nbc = max(blocks, max(len(js) for _, js in codes))  # coded columns (never 1 compiled)
+        self.nb = nbc + nr
+        self.single = where[0] if len(where) == 1 else None
+        e = max(rows, len(where))
+        where += [(pages.ring_spare, 0)] * (e - len(where))
+        self.block = torch.tensor([w[0] for w in where], device=device)
+        self.place = torch.tensor([w[1] for w in where], device=device)
+        gather, blocks_of = [], []  # per entry: each column's block, and its index in the row
+        for (s, js), (lo, c), rs in zip(codes, keys, ring):
+            pad = [0] * (nbc - len(js))
+            gather.append(pages.tables[s][lo:c] + pad + rs)
+            blocks_of.append(js + [-1] * len(pad) + list(range(c, c + nr)))
+        gather += [[0] * self.nb] * (e - len(gather))
+        blocks_of += [[-1] * self.nb] * (e - len(blocks_of))
+        ix = torch.tensor(blocks_of).view(e, self.nb, 1)
+        key = torch.where(ix < 0, -1, ix * b + torch.arange(b))  # each column's positions, -1: none
+        at = torch.tensor(qpos + [0] * (e - len(qpos))).view(e, 1, 1)
+        hidden = (key < 0) | (key > at)
+        if window:
+            hidden |= key <= at - window  # visible when q - k < window
+        hidden[len(qpos) :] = True
+        hidden[len(qpos) :, 0, 0] = False  # padding: the zero block's first key
+        self.gather = torch.tensor(gather, device=device)
+        self.bias = torch.zeros(e, self.nb, 1, 1, b).masked_fill_(
+            hidden.view(e, self.nb, 1, 1, b), float("-inf")).to(device)  # fmt: skip
 
     def _streams(self, pages: Any, slots: list[int], ats: Sequence[int], t: int,
                  device: torch.device, windows: Sequence[tuple[int, int] | None], rope: Any, *,
@@ -536,7 +589,7 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequ
     rows, t = caches[0].rows, q.shape[1]
     slots, ats = [c.slot for c in caches], [c.at for c in caches]
     for c, a in zip(caches, ats):  # a block shared with a cached prefix is copied first
-        rows.own(c.slot, a, a + t, held=c.offset + t)
+        rows.ready(c.slot, a, a + t, held=c.offset + t)
     # T queries of a row attend as T rows of one query each: entry (row, j) reads its row's keys
     # up to position offset + j. The layers of a step that share a `Pages` (every layer, or every
     # layer of one window) share a plan. Keys stored before RoPE (StreamingLLM: k is then the
@@ -553,7 +606,15 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequ
             memo[key] = plan
     for c in caches:
         c.advance(t)
-    return rows_attention(q, k, v, *rows.parts, *plan.tensors, scale=scale, single=plan.single)
+    if not caches[0].observes:
+        return rows_attention(q, k, v, *rows.parts, *plan.tensors, scale=scale, single=plan.single)
+    seen: list[torch.Tensor] = []  # H2O: each entry's probabilities, (E, KV, nb·ROW_BLOCK)
+    out = rows_attention(q, k, v, *rows.parts, *plan.tensors, scale=scale, single=plan.single,
+                         observed=seen)  # fmt: skip
+    probs = seen[0].view(len(caches), t, *seen[0].shape[1:]).sum(1)  # a row's queries summed
+    for i, c in enumerate(caches):
+        c.observe(probs[i, :, : c.held])
+    return out
 
 
 def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -561,7 +622,8 @@ def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    block: torch.Tensor, place: torch.Tensor, gather: torch.Tensor,
                    bias: torch.Tensor, cos: torch.Tensor | None = None,
                    sin: torch.Tensor | None = None, *, scale: float | None,
-                   single: tuple[int, int] | None = None) -> torch.Tensor:  # fmt: skip
+                   single: tuple[int, int] | None = None,
+                   observed: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
     """`_attend_rows`' tensor work, with no Python number that changes between steps (what a
     compiled step captures): the new k, v (B, T, KV, hd) into the pools' (n_blocks, KV, BLOCK,
     width) parts (`cache.Rows.parts`: a float pool, or codes and their scales) at `block`,
@@ -569,22 +631,36 @@ def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     `bias` (E, nb, 1, 1, BLOCK). Codes are decoded as their blocks are gathered (one fused
     kernel when compiled), never as a copy of the pool. `cos`, `sin` (E, nb, 1, BLOCK, hd): keys
     stored before RoPE, rotated where each entry reads them. `single`: (block, place) of one
-    entry, a plain copy. Returns (B, T, H * hd)."""
+    entry, a plain copy. `observed` (H2O) gets each entry's attention probabilities on its
+    keys, summed over the query heads of a KV head: (E, KV, nb·ROW_BLOCK), in the order of its
+    blocks. Returns (B, T, H * hd)."""
     b0, t, h, hd = q.shape
     kv = k.shape[2]
     g, b, nb = h // kv, b0 * t, gather.shape[1]
     codecs = stored(k_parts), stored(v_parts)
+    grouped = type(codecs[0]) is Kivi  # KIVI: new keys into the ring (its last part)
     for pool, c, x in zip((k_parts, v_parts), codecs, (k, v)):
-        if single is not None:
-            for part, y in zip(pool, c.encode(x[0, 0])):
-                part[single[0], :, single[1]] = y
+        if grouped:
+            pairs = [(pool[-1], x.reshape(b, kv, -1).to(pool[-1].dtype))]
         else:
-            for part, y in zip(pool, c.encode(x.reshape(b, kv, -1))):
+            pairs = list(zip(pool, c.encode(x.reshape(b, kv, -1))))
+        for part, y in pairs:
+            if single is not None:
+                part[single[0], :, single[1]] = y[0]
+            else:
                 part[block, :, place] = y
+
+    def read(pool: Sequence[torch.Tensor], c: Any, idx: torch.Tensor) -> torch.Tensor:
+        n, at = idx.shape[1], idx.reshape(-1)
+        return c.decode([p.index_select(0, at).view(b, n, kv, p.shape[2], -1) for p in pool], torch.float32)
+
     # each entry's blocks as contiguous float32, (E, nb, KV, ROW_BLOCK, hd)
-    at = gather.reshape(-1)
-    kk, vv = (c.decode([p.index_select(0, at).view(b, nb, kv, ROW_BLOCK, -1) for p in pool], torch.float32)
-              for pool, c in zip((k_parts, v_parts), codecs))  # fmt: skip
+    if grouped:  # the coded blocks, then the ring's
+        coded, ring = gather[:, :-RING_READS], gather[:, -RING_READS:]
+        kk, vv = (torch.cat([read(pool[:-1], c, coded), read(pool[-1:], Plain(pool[-1].dtype), ring)], 1)
+                  for pool, c in zip((k_parts, v_parts), codecs))  # fmt: skip
+    else:
+        kk, vv = (read(pool, c, gather) for pool, c in zip((k_parts, v_parts), codecs))
     if cos is not None and sin is not None:
         kk = apply_rope(kk, cos, sin)
     qs = q.reshape(b, 1, kv, g, hd).float() * (scale if scale is not None else hd**-0.5)
@@ -594,6 +670,9 @@ def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     total = p.sum(-1).cumsum(1)[:, -1]  # (E, KV, G)
     out = torch.matmul(p, vv).cumsum(1)[:, -1]  # (E, KV, G, hd)
     out = out / total[..., None]
+    if observed is not None:  # (E, nb, KV, G, BLOCK) → (E, KV, nb·BLOCK)
+        share = (p / total[:, None, :, :, None]).sum(3)
+        observed.append(share.transpose(1, 2).reshape(b, kv, -1))
     return out.to(q.dtype).reshape(b0, t, -1)
 
 
