@@ -79,8 +79,7 @@ LENGTHS = [5, 37, 120, 64, 63, 200, 1, 129]  # one and several key blocks, block
 
 
 @pytest.mark.parametrize(("dtype", "kv"), [("f32", "f32"), ("f32", "f16"), ("f16", "f16"),
-                                           ("f32", "int8"), ("f16", "k=fp8,v=f16"),
-                                           ("f32", "k=int4,v=int2")])  # fmt: skip
+                                           ("f32", "int8"), ("f16", "k=fp8,v=f16")])  # fmt: skip
 def test_a_slot_decodes_the_same_bits_alone_and_beside_seven(tiny_llama: Path, dtype: str,
                                                                kv: str) -> None:  # fmt: skip
     r = TorchRunner(tiny_llama, n_ctx=256, n_slots=8, dtype=dtype, kv_cache=kv, threads=2)
@@ -183,8 +182,8 @@ def test_a_pool_of_kivi_codes_holds_what_the_quantized_cache_holds(types: tuple[
     pieces of every size (a 300-token one codes blocks it wrote whole), decode steps and
     rollbacks, a slot reads back bit for bit what the per-sequence store (`kvquant.Store`)
     fetches; a rollback of up to one block is exact, a deeper one reopens blocks from their codes
-    and says so; decode attention reads the coded blocks and the ring's and equals SDPA over
-    what the slot reads."""
+    and says so; decode attention over rows (what a compiled step runs) reads the coded blocks
+    and the ring's and equals SDPA over what the slot reads."""
     from localllm.backends.torch.kvquant import QuantizedKVCache, codec, make_store
 
     g = torch.Generator().manual_seed(11)
@@ -561,9 +560,8 @@ def test_sliding_window_layers_keep_only_their_window(tiny_gemma: Path) -> None:
 def test_kivi_codes_beside_sliding_window_layers(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Gemma 3's window-16 local layers with KIVI's int4 in the pool: their pages drop blocks no
     query sees before the residual would code them (a dropped block is not coded: the zero block
-    stays zeros), the global layer codes its blocks; prompt and decode steps past both give the
-    logits of the per-sequence stores (to float rounding, which a 4-bit code can turn into one
-    step of its scale)."""
+    stays zeros), the global layer codes its blocks; decode steps past both give the logits of
+    the per-sequence stores, bit for bit."""
     need("transformers", "pip install -e '.[dev]'")
     from backends.torch.test_models import hf_model, write_gguf
 
@@ -579,12 +577,13 @@ def test_kivi_codes_beside_sliding_window_layers(tmp_path_factory: pytest.TempPa
         got = torch.from_numpy(r.forward([Piece(0, toks, 1)]).logits[0])
         return float((got - want).abs().max() / want.abs().max())
 
-    worst = step(tokens[:150])
+    # the prompt's last logits: the head over one row here, over every row there (MKL rounds
+    # them otherwise: 1e-7 of the largest); its keys and values are the same bits
+    assert step(tokens[:150]) <= 1e-6
     assert all(isinstance(c, KVCache) and c.rows.grouped for c in r._caches[0])  # type: ignore[union-attr]
-    worst = max([worst] + [step([t]) for t in tokens[150:]])
-    # measured 8.6e-6 (int8 codes in the pool against their stores: 9.5e-6): a code one step
-    # off where the float inputs differ in the last bit
-    assert worst <= 3e-5, worst
+    # eagerly a KIVI row attends alone over what its slot reads (`base._row_groups`): the bits
+    # of the store's, step after step
+    assert [step([t]) for t in tokens[150:]] == [0.0] * 90
     windows = {rows.pages.window for rows in r._rows}  # type: ignore[union-attr]
     assert 0 in windows and len(windows) == 2
     for rows in r._rows:  # type: ignore[union-attr]

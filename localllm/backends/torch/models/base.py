@@ -332,11 +332,17 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 
 def _row_groups(caches: Sequence[Any]) -> list[list[int]]:
     """Indices of the caches that are slots of one `cache.Rows`, grouped by it and by whether
-    their keys are stored before RoPE (`policies.PagedStreaming`)."""
+    their keys are stored before RoPE (`policies.PagedStreaming`).
+
+    Not KIVI's (`Rows.grouped`): eagerly, a row of those attends alone, SDPA over what its slot
+    reads (`Rows.read`, the bits `kvquant.Store` fetches), since decoding its codes gives float32
+    keys, over which SDPA is faster than the rows' blocks (SmolLM2, 2,000 tokens of context,
+    the CPU default: 24.2 against 28.0 ms a step at 1 slot, 70.3 against 114.8 at 4:
+    bench/kv_pool.py). The compiled step reads them as rows (16.1 and 55.5 ms)."""
     groups: dict[tuple[int, bool], list[int]] = {}
     for i, c in enumerate(caches):
         rows = getattr(c, "rows", None)
-        if rows is not None:
+        if rows is not None and not rows.grouped:
             groups.setdefault((id(rows), c.pre_rope), []).append(i)
     return list(groups.values())
 
@@ -626,7 +632,9 @@ def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    observed: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
     """`_attend_rows`' tensor work, with no Python number that changes between steps (what a
     compiled step captures): the new k, v (B, T, KV, hd) into the pools' (n_blocks, KV, BLOCK,
-    width) parts (`cache.Rows.parts`: a float pool, or codes and their scales) at `block`,
+    width) parts (`cache.Rows.parts`: a float pool, or codes and their scales; KIVI's codes,
+    scales, zeros and then the ring, where the new keys go and which `gather`'s last
+    `RING_READS` columns index) at `block`,
     `place` (E = B·T entries), then each entry's query over its `gather` blocks (E, nb) with
     `bias` (E, nb, 1, 1, BLOCK). Codes are decoded as their blocks are gathered (one fused
     kernel when compiled), never as a copy of the pool. `cos`, `sin` (E, nb, 1, BLOCK, hd): keys
