@@ -576,14 +576,14 @@ class Rows:
         out = []
         for c, pool, ring in zip(self.codecs, (self.k_parts, self.v_parts), (self.k_ring, self.v_ring)):
             blocks = []
-            if lo < coded:
+            if lo < coded:  # the codes (not the floats) put head-first: decoded in place
                 idx = torch.tensor(table[lo:coded], dtype=torch.long, device=self.device)
-                x = c.decode([p.index_select(0, idx) for p in pool], self.dtype)  # (nb, KV, BLOCK, hd)
-                blocks.append(x.transpose(0, 1).reshape(1, self.n_kv, -1, x.shape[-1]))
+                x = c.decode([p.index_select(0, idx).transpose(0, 1) for p in pool], self.dtype)
+                blocks.append(x.view(1, self.n_kv, -1, x.shape[-1]))  # (KV, nb, BLOCK, hd) as one
             fl = [self.pages.ring(slot, j) for j in range(max(lo, coded), -(-end // BLOCK))]
             if fl:
-                x = ring[torch.tensor(fl, device=self.device)].to(self.dtype)  # type: ignore[index]
-                blocks.append(x.transpose(0, 1).reshape(1, self.n_kv, -1, x.shape[-1]))
+                x = ring[torch.tensor(fl, device=self.device)].transpose(0, 1)  # type: ignore[index]
+                blocks.append(x.reshape(1, self.n_kv, -1, x.shape[-1]).to(self.dtype))
             out.append(torch.cat(blocks, 2)[:, :, : end - lo * BLOCK])
         return out[0], out[1]
 
