@@ -577,8 +577,7 @@ class Rows:
         for c, pool, ring in zip(self.codecs, (self.k_parts, self.v_parts), (self.k_ring, self.v_ring)):
             blocks = []
             if lo < coded:  # the codes (not the floats) put head-first: decoded in place
-                idx = torch.tensor(table[lo:coded], dtype=torch.long, device=self.device)
-                x = c.decode([p.index_select(0, idx).transpose(0, 1) for p in pool], self.dtype)
+                x = c.decode([self._take(p, table[lo:coded]).transpose(0, 1) for p in pool], self.dtype)
                 blocks.append(x.view(1, self.n_kv, -1, x.shape[-1]))  # (KV, nb, BLOCK, hd) as one
             fl = [self.pages.ring(slot, j) for j in range(max(lo, coded), -(-end // BLOCK))]
             if fl:
@@ -586,6 +585,14 @@ class Rows:
                 blocks.append(x.reshape(1, self.n_kv, -1, x.shape[-1]).to(self.dtype))
             out.append(torch.cat(blocks, 2)[:, :, : end - lo * BLOCK])
         return out[0], out[1]
+
+    def _take(self, part: torch.Tensor, blocks: Sequence[int]) -> torch.Tensor:
+        """These blocks of a part: a view where they follow each other in the pool (a slot's
+        usually do: blocks are handed out in order), else a copy."""
+        b0 = blocks[0]
+        if blocks[-1] - b0 == len(blocks) - 1 and list(blocks) == list(range(b0, b0 + len(blocks))):
+            return part[b0 : b0 + len(blocks)]
+        return part.index_select(0, torch.tensor(blocks, dtype=torch.long, device=self.device))
 
     def gather(self, blocks: Sequence[int], end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `end` positions of these blocks in turn, as `read` gives a slot's."""
