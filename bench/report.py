@@ -363,7 +363,8 @@ def rows_kv_pool_more(d: dict) -> list[Row]:
     mib = lambda x: None if x is None else x / 2**20  # noqa: E731
     for name, label in (("kivi", "int4 (KIVI) KV"), ("h2o", "H2O")):
         for slots, r in (d.get(name) or {}).items():
-            what = f"{label}, {slots} at {r.get('context_tokens')} tokens"
+            n = slots.split()[0]  # "1 slots", "4 slots"
+            what = f"{label}, {n} slot{'' if n == '1' else 's'} at {r.get('context_tokens')} tokens"
             if r.get("budget"):
                 what += f", budget {r['budget']}"
             part = "" if r.get("same_tokens") else " (tokens part: rounding)"

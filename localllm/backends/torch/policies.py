@@ -271,9 +271,10 @@ class PagedStreaming(_Forgetting):
 
 class _Scores(_Forgetting):
     """H2O's attention accumulated by each held token, per KV head (`scores` (KV, held)), and
-    the scores as they were before each of the last `KEPT` pieces: taking drafted tokens back
-    (`trim`) puts back what their queries added, so that speculation leaves the next choice of
-    what to forget as plain decoding makes it."""
+    the scores as they were before each of the last `KEPT` pieces: taking tokens back (`trim`:
+    a failed forward pass, a caller's rollback) puts back what their queries added, so that an
+    exact trim leaves the next choice of what to forget as it was. (The engine refuses
+    speculation under H2O all the same: a verification makes room for all its drafts at once.)"""
 
     KEPT = 16
 
