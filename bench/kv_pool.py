@@ -199,17 +199,24 @@ def streaming(n_context: int, sinks: int, window: int) -> dict:
     policy = ContextPolicy(sinks, window)
     out: dict = {"context_tokens": len(ids), "dtype": r.dtype, "kv": "f16", "sinks": sinks, "window": window}
     pool_against_stores(r, ids, "stream", out, policy)
-    r = TorchRunner(model_path("smollm2"), n_ctx=sinks + window, n_slots=1, threads=None, compile="on")
-    try:  # the pool's slot through the compiled step (the first step compiles: the median leaves it)
-        r.clear(0, policy)
-        r.forward([Piece(0, ids[:-1], 0)])
-        tokens, secs = decode(r, [0], [ids[-1]], 32)
+    out["pool, compiled"] = compiled("stream", 1, ids, policy, n_ctx=sinks + window)
+    return out
+
+
+def compiled(what: str, slots: int, ids: list[int], policy: ContextPolicy | None = None, **kw) -> dict:
+    """The pool's slots through the compiled step: each reads ids[:-1], then they decode 32
+    tokens greedily together (the first steps compile: the median leaves them out)."""
+    r = TorchRunner(model_path("smollm2"), n_slots=slots, threads=None, compile="on", **kw)
+    try:
+        for s in range(slots):
+            r.clear(s, policy)
+            r.forward([Piece(s, ids[:-1], 0)])
+        tokens, secs = decode(r, list(range(slots)), [ids[-1]] * slots, 32)
         assert r._compiled is not None and r._compiled.calls == 32
-        out["pool, compiled"] = {"decode_ms_per_token": 1000 * secs, "tokens": tokens[0]}
-        log(f"stream {'pool, compiled':14}                decode {1000 * secs:.1f} ms/token")
+        log(f"{what:6} {'pool, compiled':14}                decode {1000 * secs:.1f} ms a step of {slots}")
+        return {"decode_ms_per_token": 1000 * secs, "tokens": tokens[0]}
     finally:
         r.close()
-    return out
 
 
 def kivi(n_context: int, slots: int) -> dict:
@@ -221,17 +228,7 @@ def kivi(n_context: int, slots: int) -> dict:
         ids = r.tokenize((corpus_dir() / "alice.txt").read_text())[:n_context]
         got = out[f"{n} slots"] = {"context_tokens": len(ids), "dtype": r.dtype, "kv": "int4"}
         pool_against_stores(r, ids, "kivi", got, slots=n)
-        r = TorchRunner(model_path("smollm2"), n_ctx=n_context + 64, n_slots=n, threads=None,
-                        kv_cache="int4", compile="on")  # fmt: skip
-        try:  # the first steps compile: the median leaves them out
-            for s in range(n):
-                r.forward([Piece(s, ids[:-1], 0)])
-            tokens, secs = decode(r, list(range(n)), [ids[-1]] * n, 32)
-            assert r._compiled is not None and r._compiled.calls == 32
-            got["pool, compiled"] = {"decode_ms_per_token": 1000 * secs, "tokens": tokens[0]}
-            log(f"kivi   {'pool, compiled':14}                decode {1000 * secs:.1f} ms a step of {n}")
-        finally:
-            r.close()
+        got["pool, compiled"] = compiled("kivi", n, ids, n_ctx=n_context + 64, kv_cache="int4")
     return out
 
 

@@ -9,6 +9,7 @@ is one `TemplateError`; the parent process never runs template code at all.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -178,6 +179,10 @@ def render_limited(
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: render, write, leave without running any parent cleanup
+        # No cyclic collection here: a full one walks every object the child inherited, each
+        # page it touches copied, and in a big process (a test suite's, a server's with torch
+        # loaded) that cost the child seconds of CPU: an honest template was stopped
+        gc.disable()
         code = 0
         try:
             os.close(r)

@@ -177,7 +177,25 @@ class StreamingCache(_Forgetting):
         self._sinks = None
 
 
-class PagedStreaming(_Forgetting):
+class _InPool:
+    """A policy whose keys and values are its slot's blocks of the pool (`rows`): nothing of its
+    own to quantize, keep or report."""
+
+    rows: Rows
+    slot: int
+
+    def _stores(self) -> list[Store]:
+        return []
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.slot_bytes(self.slot)
+
+    def bytes_per_token(self) -> float:
+        return self.rows.block_bytes / BLOCK
+
+
+class PagedStreaming(_InPool, _Forgetting):
     """StreamingLLM in the paged pool (`cache.Rows`, issue 33): the sinks and the window are the
     slot's blocks, keys stored before RoPE, as `StreamingCache` keeps them in stores of its own.
 
@@ -248,9 +266,6 @@ class PagedStreaming(_Forgetting):
         cos, sin = self.rope.table(kk.shape[2], kk.dtype)
         return apply_rope(kk, cos, sin), vv
 
-    def _stores(self) -> list[Store]:
-        return []  # the pool's blocks: nothing of its own to quantize, keep or report
-
     def trim(self, n: int) -> int:
         n = max(0, min(n, self.offset))
         w = min(n, self._window_len())
@@ -260,14 +275,6 @@ class PagedStreaming(_Forgetting):
             self.gap = 0
         self._appended -= n
         return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows.slot_bytes(self.slot)
-
-    def bytes_per_token(self) -> float:
-        return self.rows.block_bytes / BLOCK
-
 
 class _Scores(_Forgetting):
     """H2O's attention accumulated by each held token, per KV head (`scores` (KV, held)), and
@@ -304,7 +311,7 @@ class _Scores(_Forgetting):
         return super().exact(n) and (n <= 0 or any(a == self._appended - n for a, _ in self._before))
 
 
-class PagedH2O(_Scores):
+class PagedH2O(_InPool, _Scores):
     """H2O in the paged pool (`cache.Rows`, issue 33), as `H2OCache` keeps it in stores of its
     own: the slot's blocks hold the kept tokens of each KV head at its first `at` places (each
     head its own heavy hitters, so the place of a token differs between heads; keys keep their
@@ -333,9 +340,6 @@ class PagedH2O(_Scores):
     def held(self) -> int:
         return self.at
 
-    def _stores(self) -> list[Store]:
-        return []  # the pool's blocks
-
     def make_room(self, n: int) -> int:
         index = _heavy_and_recent(self.scores, self.at, n, self.budget, self.recent)
         if index is None:
@@ -363,14 +367,6 @@ class PagedH2O(_Scores):
         self.pos -= n
         self._trim_scores(n, self.at)
         return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows.slot_bytes(self.slot)
-
-    def bytes_per_token(self) -> float:
-        return self.rows.block_bytes / BLOCK
-
 
 def _heavy_and_recent(scores: torch.Tensor, held: int, n: int, budget: int,
                       recent: int) -> torch.Tensor | None:  # fmt: skip
