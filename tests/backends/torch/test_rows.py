@@ -139,23 +139,30 @@ def test_decode_attention_over_rows_matches_sdpa_and_ignores_the_batch() -> None
             assert torch.allclose(everyone[i], want.reshape(1, -1), atol=1e-5), (window, i)
 
 
+def pooled_and_alone(types: tuple[str, str], kv: int, hd: int, capacity: int) -> tuple:
+    """(codecs, the pool, slot 1's cache in it, a per-sequence quantized cache) of these K and V
+    types, at the same bytes per token."""
+    from localllm.backends.torch.kvquant import QuantizedKVCache, codec, make_store
+
+    codecs = (codec(types[0], key=True), codec(types[1], key=False))
+    rows = Rows(2, kv, hd, capacity, dtype=torch.float32, codecs=codecs)
+    pooled = KVCache(kv, hd, capacity, dtype=torch.float32, rows=rows, slot=1)
+    alone = QuantizedKVCache(*(make_store(t, key=key, n_kv=kv, head_dim=hd, capacity=capacity,
+                                          out_dtype=torch.float32)
+                               for t, key in zip(types, (True, False))))  # fmt: skip
+    assert pooled.bytes_per_token() == alone.bytes_per_token()
+    return codecs, rows, pooled, alone
+
+
 @pytest.mark.parametrize("types", [("int8", "int8"), ("fp8", "fp8"), ("int8", "f16"), ("f32", "fp8")])
 def test_a_pool_of_codes_holds_what_the_quantized_cache_holds(types: tuple[str, str]) -> None:
     """int8 and fp8 keys and values in the paged pool (`Rows` with codecs): a slot reads back bit
     for bit what the per-sequence quantized cache of the same types (`kvquant`) gives, at the
     same bytes per token; decode attention reads the codes as their blocks are gathered, and
     equals SDPA over what the slot reads (float32 rounding); a copied block is the same codes."""
-    from localllm.backends.torch.kvquant import QuantizedKVCache, codec, make_store
-
     g = torch.Generator().manual_seed(11)
     kv, h, hd = 2, 6, 16
-    codecs = (codec(types[0], key=True), codec(types[1], key=False))
-    rows = Rows(2, kv, hd, 1024, dtype=torch.float32, codecs=codecs)
-    pooled = KVCache(kv, hd, 1024, dtype=torch.float32, rows=rows, slot=1)
-    alone = QuantizedKVCache(*(make_store(t, key=key, n_kv=kv, head_dim=hd, capacity=1024,
-                                          out_dtype=torch.float32)
-                               for t, key in zip(types, (True, False))))  # fmt: skip
-    assert pooled.bytes_per_token() == alone.bytes_per_token()
+    codecs, rows, pooled, alone = pooled_and_alone(types, kv, hd, 1024)
     for n in (1, 62, 3, 70, 1):  # across block edges
         k = torch.randn(1, kv, n, hd, generator=g) * torch.rand(1, kv, n, 1, generator=g) * 5
         v = torch.randn(1, kv, n, hd, generator=g)
@@ -184,17 +191,9 @@ def test_a_pool_of_kivi_codes_holds_what_the_quantized_cache_holds(types: tuple[
     fetches; a rollback of up to one block is exact, a deeper one reopens blocks from their codes
     and says so; decode attention over rows (what a compiled step runs) reads the coded blocks
     and the ring's and equals SDPA over what the slot reads."""
-    from localllm.backends.torch.kvquant import QuantizedKVCache, codec, make_store
-
     g = torch.Generator().manual_seed(11)
     kv, h, hd = 2, 6, 64
-    codecs = (codec(types[0], key=True), codec(types[1], key=False))
-    rows = Rows(2, kv, hd, 2048, dtype=torch.float32, codecs=codecs)
-    pooled = KVCache(kv, hd, 2048, dtype=torch.float32, rows=rows, slot=1)
-    alone = QuantizedKVCache(*(make_store(t, key=key, n_kv=kv, head_dim=hd, capacity=2048,
-                                          out_dtype=torch.float32)
-                               for t, key in zip(types, (True, False))))  # fmt: skip
-    assert pooled.bytes_per_token() == alone.bytes_per_token()
+    _, rows, pooled, alone = pooled_and_alone(types, kv, hd, 2048)
 
     def same() -> None:
         got = rows.read(1, pooled.offset)
