@@ -417,7 +417,6 @@ class Rows:
     def parts(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """(keys' parts, values' parts): what a step reads and writes (KIVI's ring last)."""
         if self.grouped:
-            self._grow()
             return (*self.k_parts, self.k_ring), (*self.v_parts, self.v_ring)  # type: ignore[return-value]
         return self.k_parts, self.v_parts
 

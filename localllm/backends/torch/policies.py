@@ -284,11 +284,38 @@ class _Scores(_Forgetting):
     speculation under H2O all the same: a verification makes room for all its drafts at once.)"""
 
     KEPT = 16
+    observes = True
+    held: int  # tokens kept (`make_room` chooses among them)
 
-    def __init__(self, n_kv: int, device: torch.device | str) -> None:
+    def __init__(self, n_kv: int, device: torch.device | str, *, budget: int, recent: int | None,
+                 capacity: int) -> None:  # fmt: skip
         super().__init__()
+        self.budget = budget
+        self.recent = budget // 2 if recent is None else recent
+        self.capacity = capacity  # positions: the model's context
+        self.pos = 0
         self.scores = torch.zeros(n_kv, 0, dtype=torch.float32, device=device)
         self._before: list[tuple[int, torch.Tensor]] = []  # (`_appended` then, scores then)
+
+    def make_room(self, n: int) -> int:
+        """Before n new tokens, forget what exceeds the budget: each KV head keeps the `recent`
+        newest and the older ones with the most attention (`_keep`)."""
+        held = self.held
+        over = held + n - self.budget
+        if over <= 0:
+            return 0
+        older = held - min(held, self.recent)  # candidates: all but the recent ones
+        if over > older:
+            raise ValueError(f"{n} new tokens do not fit an H2O budget of {self.budget}")
+        heavy = self.scores[:, :older].topk(older - over, dim=1).indices.sort(dim=1).values
+        recent = torch.arange(older, held, device=heavy.device).expand(heavy.shape[0], -1)
+        index = torch.cat([heavy, recent], 1)  # (KV, kept), sorted per head
+        self._keep(index)
+        self.scores = torch.gather(self.scores, 1, index)
+        return self._forgot(over)
+
+    def _keep(self, index: torch.Tensor) -> None:
+        raise NotImplementedError
 
     def _append_scores(self, n: int) -> None:
         """Before n new tokens: the scores kept, a zero for each new one."""
@@ -321,16 +348,11 @@ class PagedH2O(_InPool, _Scores):
     gets the probabilities back for the scores (`models.base._attend_rows`); a longer piece
     reads its keys by `update_and_fetch`. No prefix cache: places are not positions."""
 
-    observes = True
-
     def __init__(self, rows: Rows, slot: int, *, budget: int, recent: int | None = None) -> None:
-        super().__init__(rows.n_kv, rows.device)
+        super().__init__(rows.n_kv, rows.device, budget=budget, recent=recent,
+                         capacity=rows.pages.capacity)  # fmt: skip
         self.rows, self.slot = rows, slot
-        self.budget = budget
-        self.recent = budget // 2 if recent is None else recent
-        self.capacity = rows.pages.capacity  # positions: the model's context
         self.at = 0  # places held (the next token's place in the slot's table)
-        self.pos = 0
 
     @property
     def offset(self) -> int:
@@ -340,15 +362,9 @@ class PagedH2O(_InPool, _Scores):
     def held(self) -> int:
         return self.at
 
-    def make_room(self, n: int) -> int:
-        index = _heavy_and_recent(self.scores, self.at, n, self.budget, self.recent)
-        if index is None:
-            return 0
+    def _keep(self, index: torch.Tensor) -> None:
         self.rows.keep(self.slot, self.at, index)
-        over = self.at - index.shape[1]
         self.at = index.shape[1]
-        self.scores = torch.gather(self.scores, 1, index)
-        return self._forgot(over)
 
     def advance(self, n: int) -> None:
         self.at += n
@@ -368,37 +384,15 @@ class PagedH2O(_InPool, _Scores):
         self._trim_scores(n, self.at)
         return n
 
-def _heavy_and_recent(scores: torch.Tensor, held: int, n: int, budget: int,
-                      recent: int) -> torch.Tensor | None:  # fmt: skip
-    """H2O's choice before n new tokens: None when they fit the budget, else which of the held
-    tokens each KV head keeps, (KV, kept) sorted — the `recent` newest and the older ones with
-    the most attention (`scores` (KV, held))."""
-    over = held + n - budget
-    if over <= 0:
-        return None
-    older = held - min(held, recent)  # candidates: all but the recent ones
-    if over > older:
-        raise ValueError(f"{n} new tokens do not fit an H2O budget of {budget}")
-    heavy = scores[:, :older].topk(older - over, dim=1).indices.sort(dim=1).values
-    kept = torch.arange(older, held, device=heavy.device).expand(heavy.shape[0], -1)
-    return torch.cat([heavy, kept], 1)
-
-
 class H2OCache(_Scores):
     """H2O (arXiv 2306.14048): at most `budget` tokens per layer and KV head — the `recent`
     newest and the heavy hitters, the older tokens with the most attention accumulated over every
     query so far (summed over the query heads that share the KV head). Keys keep their RoPE at
     their positions in the text; `offset` is the next position, not the count held."""
 
-    observes = True
-
     def __init__(self, k: Store, v: Store, *, budget: int, recent: int | None = None) -> None:
-        super().__init__(k.n_kv, k.device)
+        super().__init__(k.n_kv, k.device, budget=budget, recent=recent, capacity=k.capacity)
         self.k, self.v = k, v
-        self.budget = budget
-        self.recent = budget // 2 if recent is None else recent
-        self.capacity = k.capacity  # positions: the model's context
-        self.pos = 0
 
     def _stores(self) -> list[Store]:
         return [self.k, self.v]
@@ -411,15 +405,9 @@ class H2OCache(_Scores):
     def held(self) -> int:
         return len(self.k)
 
-    def make_room(self, n: int) -> int:
-        held = len(self.k)
-        index = _heavy_and_recent(self.scores, held, n, self.budget, self.recent)
-        if index is None:
-            return 0
+    def _keep(self, index: torch.Tensor) -> None:
         self.k.keep(index)
         self.v.keep(index)
-        self.scores = torch.gather(self.scores, 1, index)
-        return self._forgot(held - index.shape[1])
 
     def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.k.append(k)
