@@ -13,7 +13,8 @@ logits back on the host, the greedy token picked there). Models:
   heads, FFN 8192; SmolLM2's tokenizer, so a 49,152-token vocabulary) written once to a temporary
   Q4_0 GGUF with random codes: bf16 decodes it to bf16 on the device, int4 keeps its codes.
 Precisions: `bf16` (every matrix bf16) and `int4` (the file's 4-bit matrices multiplied by
-tinygemm's int4 kernel, `models.base.device_linear`). `--compile on` is the compiled step
+tinygemm's int4 kernel, its other quantized ones (SmolLM2's Q8_0 tied head) kept as int8 codes:
+`models.base.device_linear`). `--compile on` is the compiled step
 (`backends/torch/compiled.py`: CUDA graphs on CUDA); its first step, the compile, is reported
 apart and the tokens are checked against the eager run's.
 
@@ -70,15 +71,17 @@ def write_synthetic(path: Path, shape: dict, tokenizer_from: Path) -> Path:
 
 def weight_bytes(model) -> int:  # noqa: ANN001
     """Bytes of weights one decode step reads: every projection and the head (a tied head's
-    matrix too), as stored (int4: packed codes plus scales and zeros)."""
+    matrix too), as stored (int4: packed codes plus scales and zeros; int8: codes plus maps)."""
     from torch import nn
 
-    from localllm.backends.torch.quantized import Fp16Linear, Int4Linear
+    from localllm.backends.torch.quantized import Fp16Linear, Int4Linear, Int8Linear
 
     total = 0
     for m in model.modules():
         if isinstance(m, Int4Linear):
             total += m.packed.numel() * m.packed.element_size() + m.scales_zeros.numel() * 2
+        elif isinstance(m, Int8Linear):
+            total += sum(t.numel() * t.element_size() for t in (m.q, m.scale, m.low) if t is not None)
         elif isinstance(m, Fp16Linear):
             total += m.out_features * m.in_features * 2
         elif isinstance(m, nn.Linear):

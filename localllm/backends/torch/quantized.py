@@ -31,7 +31,7 @@ them as stored — nothing is requantized, only the kernel's bf16 roundings diff
 SmolLM2's feed-forward matrices (AVX-512 EPYC, 2 threads, µs per product at 1 / 4 / 8 rows:
 gate|up 65 / 116 / 218 against fp16's 86 / 138 / 209; down 36 / 65 / 112 against 61 / 89 / 131)
 it is the faster of the two up to 8 rows, and decode goes from 58 to 67 tokens/s. `quantize_linear`
-(the CPU default, `--dtype int4`) uses it for the feed-forward matrices only: see `four_bit` below.
+(the CPU default, `--dtype int4`) uses it for the feed-forward matrices only: see `coded` below.
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localllm.backends.torch.weights import FourBit, dequantize, raw
+from localllm.backends.torch.weights import Coded, dequantize, raw
 from localllm.gguf_file import GGUFFile
 
-__all__ = ["BlockEmbedding", "Fp16Linear", "Int4Linear", "fbgemm_fp16_available", "int4_available",
-           "quantize_linear"]
+__all__ = ["BlockEmbedding", "Fp16Linear", "Int4Linear", "Int8Linear", "fbgemm_fp16_available",
+           "int4_available", "quantize_linear"]
 
 log = logging.getLogger(__name__)
 _fp16_gemm = torch.ops.quantized.linear_dynamic_fp16  # looked up once: each lookup costs a call
@@ -217,7 +217,8 @@ def int4_available(device: str = "cpu") -> bool:
     try:
         q = torch.arange(16, dtype=torch.uint8, device=device).repeat(16, 2)  # (16, 32): codes 0..15
         one, zero = torch.ones(16, 1, device=device), torch.zeros(16, 1, device=device)
-        y = Int4Linear(FourBit(q, one, zero))(torch.ones(1, 32, dtype=torch.bfloat16, device=device))
+        y = Int4Linear(Coded(q.to(torch.int8), one, zero, 32, 4))(
+            torch.ones(1, 32, dtype=torch.bfloat16, device=device))
         if not torch.equal(y.float().cpu(), torch.full((1, 16), 240.0)):  # w = q: 2 × (0 + ... + 15)
             raise RuntimeError(f"wrong result {y.tolist()}")
     except Exception as e:  # noqa: BLE001 - any failure means: fp16 weights instead
@@ -230,7 +231,7 @@ def int4_available(device: str = "cpu") -> bool:
 
 class Int4Linear(nn.Module):
     """y = x @ W.T + b for W kept as the file's 4-bit codes with one (scale, low) per 32 weights
-    (`weights.FourBit`: Q4_0, Q4_1, Q4_K), through torch's int4 matmul on the device the codes
+    (`weights.Coded` of Q4_0, Q4_1, Q4_K), through torch's int4 matmul on the device the codes
     are on: 0.5 bytes per weight plus 4 bytes of bf16 scale and zero per 32.
 
     On the CPU that is `_weight_int4pack_mm_for_cpu` over `_convert_weight_to_int4pack_for_cpu`'s
@@ -245,8 +246,11 @@ class Int4Linear(nn.Module):
 
     group = 32
 
-    def __init__(self, weight: FourBit, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: Coded, bias: torch.Tensor | None = None) -> None:
         super().__init__()
+        if not self.fits(weight):
+            raise ValueError(f"the int4 kernels do not take this matrix ({weight.bits}-bit codes in "
+                             f"groups of {weight.group}, {list(weight.shape)})")  # fmt: skip
         self.out_features, self.in_features = weight.shape
         q = weight.q
         if q.device.type == "cpu":
@@ -266,10 +270,12 @@ class Int4Linear(nn.Module):
         return next(t for t in (8, 4, 2) if n_in % (16 * t) == 0)
 
     @staticmethod
-    def fits(weight: FourBit) -> bool:
-        """Whether the kernels take this matrix: rows in tiles of 16 (the CPU's) and of 8
-        (tinygemm's), columns in groups of 32 (so K tiles of 2 × 16 at least)."""
-        return weight.shape[0] % 16 == 0 and weight.shape[1] % Int4Linear.group == 0
+    def fits(weight: Coded) -> bool:
+        """Whether the kernels take this matrix: 4-bit codes with a (scale, low) per 32 weights,
+        rows in tiles of 16 (the CPU's) and of 8 (tinygemm's), columns in groups of 32 (so K
+        tiles of 2 × 16 at least)."""
+        return (weight.bits == 4 and weight.group == Int4Linear.group and weight.low is not None
+                and weight.shape[0] % 16 == 0 and weight.shape[1] % Int4Linear.group == 0)  # fmt: skip
 
     def _mm(self, rows: torch.Tensor) -> torch.Tensor:
         """rows (n, in) bf16 → (n, out) bf16."""
@@ -302,10 +308,48 @@ class Int4Linear(nn.Module):
                 f"bias={self.bias is not None}, weights=int4 g32")  # fmt: skip
 
 
-def quantize_linear(weight: torch.Tensor | FourBit, bias: torch.Tensor | None = None) -> nn.Module:
+class Int8Linear(nn.Module):
+    """y = x @ W.T + b for W kept as the file's codes (`weights.Coded`: Q8_0, Q6_K, Q5_*, and the
+    4-bit types where the int4 kernel is not there or does not take the matrix) in int8, one
+    byte a weight plus a float32 scale (and low) per group of 16 or 32: on a GPU, a Q6_K or Q8_0
+    matrix streams 1.1-1.25 bytes a weight per token instead of bf16's 2.
+
+    The matrix is decoded in float32 (exactly ggml's values) and rounded once to the input's
+    dtype, then multiplied: the same numbers as the file decoded to that dtype up front. Eager,
+    that decode is a full-size temporary at every call; compiled, inductor folds the dequantize
+    into the product of a decode step (a small-row matmul becomes a pointwise-and-reduce kernel
+    that reads the int8 codes), as gpt-fast's int8 weight-only path (`F.linear(x, w.to(dtype))
+    * scales`) relies on. Ours keeps the file's groups instead of one scale per row: requantizing
+    SmolLM2 to int8 per row costs KL 0.004 nats against 0.001 in groups of 32 (module docstring),
+    and the file's own groups cost nothing.
+    """
+
+    def __init__(self, weight: Coded, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.group, self.bits = weight.group, weight.bits
+        self.register_buffer("q", weight.q.to(torch.int8))
+        self.register_buffer("scale", weight.scale.float())
+        self.register_buffer("low", None if weight.low is None else weight.low.float())
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight this layer multiplies by, (out, in) in `dtype`."""
+        return Coded(self.q, self.scale, self.low, self.group, self.bits).dequantize(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantize(x.dtype), b)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, weights=int{self.bits} codes in int8, g{self.group}")  # fmt: skip
+
+
+def quantize_linear(weight: torch.Tensor | Coded, bias: torch.Tensor | None = None) -> nn.Module:
     """What the CPU fast path passes to build_model(f, linear=...): the file's 4-bit matrices
     stay 4-bit (`Int4Linear`) where the kernel exists and takes them; the rest are fp16."""
-    if isinstance(weight, FourBit):
+    if isinstance(weight, Coded):
         if int4_available() and Int4Linear.fits(weight):
             return Int4Linear(weight, bias)
         weight = weight.dequantize()
@@ -316,7 +360,7 @@ def quantize_linear(weight: torch.Tensor | FourBit, bias: torch.Tensor | None = 
 # Measured on SmolLM2 over 2,000 corpus tokens against the f32 path: these alone, top-1 99.2% and
 # KL 1.5e-4 nats; with the attention projections too (their q, k, v and output rounded to bf16),
 # top-1 falls to 99.0%, at the bar the CPU default must hold (>= 99%).
-quantize_linear.four_bit = ("feed_forward.w13", "feed_forward.w2")  # type: ignore[attr-defined]
+quantize_linear.coded = ("feed_forward.w13", "feed_forward.w2")  # type: ignore[attr-defined]
 
 
 class BlockEmbedding(nn.Module):

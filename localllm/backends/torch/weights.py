@@ -4,7 +4,7 @@
     iter_tensors(f, names)                  the same, one tensor at a time
     dequantize(data, "Q4_K", shape)         raw GGUF bytes (1-D uint8) → a float tensor
     raw(f, name)                            the GGUF blocks themselves, for a quantized path
-    four_bit(data, "Q4_1", shape)           Q4_0/Q4_1/Q4_K kept as 4-bit codes and per-32 groups
+    coded(data, "Q6_K", shape)              a quantized matrix kept as its codes and per-group maps
 
 A tensor's raw bytes are read through `GGUFFile.tensor_bytes` (a view into the map, never a copy of
 the file) and unpacked with bit operations on a (n_blocks, type_size) uint8 view: no Python loop
@@ -34,12 +34,12 @@ from localllm.errors import LocalLLMError
 from localllm.gguf_file import GGML_TYPE_BY_NAME, GGUFFile, TensorInfo
 
 __all__ = [
-    "FOUR_BIT_TYPES",
+    "CODED_TYPES",
     "SUPPORTED_TYPES",
-    "FourBit",
+    "Coded",
     "WeightsError",
+    "coded",
     "dequantize",
-    "four_bit",
     "iter_tensors",
     "raw",
     "tensor",
@@ -63,9 +63,6 @@ def _chunk_elements() -> int:
     return 1 << 18 if torch.get_num_threads() == 1 else 28672
 
 
-# Types whose values are exactly scale * q + low with 4-bit q and one (scale, low) per 32 weights.
-FOUR_BIT_TYPES: tuple[str, ...] = ("Q4_0", "Q4_1", "Q4_K")
-
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -74,10 +71,17 @@ class WeightsError(LocalLLMError):
 
 
 # -- block decoders -------------------------------------------------------------------------
-# Each fills `o`, (n, block_size) float32, from `b`, (n, type_size) contiguous uint8 blocks.
+# Each fills `o`, (n, block_size) float32, from `b`, (n, type_size) contiguous uint8 blocks, with
+# the blocks' integer codes, and returns their affine maps (scale, low): (n, groups, 1) float32
+# each (low None where the type has none), so that value = scale * code + low group by group.
+# Every product and sum is exact in float32 except the one that adds a K type's min, which rounds
+# once as ggml's does: the values are ggml's bit for bit (tests check them against the `gguf`
+# package's numpy reference).
 # Speed: uint8 ops over rows of only 16-32 bytes do not vectorize (a 16-byte slice costs 10x a
 # contiguous pass), so nibbles are split over whole blocks at once and slicing happens in the
 # one strided copy that also converts to float32; the rest are in-place float ops on `o`.
+
+Maps = tuple[torch.Tensor, "torch.Tensor | None"]
 
 
 def _halves(b: torch.Tensor) -> torch.Tensor:
@@ -104,45 +108,51 @@ def _high32(b: torch.Tensor, at: int) -> torch.Tensor:
     return _fifth_bits(b.device).index_select(0, qh).view(-1, 32)
 
 
-def _q8_0(b: torch.Tensor, o: torch.Tensor) -> None:
+def _d(b: torch.Tensor, at: int = 0) -> torch.Tensor:
+    """The f16 at half `at` of each block, (n, 1, 1) float32: one group's scale or low."""
+    return _halves(b)[:, at : at + 1].float().unsqueeze(-1)
+
+
+def _q8_0(b: torch.Tensor, o: torch.Tensor) -> Maps:
     # f16 d | 32 × int8; x = d q
     o.copy_(b[:, 2:].view(torch.int8))
-    o.mul_(_halves(b)[:, 0:1])
+    return _d(b), None
 
 
-def _q4_0(b: torch.Tensor, o: torch.Tensor) -> None:
+def _q4_0(b: torch.Tensor, o: torch.Tensor) -> Maps:
     # f16 d | 16 bytes: element j is the low nibble of byte j, element j + 16 its high one
-    # x = d (q - 8)
+    # x = d (q - 8) = d q - 8 d: codes stay 0..15, as the int4 kernel takes them
     lo, hi = _nibbles(b)
     o[:, :16], o[:, 16:] = lo[:, 2:], hi[:, 2:]
-    o.sub_(8).mul_(_halves(b)[:, 0:1])
+    d = _d(b)
+    return d, -8 * d
 
 
-def _q4_1(b: torch.Tensor, o: torch.Tensor) -> None:
+def _q4_1(b: torch.Tensor, o: torch.Tensor) -> Maps:
     # f16 d | f16 m | 16 bytes of nibbles as Q4_0; x = d q + m
     lo, hi = _nibbles(b)
     o[:, :16], o[:, 16:] = lo[:, 4:], hi[:, 4:]
-    h = _halves(b)
-    o.mul_(h[:, 0:1]).add_(h[:, 1:2])
+    return _d(b), _d(b, 1)
 
 
-def _q5_0(b: torch.Tensor, o: torch.Tensor) -> None:
+def _q5_0(b: torch.Tensor, o: torch.Tensor) -> Maps:
     # f16 d | u32 of fifth bits | 16 bytes of nibbles as Q4_0; x = d (q - 16)
     lo, hi = _nibbles(b)
     o[:, :16], o[:, 16:] = lo[:, 6:], hi[:, 6:]
-    o.add_(_high32(b, 2)).sub_(16).mul_(_halves(b)[:, 0:1])
+    o.add_(_high32(b, 2)).sub_(16)
+    return _d(b), None
 
 
-def _q5_1(b: torch.Tensor, o: torch.Tensor) -> None:
+def _q5_1(b: torch.Tensor, o: torch.Tensor) -> Maps:
     # f16 d | f16 m | u32 of fifth bits | 16 bytes of nibbles as Q4_0; x = d q + m
     lo, hi = _nibbles(b)
     o[:, :16], o[:, 16:] = lo[:, 8:], hi[:, 8:]
-    h = _halves(b)
-    o.add_(_high32(b, 4)).mul_(h[:, 0:1]).add_(h[:, 1:2])
+    o.add_(_high32(b, 4))
+    return _d(b), _d(b, 1)
 
 
 def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K: d·scale and dmin·min of the 8 sub-blocks of 32, each (n, 8, 1) float32.
+    """Q4_K/Q5_K: d·scale and -dmin·min of the 8 sub-blocks of 32, each (n, 8, 1) float32.
 
     Bytes 4-15 hold 6-bit scales and mins (ggml's get_scale_min_k4): bytes 4-7 scales 0-3 in
     their low 6 bits and the top 2 bits of scales 4-7; bytes 8-11 the same for mins; bytes
@@ -152,7 +162,7 @@ def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sc = torch.cat((s & 0x3F, (sm & 0x0F) | ((s >> 2) & 0x30)), dim=-1)  # (n, 8)
     mn = torch.cat((m & 0x3F, (sm >> 4) | ((m >> 2) & 0x30)), dim=-1)
     h = _halves(b)
-    return (h[:, 0:1].float() * sc).unsqueeze(-1), (h[:, 1:2].float() * mn).unsqueeze(-1)
+    return (h[:, 0:1].float() * sc).unsqueeze(-1), (h[:, 1:2].float() * mn).neg_().unsqueeze(-1)
 
 
 def _k_nibbles(b: torch.Tensor, at: int, o: torch.Tensor) -> None:
@@ -163,24 +173,23 @@ def _k_nibbles(b: torch.Tensor, at: int, o: torch.Tensor) -> None:
     o4[:, :, 1] = hi[:, at : at + 128].view(-1, 4, 32)
 
 
-def _q4_k(b: torch.Tensor, o: torch.Tensor) -> None:
+def _q4_k(b: torch.Tensor, o: torch.Tensor) -> Maps:
     # f16 d | f16 dmin | 12 bytes of scales and mins | 128 bytes of nibbles
     # x = d sc q - dmin m, 8 sub-blocks of 32
-    d, dm = _k_scales(b)
     _k_nibbles(b, 16, o)
-    o.view(-1, 8, 32).mul_(d).sub_(dm)
+    return _k_scales(b)
 
 
-def _q5_k(b: torch.Tensor, o: torch.Tensor) -> None:
+def _q5_k(b: torch.Tensor, o: torch.Tensor) -> Maps:
     # as Q4_K with 32 bytes of fifth bits before the nibbles: bit i of byte j is element 32 i + j
-    d, dm = _k_scales(b)
     _k_nibbles(b, 48, o)
     shifts = torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)
     fifth = (b[:, 16:48].unsqueeze(1) >> shifts) & 1  # (n, 8, 32)
-    o.view(-1, 8, 32).add_(fifth, alpha=16).mul_(d).sub_(dm)
+    o.view(-1, 8, 32).add_(fifth, alpha=16)
+    return _k_scales(b)
 
 
-def _q6_k(b: torch.Tensor, o: torch.Tensor) -> None:
+def _q6_k(b: torch.Tensor, o: torch.Tensor) -> Maps:
     # 128 bytes of low nibbles | 64 bytes of 2-bit highs | 16 × int8 scales | f16 d
     # x = d sc (q - 32), 16 sub-blocks of 16. Each half of 128 elements takes 64 low bytes
     # (low nibbles, then high ones) and 32 high bytes (bit pairs 0-1, 2-3, 4-5, 6-7 in turn).
@@ -191,11 +200,12 @@ def _q6_k(b: torch.Tensor, o: torch.Tensor) -> None:
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
     top = (b[:, 128:192].view(-1, 2, 1, 32) >> shifts) & 3  # (n, 2, 4, 32)
     o.view(-1, 2, 4, 32).add_(top, alpha=16)
+    o.sub_(32)
     d = _halves(b)[:, 104:105].float() * b[:, 192:208].view(torch.int8)  # (n, 16)
-    o.sub_(32).view(-1, 16, 16).mul_(d.unsqueeze(-1))
+    return d.unsqueeze(-1), None
 
 
-_DECODERS: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {
+_DECODERS: dict[str, Callable[[torch.Tensor, torch.Tensor], Maps]] = {
     "Q8_0": _q8_0,
     "Q4_0": _q4_0,
     "Q4_1": _q4_1,
@@ -289,69 +299,98 @@ def dequantize(
     for i in range(0, blocks.shape[0], step):
         chunk = out_blocks[i : i + step]
         o = chunk if scratch is None else scratch[: chunk.shape[0]]
-        decode(blocks[i : i + step], o)
+        scale, low = decode(blocks[i : i + step], o)
+        groups = o.view(o.shape[0], scale.shape[1], -1).mul_(scale)
+        if low is not None:
+            groups.add_(low)
         if scratch is not None:
             chunk.copy_(o)
     return out.view(shape)
 
 
-@dataclass
-class FourBit:
-    """A matrix kept as its file stores it: 4-bit codes and one affine map per 32 weights,
-    w[o, 32 g + j] = scale[o, g] * q[o, 32 g + j] + low[o, g] (exact for FOUR_BIT_TYPES)."""
+# The ggml types a matrix can be kept in as codes (`coded`), and their codes' bits and group
+# sizes. 4-bit codes are 0..15 with a low per group (what torch's int4 kernels take); the others
+# are int8: Q5_0, Q6_K and Q8_0 signed and without a low.
+CODED_TYPES: dict[str, tuple[int, int]] = {
+    "Q4_0": (4, 32), "Q4_1": (4, 32), "Q4_K": (4, 32), "Q5_0": (5, 32), "Q5_1": (5, 32),
+    "Q5_K": (5, 32), "Q6_K": (6, 16), "Q8_0": (8, 32),
+}  # fmt: skip
 
-    q: torch.Tensor  # (out, in) uint8 codes 0..15
-    scale: torch.Tensor  # (out, in / 32) float32
-    low: torch.Tensor  # (out, in / 32) float32
+
+@dataclass
+class Coded:
+    """A matrix kept as its file stores it: integer codes and one affine map per `group`
+    weights, w[o, group g + j] = scale[o, g] * q[o, group g + j] + low[o, g] (low 0 where None),
+    exact for CODED_TYPES: ggml's values bit for bit."""
+
+    q: torch.Tensor  # (out, in) int8 codes of `bits` bits
+    scale: torch.Tensor  # (out, in / group) float32
+    low: torch.Tensor | None  # (out, in / group) float32, or None: 0
+    group: int
+    bits: int
 
     @property
     def shape(self) -> torch.Size:
         return self.q.shape
 
-    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> FourBit:
-        """The same rows rearranged: `fn` (e.g. a permutation of rows) applied to every part."""
-        return FourBit(fn(self.q), fn(self.scale), fn(self.low))
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Coded:
+        """The same rows rearranged (or moved): `fn` (e.g. a permutation of rows) applied to every part."""
+        low = None if self.low is None else fn(self.low)
+        return Coded(fn(self.q), fn(self.scale), low, self.group, self.bits)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(out, in) in `dtype`, computed in float32."""
         out, n = self.q.shape
-        w = self.q.float().view(out, -1, 32) * self.scale.unsqueeze(-1) + self.low.unsqueeze(-1)
+        w = self.q.view(out, -1, self.group).float() * self.scale.unsqueeze(-1)
+        if self.low is not None:
+            w += self.low.unsqueeze(-1)
         return w.view(out, n).to(dtype)
 
+    def regrouped(self, group: int) -> Coded:
+        """The same matrix with maps per `group` weights (a divisor of this one's): each map repeated."""
+        if group == self.group:
+            return self
+        times = self.group // group
+        low = None if self.low is None else self.low.repeat_interleave(times, dim=1)
+        return Coded(self.q, self.scale.repeat_interleave(times, dim=1), low, group, self.bits)
+
     @staticmethod
-    def cat(parts: Sequence[FourBit]) -> FourBit:
-        """Stacked along `out` (fused projections)."""
-        return FourBit(*(torch.cat([getattr(p, k) for p in parts]) for k in ("q", "scale", "low")))
+    def cat(parts: Sequence[Coded]) -> Coded:
+        """Stacked along `out` (fused projections), mixed types too (a Q4_K_M file's Q4_K queries
+        beside Q6_K values): maps per the smallest group, a low where any part has one."""
+        group = min(p.group for p in parts)
+        parts = [p.regrouped(group) for p in parts]
+        lows = None
+        if any(p.low is not None for p in parts):
+            lows = torch.cat([torch.zeros_like(p.scale) if p.low is None else p.low for p in parts])
+        return Coded(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), lows,
+                     group, max(p.bits for p in parts))  # fmt: skip
 
 
-def four_bit(data: torch.Tensor, type_name: str, shape: tuple[int, ...], *,
-             label: str = "data") -> FourBit:  # fmt: skip
-    """Raw bytes of a 2-D Q4_0, Q4_1 or Q4_K tensor → its codes and groups (no dequantization).
-
-    Q4_0: scale d, low -8d; Q4_1: d and m; Q4_K: each sub-block of 32 has d·sc and -dmin·m.
-    """
+def coded(data: torch.Tensor, type_name: str, shape: tuple[int, ...], *,
+          label: str = "data") -> Coded:  # fmt: skip
+    """Raw bytes of a 2-D matrix in one of CODED_TYPES → its codes and maps (no dequantization)."""
     shape = tuple(int(d) for d in shape)
     _check(data, type_name, shape, label)
-    if type_name not in FOUR_BIT_TYPES or len(shape) != 2:
-        raise WeightsError(f"{label}: {type_name} {list(shape)} is not a 4-bit matrix")
+    if type_name not in CODED_TYPES or len(shape) != 2:
+        raise WeightsError(f"{label}: {type_name} {list(shape)} is not a matrix of codes")
     out, n = shape
+    bits, group = CODED_TYPES[type_name]
     gtype = GGML_TYPE_BY_NAME[type_name]
-    b = _aligned(data).view(-1, gtype.type_size)
-    lo, hi = _nibbles(b)
-    h = _halves(b)
-    if type_name == "Q4_K":
-        q = torch.empty(b.shape[0], 256, dtype=torch.uint8, device=b.device)
-        q4 = q.view(-1, 4, 2, 32)
-        q4[:, :, 0] = lo[:, 16:144].view(-1, 4, 32)
-        q4[:, :, 1] = hi[:, 16:144].view(-1, 4, 32)
-        d, dm = _k_scales(b)  # (n_blocks, 8, 1) each
-        scale, low = d.view(out, -1), -dm.view(out, -1)
-    else:
-        at = 2 if type_name == "Q4_0" else 4
-        q = torch.cat((lo[:, at:], hi[:, at:]), dim=-1)  # (n_blocks, 32)
-        scale = h[:, 0].float().view(out, -1)
-        low = -8 * scale if type_name == "Q4_0" else h[:, 1].float().view(out, -1)
-    return FourBit(q.view(out, n), scale, low)
+    blocks = _aligned(data).view(-1, gtype.type_size)
+    q = torch.empty(blocks.shape[0], gtype.block_size, dtype=torch.int8, device=data.device)
+    step = max(1, _chunk_elements() // gtype.block_size)
+    o = torch.empty(min(step, blocks.shape[0]), gtype.block_size, device=data.device)
+    scales, lows = [], []
+    for i in range(0, blocks.shape[0], step):
+        chunk = q[i : i + step]
+        scale, low = _DECODERS[type_name](blocks[i : i + step], o[: chunk.shape[0]])
+        chunk.copy_(o[: chunk.shape[0]])  # small integers: exact
+        scales.append(scale.flatten(1))
+        lows.append(low)
+    scale = torch.cat(scales).view(out, -1)
+    low = None if lows[0] is None else torch.cat([x.flatten(1) for x in lows]).view(out, -1)
+    return Coded(q.view(out, n), scale, low, group, bits)
 
 
 def _info(f: GGUFFile, name: str) -> tuple[TensorInfo, str, tuple[int, ...]]:
@@ -400,16 +439,17 @@ def iter_tensors(
     *,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    keep_four_bit: Container[str] = (),
-) -> Iterator[tuple[str, torch.Tensor | FourBit]]:
+    keep_coded: Container[str] = (),
+) -> Iterator[tuple[str, torch.Tensor | Coded]]:
     """`(name, tensor(f, name, ...))` for `names` (default: every tensor, in file order), decoded
     one at a time so a caller that converts or drops each one never holds two full copies.
-    Names in `keep_four_bit` whose type is one of FOUR_BIT_TYPES come as `FourBit` instead."""
+    Matrices named in `keep_coded` whose type is one of CODED_TYPES come as `Coded` instead, on
+    the CPU (a linear layer moves what it keeps)."""
     for name in f.tensors if names is None else names:
-        info = f.tensors.get(name) if name in keep_four_bit else None
-        if info is not None and info.ggml_type.name in FOUR_BIT_TYPES and len(info.shape) == 2:
+        info = f.tensors.get(name) if name in keep_coded else None
+        if info is not None and info.ggml_type.name in CODED_TYPES and len(info.shape) == 2:
             _, label, shape = _info(f, name)
-            yield name, four_bit(_bytes(f, name), info.ggml_type.name, shape, label=label)
+            yield name, coded(_bytes(f, name), info.ggml_type.name, shape, label=label)
         else:
             yield name, tensor(f, name, dtype=dtype, device=device)
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from localllm.backends.torch import quantized
-from localllm.backends.torch.quantized import Fp16Linear, Int4Linear, quantize_linear
-from localllm.backends.torch.weights import FourBit
+from localllm.backends.torch import quantized, weights
+from localllm.backends.torch.quantized import Fp16Linear, Int4Linear, Int8Linear, quantize_linear
+from localllm.backends.torch.weights import Coded
 from localllm.gguf_file import GGUFFile
 
 from conftest import need
@@ -183,13 +183,22 @@ def test_default_model_keeps_fp32_predictions(default_model_path: Path, corpus_d
 BF16_EPS = 2.0**-8  # bf16's spacing relative to a value: rounding errs by at most half of it
 
 
-def four_bit(out_f: int, in_f: int, seed: int = 0) -> FourBit:
+def four_bit(out_f: int, in_f: int, seed: int = 0) -> Coded:
     """Random codes with Q4_1-like groups: low ≈ -8 scale, scale ~ 0.01."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (out_f, in_f), generator=g, dtype=torch.uint8)
+    q = torch.randint(0, 16, (out_f, in_f), generator=g, dtype=torch.int8)
     scale = torch.rand(out_f, in_f // 32, generator=g) * 0.02 + 1e-3
     low = -8 * scale + torch.randn(out_f, in_f // 32, generator=g) * 1e-3
-    return FourBit(q, scale, low)
+    return Coded(q, scale, low, 32, 4)
+
+
+def eight_bit(out_f: int, in_f: int, *, group: int, low: bool, seed: int = 0) -> Coded:
+    """Random int8 codes in groups of `group` (Q8_0-like without a low, Q5_K-like with one)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (out_f, in_f), generator=g, dtype=torch.int8)
+    scale = torch.rand(out_f, in_f // group, generator=g) * 1e-3 + 1e-5
+    lows = torch.randn(out_f, in_f // group, generator=g) * 1e-2 if low else None
+    return Coded(q, scale, lows, group, 8)
 
 
 def bf16(t: torch.Tensor) -> torch.Tensor:
@@ -261,30 +270,55 @@ def test_int4_gpu_branch_passes_torchs_shape_checks_on_meta() -> None:
     assert y.shape == (2, 3, 48) and y.dtype == torch.float32
 
 
-def test_device_linear_keeps_every_4_bit_matrix_4_bit() -> None:
-    """The factory a GPU's int4 precision loads with, run here on the CPU's kernel: 4-bit
-    matrices the kernel takes stay codes, every projection (attention's too) is asked for them,
-    and the rest are plain Linears in the compute dtype holding the exact decoded weights."""
+def test_device_linear_keeps_every_quantized_matrix_coded() -> None:
+    """The factory a GPU's int4 precision loads with, run here on the CPU's kernel: every
+    projection (attention's too) is asked for its codes; 4-bit matrices the kernel takes stay
+    4-bit, other codes (and 4-bit ones it does not take) are int8, and float matrices are plain
+    Linears in the compute dtype, shared, not copied."""
     from localllm.backends.torch.models.base import device_linear
 
     linear = device_linear(torch.device("cpu"), torch.bfloat16)
-    assert "layers.0.attention.wqkv".endswith(linear.four_bit)
+    assert "layers.0.attention.wqkv".endswith(linear.coded) and "output".endswith(linear.coded)
     assert isinstance(linear(four_bit(32, 64)), Int4Linear)
-    odd = linear(four_bit(24, 64))  # rows the kernel does not take: decoded once, in bf16
-    assert isinstance(odd, torch.nn.Linear) and odd.weight.dtype == torch.bfloat16
-    assert torch.equal(odd.weight, four_bit(24, 64).dequantize(torch.bfloat16))
+    odd = linear(four_bit(24, 64))  # rows the kernel does not take: int8 codes
+    assert isinstance(odd, Int8Linear) and odd.q.dtype == torch.int8
+    assert torch.equal(odd.dequantize(torch.bfloat16), four_bit(24, 64).dequantize(torch.bfloat16))
+    assert isinstance(linear(eight_bit(24, 64, group=16, low=False)), Int8Linear)
     w, b = make(32, 64, bias=True)
     dense = linear(w, b)
     assert isinstance(dense, torch.nn.Linear) and dense.weight.data_ptr() == w.data_ptr()
 
 
-def test_device_linear_without_the_kernel_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_device_linear_without_the_kernel_keeps_4_bit_codes_in_int8(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from localllm.backends.torch.models.base import device_linear
 
     monkeypatch.setattr(quantized, "int4_available", lambda device="cpu": False)
     layer = device_linear(torch.device("cpu"), torch.bfloat16)(four_bit(32, 64))
-    assert isinstance(layer, torch.nn.Linear)
-    assert torch.equal(layer.weight, four_bit(32, 64).dequantize(torch.bfloat16))
+    assert isinstance(layer, Int8Linear)
+    assert torch.equal(layer.dequantize(), four_bit(32, 64).dequantize())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("group,low", [(32, False), (16, False), (32, True)],
+                         ids=["q8_0-like", "q6_k-like", "q5_k-like"])  # fmt: skip
+def test_int8_is_the_files_matrix_decoded_to_the_input_dtype(dtype: torch.dtype, group: int,
+                                                             low: bool) -> None:  # fmt: skip
+    """Int8Linear computes exactly F.linear over the file's values rounded once to the input's
+    dtype: the numbers of a model decoded up front, at 1 byte a weight (plus the maps)."""
+    w = eight_bit(48, 96, group=group, low=low)
+    b = torch.randn(48)
+    layer = Int8Linear(w, b)
+    for rows in (1, 5):
+        x = torch.randn(2, rows, 96).to(dtype)
+        got = layer(x)
+        assert got.dtype == dtype and got.shape == (2, rows, 48)
+        assert torch.equal(got, F.linear(x, w.dequantize(dtype), b.to(dtype)))
+    assert torch.equal(layer.dequantize(), w.dequantize())
+    per_weight = sum(t.numel() * t.element_size() for t in (layer.q, layer.scale, layer.low)
+                     if t is not None) / w.q.numel()  # fmt: skip
+    assert per_weight == 1 + 4 / group * (2 if low else 1)
 
 
 def test_int4_model_through_device_linear_matches_the_cpu_kernel(default_model_path: Path) -> None:
@@ -299,14 +333,60 @@ def test_int4_model_through_device_linear_matches_the_cpu_kernel(default_model_p
         model = build_model(f, dtype=torch.bfloat16, linear=device_linear(torch.device("cpu"),
                                                                           torch.bfloat16))  # fmt: skip
         ref = build_model(f)
+        embedding = weights.tensor(f, "token_embd.weight")
     assert isinstance(model.layers[0].attention.wqkv, Int4Linear)
     assert isinstance(model.layers[29].feed_forward.w2, Int4Linear)
+    # the tied head is the Q8_0 embedding's codes, not a bf16 copy of it
+    assert isinstance(model.output, Int8Linear) and torch.equal(model.output.dequantize(), embedding)
     ids = torch.tensor([[1, 504, 3156, 282, 253, 655, 314, 1115, 28, 357, 2092, 288]])
     with torch.no_grad():
         got = model.logits(model(ids, [model.make_caches(16)])).float().log_softmax(-1)
         want = ref.logits(ref(ids, [ref.make_caches(16)])).log_softmax(-1)
     kl = (want.exp() * (want - got)).sum(-1)
     assert float(kl.max()) < 0.05, kl.tolist()
+
+
+def test_int8_compiles_to_one_graph_with_the_eager_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a compiled GPU step does with an int8 matrix (the decode traced into the graph, no
+    break), here with inductor's CPU backend: the same bits as eager."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    layer = Int8Linear(eight_bit(48, 96, group=16, low=True), torch.randn(48))
+    compiled = torch.compile(layer, fullgraph=True)
+    for rows in (1, 5):
+        x = torch.randn(2, rows, 96).to(torch.bfloat16)
+        assert torch.equal(compiled(x), layer(x))
+
+
+def test_mixed_types_stay_coded_and_compute_as_decoded(gemma_model_path: Path) -> None:
+    """Gemma 3's Q4_K_M file fuses Q4_K with Q6_K parts (and has Q8_0/Q5_* matrices): loaded as
+    a GPU's int4 loads it, no projection is a bf16 copy, and the logits are bit for bit those of
+    the same model with every non-int4 matrix decoded to bf16 up front."""
+    from localllm.backends.torch.models import build_model
+    from localllm.backends.torch.models.base import default_linear, device_linear
+
+    def decoded(w: torch.Tensor | Coded, b: torch.Tensor | None = None) -> torch.nn.Module:
+        if isinstance(w, Coded):
+            if Int4Linear.fits(w):
+                return Int4Linear(w, b)
+            w = w.dequantize(torch.bfloat16)
+        return default_linear(w, b)
+
+    decoded.coded = ("",)  # type: ignore[attr-defined]
+    with GGUFFile(gemma_model_path) as f:
+        types = {info.ggml_type.name for name, info in f.tensors.items() if name.startswith("blk.")}
+        model = build_model(f, dtype=torch.bfloat16, linear=device_linear(torch.device("cpu"),
+                                                                          torch.bfloat16))  # fmt: skip
+        ref = build_model(f, dtype=torch.bfloat16, linear=decoded)
+    assert {"Q4_K", "Q6_K"} <= types, types
+    kinds = {type(m) for name, m in model.named_modules() if name.endswith(("wqkv", "wo", "w13", "w2", "output"))}
+    assert kinds == {Int4Linear, Int8Linear}, kinds
+    ids = torch.tensor([[2, 818, 5279, 529, 7001, 563]])
+    with torch.no_grad():
+        got = model.logits(model(ids, [model.make_caches(8)]))
+        want = ref.logits(ref(ids, [ref.make_caches(8)]))
+    assert torch.equal(got, want)
 
 
 def test_default_model_int4_layout(default_model_path: Path) -> None:

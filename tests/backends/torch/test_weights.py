@@ -19,12 +19,12 @@ import torch  # noqa: E402
 
 from localllm.backends.torch import weights  # noqa: E402
 from localllm.backends.torch.weights import (  # noqa: E402
-    FOUR_BIT_TYPES,
+    CODED_TYPES,
     SUPPORTED_TYPES,
-    FourBit,
+    Coded,
     WeightsError,
+    coded,
     dequantize,
-    four_bit,
     iter_tensors,
     raw,
     tensor,
@@ -93,27 +93,47 @@ def test_random_blocks_match_gguf_exactly(type_name: str) -> None:
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("type_name", FOUR_BIT_TYPES)
-def test_four_bit_codes_and_groups_are_the_tensor(type_name: str) -> None:
-    """Kept as codes and per-32 (scale, low): scale * q + low is gguf's float32 value (to
-    float32 rounding: ggml computes Q4_0 as d (q - 8), this as d q - 8d), every code 0..15."""
+@pytest.mark.parametrize("type_name", CODED_TYPES)
+def test_codes_and_groups_are_the_tensor_bit_for_bit(type_name: str) -> None:
+    """Kept as int8 codes and per-group (scale, low): scale * q + low is gguf's float32 value
+    exactly (every product is exact in float32; only a K type's min rounds, once, as in ggml);
+    4-bit codes are 0..15 with a low (what the int4 kernels take)."""
     shape = (4, 2 * GGML_TYPE_BY_NAME[type_name].block_size)
     data = random_bytes(type_name, shape, np.random.default_rng(11))
-    fb = four_bit(as_bytes(data), type_name, shape)
-    assert fb.shape == shape and fb.q.dtype == torch.uint8 and int(fb.q.max()) <= 15
-    assert fb.scale.shape == fb.low.shape == (shape[0], shape[1] // 32)
-    want = oracle(data, type_name)
-    assert torch.allclose(fb.dequantize(), want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+    m = coded(as_bytes(data), type_name, shape)
+    bits, group = CODED_TYPES[type_name]
+    assert (m.bits, m.group) == (bits, group) and m.shape == shape and m.q.dtype == torch.int8
+    assert m.scale.shape == (shape[0], shape[1] // group)
+    if bits == 4:
+        assert int(m.q.min()) >= 0 and int(m.q.max()) <= 15 and m.low is not None
+    else:
+        assert -(2 ** (bits - 1)) <= int(m.q.min()) and int(m.q.max()) < 2**bits
+    assert torch.equal(m.dequantize(), oracle(data, type_name))
     rows = torch.tensor([2, 0, 3, 1])
-    both = FourBit.cat([fb, fb.map(lambda t: t[rows])])  # fusing parts; permuting rows
-    assert torch.equal(both.dequantize(), torch.cat([fb.dequantize(), fb.dequantize()[rows]]))
+    both = Coded.cat([m, m.map(lambda t: t[rows])])  # fusing parts; permuting rows
+    assert torch.equal(both.dequantize(), torch.cat([m.dequantize(), m.dequantize()[rows]]))
 
 
-def test_four_bit_refuses_other_types() -> None:
-    shape = block_shape("Q8_0")[1:]
-    data = as_bytes(random_bytes("Q8_0", shape, np.random.default_rng(12)))
-    with pytest.raises(WeightsError, match="Q8_0 .* is not a 4-bit matrix"):
-        four_bit(data, "Q8_0", shape)
+def test_fused_parts_of_mixed_types_keep_every_value() -> None:
+    """A Q4_K_M file fuses Q4_K queries with Q6_K values (groups of 32 and 16, a low and none)
+    and Q8_0: one Coded with the smallest group and the widest codes, the same values."""
+    rng = np.random.default_rng(13)
+    parts = [coded(as_bytes(random_bytes(t, (16, 256), rng)), t, (16, 256))
+             for t in ("Q4_K", "Q6_K", "Q8_0")]  # fmt: skip
+    fused = Coded.cat(parts)
+    assert (fused.group, fused.bits, fused.shape) == (16, 8, (48, 256)) and fused.low is not None
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    assert torch.equal(fused.dequantize(torch.bfloat16),
+                       torch.cat([p.dequantize() for p in parts]).to(torch.bfloat16))  # fmt: skip
+
+
+def test_codes_refuse_other_types_and_shapes() -> None:
+    data = as_bytes(random_bytes("F16", (2, 64), np.random.default_rng(12)))
+    with pytest.raises(WeightsError, match="F16 .* is not a matrix of codes"):
+        coded(data, "F16", (2, 64))
+    data = as_bytes(random_bytes("Q8_0", (2, 3, 64), np.random.default_rng(12)))
+    with pytest.raises(WeightsError, match=r"Q8_0 \[2, 3, 64\] is not a matrix of codes"):
+        coded(data, "Q8_0", (2, 3, 64))
 
 
 @pytest.mark.parametrize(
@@ -155,15 +175,19 @@ def test_chunks_cover_the_tensor_and_bound_temporaries(
     seen: list[int] = []
     decode = weights._DECODERS[type_name]
 
-    def spy(b: torch.Tensor, o: torch.Tensor) -> None:
+    def spy(b: torch.Tensor, o: torch.Tensor) -> weights.Maps:
         seen.append(b.shape[0])
-        decode(b, o)
+        return decode(b, o)
 
     monkeypatch.setitem(weights._DECODERS, type_name, spy)
     data = random_bytes(type_name, (2, 5 * bs), np.random.default_rng(3))
     got = dequantize(as_bytes(data), type_name, (2, 5 * bs), dtype=dtype)
     assert seen == [3, 3, 3, 1]
     assert torch.equal(got, oracle(data, type_name).to(dtype))
+    if type_name in CODED_TYPES:  # the codes come in the same chunks
+        seen.clear()
+        assert torch.equal(coded(as_bytes(data), type_name, (2, 5 * bs)).dequantize(dtype), got)
+        assert seen == [3, 3, 3, 1]
 
 
 def test_torch_order_is_ggml_order_reversed(tmp_path: Path) -> None:
@@ -254,11 +278,13 @@ def test_iter_tensors_one_at_a_time_in_file_order(
         assert out["Q4_K.weight"].dtype == torch.bfloat16
         assert torch.equal(out["Q4_K.weight"], tensor(f, "Q4_K.weight").to(torch.bfloat16))
         assert tensor(f, "norm.weight", dtype=torch.float16).dtype == torch.float32
-        kept = dict(iter_tensors(f, keep_four_bit={"Q4_1.weight", "Q8_0.weight", "norm.weight"}))
-        assert isinstance(kept["Q4_1.weight"], FourBit)  # asked for and 4-bit
-        assert torch.equal(kept["Q4_1.weight"].dequantize(), tensor(f, "Q4_1.weight"))
-        assert isinstance(kept["Q8_0.weight"], torch.Tensor)  # asked for, not 4-bit: dense
-        assert isinstance(kept["Q4_K.weight"], torch.Tensor)  # 4-bit, not asked for
+        kept = dict(iter_tensors(f, keep_coded={"Q4_1.weight", "Q6_K.weight", "F16.weight",
+                                                "norm.weight"}))  # fmt: skip
+        for name in ("Q4_1.weight", "Q6_K.weight"):  # asked for and coded
+            assert isinstance(kept[name], Coded), name
+            assert torch.equal(kept[name].dequantize(), tensor(f, name))
+        assert isinstance(kept["F16.weight"], torch.Tensor)  # asked for, floats: dense
+        assert isinstance(kept["Q4_K.weight"], torch.Tensor)  # coded, not asked for
 
 
 def test_decoding_runs_on_the_target_device(

@@ -18,13 +18,13 @@ from torch import nn
 
 from localllm.backends.torch.cache import BLOCK, Pages
 from localllm.backends.torch.kvquant import Kivi, Plain, stored
-from localllm.backends.torch.weights import FourBit
+from localllm.backends.torch.weights import Coded
 from localllm.errors import InconsistentModel
 from localllm.gguf_file import GGUFFile
 
 # `linear(weight (out, in), bias | None) -> nn.Module`: builds a projection from loaded weights.
-# A factory with `four_bit = (suffixes of module names)` takes those projections' 4-bit matrices
-# as `weights.FourBit` (the file's codes and groups, as stored) where the file has them.
+# A factory with `coded = (suffixes of module names)` takes those projections' quantized matrices
+# as `weights.Coded` (the file's codes and groups, as stored) where the file has them.
 LinearFactory = Callable[[torch.Tensor, "torch.Tensor | None"], nn.Module]
 
 # llama.cpp's tensor names → ours. Projections that run on the same input are fused into one
@@ -738,22 +738,24 @@ def default_linear(weight: torch.Tensor, bias: torch.Tensor | None, *,
 
 
 def device_linear(device: torch.device, dtype: torch.dtype) -> Callable[..., nn.Module]:
-    """What a GPU's int4 precision passes to build_model(linear=...): every 4-bit matrix of the
-    file moves to `device` as its codes (1 byte a weight on the way, never a bf16 copy) and stays
-    4-bit (`Int4Linear`, tinygemm's kernel) where the kernel is there and takes it; every other
-    matrix comes decoded on the device in `dtype` (a plain Linear). All projections, attention's
-    too: on a GPU the activations are bf16 anyway, so the kernel's rounding adds nothing."""
+    """What a GPU's int4 precision passes to build_model(linear=...): every quantized matrix of
+    the file moves to `device` as its codes (1 byte a weight on the way, never a bf16 copy) and
+    stays coded there: 4-bit ones as `Int4Linear` (tinygemm's kernel) where the kernel is there
+    and takes them, the rest (Q8_0, Q6_K, Q5_*; 4-bit ones the kernel does not take) as
+    `Int8Linear`. Float matrices (F16, BF16, F32) come as plain Linears in `dtype`. All
+    projections, attention's and a tied head's too: on a GPU the activations are bf16 anyway, so
+    the kernels' roundings add nothing."""
     from localllm.backends.torch import quantized
 
-    def linear(weight: torch.Tensor | FourBit, bias: torch.Tensor | None = None) -> nn.Module:
-        if isinstance(weight, FourBit):
+    def linear(weight: torch.Tensor | Coded, bias: torch.Tensor | None = None) -> nn.Module:
+        if isinstance(weight, Coded):
             weight = weight.map(lambda t: t.to(device))
             if quantized.int4_available(device.type) and quantized.Int4Linear.fits(weight):
                 return quantized.Int4Linear(weight, bias)
-            weight = weight.dequantize(dtype)
+            return quantized.Int8Linear(weight, bias)
         return default_linear(weight, bias)
 
-    linear.four_bit = ("",)  # type: ignore[attr-defined]  # every projection's name ends so
+    linear.coded = ("",)  # type: ignore[attr-defined]  # every projection's name ends so
     return linear
 
 
@@ -810,7 +812,7 @@ def load_weights(model: nn.Module, f: GGUFFile, *, dtype: torch.dtype, device: t
     (Llama un-permutes q/k). Model hooks: `model.rope_freqs(tensor)` takes `rope_freqs.weight`;
     no `output.weight` means the head is tied to the embedding.
     """
-    from localllm.backends.torch.weights import iter_tensors
+    from localllm.backends.torch.weights import CODED_TYPES, iter_tensors
 
     path, linear = f.path, linear or default_linear
     targets: dict[str, tuple[str, int, str]] = {}  # GGUF name → (our module, part, weight|bias)
@@ -846,12 +848,12 @@ def load_weights(model: nn.Module, f: GGUFFile, *, dtype: torch.dtype, device: t
             raise InconsistentModel(path, f"tensor {name!r} has shape {tuple(t.shape)}, "
                                           f"expected {want}")  # fmt: skip
 
-    # a `linear` with `four_bit = (module suffixes, ...)` gets those projections' 4-bit matrices
-    # as the file stores them (`FourBit`)
-    four_bit = tuple(getattr(linear, "four_bit", ()))
+    # a `linear` with `coded = (module suffixes, ...)` gets those projections' quantized matrices
+    # as the file stores them (`Coded`)
+    coded = tuple(getattr(linear, "coded", ()))
     keep = {n for n, (module, _, kind) in targets.items()
-            if kind == "weight" and module.endswith(four_bit)}  # fmt: skip
-    for name, t in iter_tensors(f, dtype=dtype, device=device, keep_four_bit=keep):
+            if kind == "weight" and module.endswith(coded)}  # fmt: skip
+    for name, t in iter_tensors(f, dtype=dtype, device=device, keep_coded=keep):
         if name in hooks:
             hooks[name](t)
             continue
@@ -866,7 +868,7 @@ def load_weights(model: nn.Module, f: GGUFFile, *, dtype: torch.dtype, device: t
             name, t, (parts[part], placeholder.in_features) if kind == "weight" else (parts[part],)
         )
         if convert is not None:
-            t = t.map(partial(convert, name)) if isinstance(t, FourBit) else convert(name, t)
+            t = t.map(partial(convert, name)) if isinstance(t, Coded) else convert(name, t)
         got = pending.setdefault(module, {})
         got[(kind, part)] = t if kind == "weight" else t.to(dtype)
         if len(got) < needed[module]:
@@ -878,20 +880,26 @@ def load_weights(model: nn.Module, f: GGUFFile, *, dtype: torch.dtype, device: t
             raise InconsistentModel(path, f"some of the tensors of {module} are missing")
         if len(parts) == 1:
             weight = weights[0]
-        elif all(isinstance(w, FourBit) for w in weights):
-            weight = FourBit.cat(weights)  # type: ignore[arg-type]
-        else:  # 4-bit parts fused with others (Q4_K_M files mix types): all dense
-            weight = torch.cat([w.dequantize(dtype) if isinstance(w, FourBit) else w
+        elif all(isinstance(w, Coded) for w in weights):
+            weight = Coded.cat(weights)  # type: ignore[arg-type]  # a Q4_K_M file's mixed types too
+        else:  # coded parts fused with float ones: all dense
+            weight = torch.cat([w.dequantize(dtype).to(device) if isinstance(w, Coded) else w
                                 for w in weights])  # type: ignore[union-attr]  # fmt: skip
         bias = (torch.cat(biases) if len(parts) > 1 else biases[0]) if n_bias else None  # type: ignore[arg-type]
         del pending[module], got, weights, biases
         _set(model, module, linear(weight, bias))  # type: ignore[arg-type]
 
     if "output.weight" not in f.tensors and "tok_embeddings.weight" in plain.values():
-        # tied: the head reads the embedding matrix (a plain Linear shares it, no copy)
+        # tied: the head reads the embedding matrix (a plain Linear shares it, no copy); a
+        # `linear` that takes the head coded gets the embedding's codes
         emb = model.get_parameter("tok_embeddings.weight").data
-        model.output = (default_linear(emb, None, column_major=False)
-                        if linear is default_linear else linear(emb, None))  # fmt: skip
+        if linear is default_linear:
+            model.output = default_linear(emb, None, column_major=False)
+        elif "output".endswith(coded) and f.tensors["token_embd.weight"].ggml_type.name in CODED_TYPES:
+            _, codes = next(iter_tensors(f, ["token_embd.weight"], keep_coded={"token_embd.weight"}))
+            model.output = linear(codes, None)
+        else:
+            model.output = linear(emb, None)
     for module in pending:
         raise InconsistentModel(path, f"some of the tensors of {module} are missing")
     for pname, p in model.named_parameters():
