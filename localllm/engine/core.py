@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from localllm.backends import Capabilities, check_options
-from localllm.backends.base import MEDIA_MARKER, Piece, Runner
+from localllm.backends.base import MEDIA_MARKER, Choice, Piece, Runner
 from localllm.engine.output import Assembler, Step
 from localllm.engine.reasoning import Splitter, template_args, thinking_of
 from localllm.engine.sampling import Sampler, logprobs
@@ -558,19 +558,33 @@ class Model:
                     lv.left -= len(t)
             out: dict[_Live, list[Step]] = {lv: [] for lv in full}
             if tail:
-                f = r.forward([Piece(lv.slot.sid, t, n) for lv, t, n in tail])
+                marks = {lv: lv.sampler.mark() for lv, _, _ in tail}
+                pieces = [Piece(lv.slot.sid, t, n, self._choice(lv) if lv not in drafts else None)
+                          for lv, t, n in tail]  # fmt: skip
+                try:
+                    f = r.forward(pieces)
+                except BaseException:  # the draws for a step that did not happen are undone
+                    for lv, mark in marks.items():
+                        lv.sampler.rewind(mark)
+                    raise
                 row = 0
-                for lv, t, n in tail:
+                for (lv, t, n), piece in zip(tail, pieces):
                     self._fed(lv, t, f.shifted.get(lv.slot.sid, 0))
-                    rows = f.logits[row : row + n]
-                    row += n
+                    cached = lv.cached if lv.left else 0
+                    if piece.choose is not None:  # the runner chose it: no logits came back
+                        step = self._took(lv, f.chosen[lv.slot.sid], None, cached=cached)
+                    else:
+                        rows = f.logits[row : row + n]
+                        row += n
+                        if lv in drafts and not lv.left:
+                            out[lv] = self._verify(lv, rows, drafts[lv], t0)
+                            continue
+                        step = self._sample(lv, rows[-1], cached=cached)
                     if lv.left:  # its prompt is complete: the first token
                         lv.left = 0
-                        out[lv] = [self._sample(lv, rows[-1], cached=lv.cached)]
-                    elif lv in drafts:
-                        out[lv] = self._verify(lv, rows, drafts[lv], t0)
+                        out[lv] = [step]
                     else:
-                        out[lv] = [replace(self._sample(lv, rows[-1]), passes=1)]
+                        out[lv] = [replace(step, passes=1)]
         except OutOfBlocks as e:  # the failed forward changed nothing: the next step retries
             self._make_room(running, _one_line(e))
             return
@@ -640,6 +654,15 @@ class Model:
             slot.tokens = []
         if slot.exact:
             slot.tokens.extend(tokens)
+
+    def _choice(self, live: _Live) -> Choice | None:
+        """How the runner may choose the sequence's next token on its device (drawing its
+        uniform now), or None where the engine samples from the logits: a runner without that,
+        a grammar, logprobs, penalties."""
+        if (not self.runner.samples_on_device or live.constraint is not None
+                or live.asm.request.sampling.logprobs is not None):  # fmt: skip
+            return None
+        return live.sampler.choice()
 
     def _sample(self, live: _Live, logits: Any, *, cached: int = 0) -> Step:
         if live.constraint is not None:

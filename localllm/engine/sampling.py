@@ -3,8 +3,8 @@ same thing by the same `SamplingParams`): penalties → top-k → top-p → min-
 
 It works on one row of logits, a numpy float32 array (n_vocab,) as `Runner.forward` returns it.
 Greedy with no penalties is a bare argmax (the first largest logit, as llama.cpp's greedy sampler).
-A sampling chain narrows to the top-k candidates first (`argpartition`: no sort of the whole
-vocabulary) and works on those; a seed fixes the sequence's own generator (PCG64), so the same seed
+A sampling chain narrows to the top-k candidates first (a partition: no sort of the whole
+vocabulary; logit descending, ties by token id) and works on those; a seed fixes the sequence's own generator (PCG64), so the same seed
 gives the same tokens on either runner, alone or beside other sequences.
 
 llama.cpp's C sampler chain is not used: its generator (mt19937 inside `dist`) is not numpy's, so a
@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from localllm.backends.base import Choice
 from localllm.types import SamplingParams
 
 __all__ = ["Sampler", "logprobs"]
@@ -68,9 +69,14 @@ class Sampler:
         s = self.params
         x = self.penalized(logits, history)
         v = x.shape[-1]
-        if 0 < s.top_k < v:
-            ids = np.argpartition(-x, s.top_k - 1)[: s.top_k]
-            ids = ids[np.argsort(-x[ids], kind="stable")]
+        if 0 < s.top_k < v:  # every logit above the k-th largest, then the lowest ids equal to it
+            kth = np.partition(x, v - s.top_k)[v - s.top_k]
+            ids = np.flatnonzero(x >= kth)
+            if len(ids) > s.top_k:
+                above = np.flatnonzero(x > kth)
+                ids = np.concatenate((above, np.flatnonzero(x == kth)[: s.top_k - len(above)]))
+                ids.sort()
+            ids = ids[np.argsort(-x[ids], kind="stable")]  # ties by id
         else:
             ids = np.argsort(-x, kind="stable")
         z = x[ids].astype(np.float64)
@@ -117,6 +123,15 @@ class Sampler:
         p = np.exp(z - z.max())
         return int(ids[self._pick(p)])
 
+    def choice(self) -> Choice | None:
+        """This sampler's next draw as a runner that samples on its device takes it
+        (`backends.base.Choice`; the uniform comes from this sequence's generator now), or None
+        where the chain needs the host (penalties read the history)."""
+        if self.penalize:
+            return None
+        s = self.params
+        return Choice(s.temperature, s.top_k, s.top_p, s.min_p, None if self.greedy else self.uniform())
+
     # -- randomness --------------------------------------------------------------------------------
 
     def _pick(self, weights: np.ndarray) -> int:
@@ -124,6 +139,14 @@ class Sampler:
         cdf = np.cumsum(weights)
         i = int(np.searchsorted(cdf, self.uniform() * cdf[-1], side="right"))
         return min(i, len(cdf) - 1)
+
+    def mark(self) -> object:
+        """Where the generator stands (`rewind` goes back there: draws for a step that failed)."""
+        return None if self.rng is None else self.rng.bit_generator.state
+
+    def rewind(self, mark: object) -> None:
+        if mark is not None and self.rng is not None:
+            self.rng.bit_generator.state = mark
 
     def draw(self, probs: np.ndarray) -> int:
         """A token drawn from (n_vocab,) probabilities."""
