@@ -316,7 +316,9 @@ class Int8Linear(nn.Module):
 
     The matrix is decoded in float32 (exactly ggml's values) and rounded once to the input's
     dtype, then multiplied: the same numbers as the file decoded to that dtype up front. Eager,
-    that decode is a full-size temporary at every call; compiled, inductor folds the dequantize
+    that decode is a temporary at every call (a block of rows at a time past `chunk` weights,
+    each block's product apart: the same values, summed as a GEMM of that many rows sums them);
+    compiled, inductor folds the dequantize
     into the product of a decode step (a small-row matmul becomes a pointwise-and-reduce kernel
     that reads the int8 codes), as gpt-fast's int8 weight-only path (`F.linear(x, w.to(dtype))
     * scales`) relies on. Ours keeps the file's groups instead of one scale per row: requantizing
@@ -333,13 +335,23 @@ class Int8Linear(nn.Module):
         self.register_buffer("low", None if weight.low is None else weight.low.float())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight this layer multiplies by, (out, in) in `dtype`."""
-        return Coded(self.q, self.scale, self.low, self.group, self.bits).dequantize(dtype)
+    # Eagerly, rows of the weight are decoded this many weights at a time (a float32 temporary
+    # of 16 MiB): Gemma 3's 262,144-row head would otherwise take 670 MB at every step.
+    chunk = 1 << 22
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> torch.Tensor:
+        """The weight this layer multiplies by, (out, in) in `dtype` (or those `rows` of it)."""
+        low = None if self.low is None else self.low[rows]
+        return Coded(self.q[rows], self.scale[rows], low, self.group, self.bits).dequantize(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantize(x.dtype), b)
+        if torch.compiler.is_compiling() or self.q.numel() <= self.chunk:  # compiled: fused
+            return F.linear(x, self.dequantize(x.dtype), b)
+        step = max(1, self.chunk // self.in_features)
+        return torch.cat([F.linear(x, self.dequantize(x.dtype, slice(i, i + step)),
+                                   None if b is None else b[i : i + step])
+                          for i in range(0, self.out_features, step)], dim=-1)  # fmt: skip
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -316,6 +316,11 @@ def test_int8_is_the_files_matrix_decoded_to_the_input_dtype(dtype: torch.dtype,
         assert got.dtype == dtype and got.shape == (2, rows, 48)
         assert torch.equal(got, F.linear(x, w.dequantize(dtype), b.to(dtype)))
     assert torch.equal(layer.dequantize(), w.dequantize())
+    layer.chunk = 5 * 96  # eager: a large weight is decoded (and multiplied) 5 rows at a time
+    x = torch.randn(3, 96).to(dtype)
+    dense = w.dequantize(dtype)
+    assert torch.equal(layer(x), torch.cat([F.linear(x, dense[i : i + 5], b[i : i + 5].to(dtype))
+                                            for i in range(0, 48, 5)], dim=-1))  # fmt: skip
     per_weight = sum(t.numel() * t.element_size() for t in (layer.q, layer.scale, layer.low)
                      if t is not None) / w.q.numel()  # fmt: skip
     assert per_weight == 1 + 4 / group * (2 if low else 1)
@@ -359,7 +364,8 @@ def test_int8_compiles_to_one_graph_with_the_eager_numbers(
         assert torch.equal(compiled(x), layer(x))
 
 
-def test_mixed_types_stay_coded_and_compute_as_decoded(gemma_model_path: Path) -> None:
+def test_mixed_types_stay_coded_and_compute_as_decoded(gemma_model_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Gemma 3's Q4_K_M file fuses Q4_K with Q6_K parts (and has Q8_0/Q5_* matrices): loaded as
     a GPU's int4 loads it, no projection is a bf16 copy, and the logits are bit for bit those of
     the same model with every non-int4 matrix decoded to bf16 up front."""
@@ -374,6 +380,7 @@ def test_mixed_types_stay_coded_and_compute_as_decoded(gemma_model_path: Path) -
         return default_linear(w, b)
 
     decoded.coded = ("",)  # type: ignore[attr-defined]
+    monkeypatch.setattr(Int8Linear, "chunk", 1 << 30)  # the 262,144-row head in one product too
     with GGUFFile(gemma_model_path) as f:
         types = {info.ggml_type.name for name, info in f.tensors.items() if name.startswith("blk.")}
         model = build_model(f, dtype=torch.bfloat16, linear=device_linear(torch.device("cpu"),
