@@ -317,13 +317,13 @@ class Int8Linear(nn.Module):
     The matrix is decoded in float32 (exactly ggml's values) and rounded once to the input's
     dtype, then multiplied: the same numbers as the file decoded to that dtype up front. Eager,
     that decode is a temporary at every call (a block of rows at a time past `chunk` weights,
-    each block's product apart: the same values, summed as a GEMM of that many rows sums them);
-    compiled, inductor folds the dequantize
-    into the product of a decode step (a small-row matmul becomes a pointwise-and-reduce kernel
-    that reads the int8 codes), as gpt-fast's int8 weight-only path (`F.linear(x, w.to(dtype))
-    * scales`) relies on. Ours keeps the file's groups instead of one scale per row: requantizing
-    SmolLM2 to int8 per row costs KL 0.004 nats against 0.001 in groups of 32 (module docstring),
-    and the file's own groups cost nothing.
+    each block's product apart: the same values, summed as a GEMM of that many rows sums them).
+    Compiled, the decode is traced into the step's graph (no break), where inductor may fold it
+    into a decode step's small-row product so that only the int8 codes are read: what gpt-fast's
+    int8 weight-only path (`F.linear(x, w.to(dtype)) * scales`) relies on on CUDA; not measured
+    on a GPU here. Ours keeps the file's groups instead of one scale per row: requantizing
+    SmolLM2 to int8 per row costs KL 0.004 nats against 0.001 in groups of 32 (module
+    docstring), and the file's own groups cost nothing.
     """
 
     def __init__(self, weight: Coded, bias: torch.Tensor | None = None) -> None:
