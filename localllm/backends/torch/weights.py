@@ -380,7 +380,8 @@ def coded(data: torch.Tensor, type_name: str, shape: tuple[int, ...], *,
     blocks = _aligned(data).view(-1, gtype.type_size)
     q = torch.empty(blocks.shape[0], gtype.block_size, dtype=torch.int8, device=data.device)
     step = max(1, _chunk_elements() // gtype.block_size)
-    o = torch.empty(min(step, blocks.shape[0]), gtype.block_size, device=data.device)
+    o = torch.empty(min(step, blocks.shape[0]), gtype.block_size, dtype=torch.float32,
+                    device=data.device)
     scales, lows = [], []
     for i in range(0, blocks.shape[0], step):
         chunk = q[i : i + step]
