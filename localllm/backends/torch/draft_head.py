@@ -36,12 +36,15 @@ class DraftHead(nn.Module):
     norm. It keeps keys and values of its own (`forward`'s cache)."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, vocab: torch.Tensor,
-                 *, rope_base: float = 10000.0, eps: float = 1e-6) -> None:  # fmt: skip
+                 *, head_dim: int | None = None, rope_base: float = 10000.0,
+                 eps: float = 1e-6) -> None:  # fmt: skip
         super().__init__()
-        if dim % n_heads or n_heads % n_kv_heads:
+        if (head_dim is None and dim % n_heads) or n_heads % n_kv_heads:
             raise ValueError(f"{n_heads} heads over {n_kv_heads} key heads cannot split {dim}")
         self.dim, self.n_heads, self.n_kv_heads = dim, n_heads, n_kv_heads
-        self.head_dim = hd = dim // n_heads
+        self.head_dim = hd = head_dim or dim // n_heads
+        self.config = {"dim": dim, "n_heads": n_heads, "n_kv_heads": n_kv_heads, "ffn_dim": ffn_dim,
+                       "head_dim": hd, "rope_base": rope_base, "eps": eps}  # fmt: skip
         self.fc = nn.Linear(2 * dim, dim)
         self.wqkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * hd, bias=False)
         self.wo = nn.Linear(n_heads * hd, dim, bias=False)

@@ -5,6 +5,8 @@ pass over the positions gives; the draft vocabulary is the text's most frequent 
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -16,19 +18,29 @@ need("torch", "pip install -e '.[dev]' (torch: pip install torch==2.13.0 first)"
 import torch  # noqa: E402
 
 from localllm.backends.torch.draft_head import DraftHead, frequent, losses  # noqa: E402
+from localllm.errors import LocalLLMError  # noqa: E402
 from localllm.gguf_file import GGUFFile  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    """A tiny random Llama (2 layers, dim 64, 384 tokens) built by the torch engine, frozen."""
+def target_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama (2 layers, dim 64, 384 tokens)."""
     from backends.torch.test_models import hf_model, write_gguf
 
+    return write_gguf(hf_model("llama"), tmp_path_factory.mktemp("llama") / "llama.gguf")
+
+
+def built(path: Path):  # noqa: ANN201
     from localllm.backends.torch.models import build_model
 
-    path = write_gguf(hf_model("llama"), tmp_path_factory.mktemp("llama") / "llama.gguf")
     with GGUFFile(path) as f:
         return build_model(f)
+
+
+@pytest.fixture(scope="module")
+def target(target_path: Path):  # noqa: ANN201
+    """The tiny Llama built by the torch engine, frozen."""
+    return built(target_path)
 
 
 def passes(model, tokens: torch.Tensor):  # noqa: ANN001, ANN201
@@ -102,3 +114,121 @@ def test_the_module_loads_without_a_path(tmp_path: Path) -> None:
     again = DraftHead(64, 4, 2, 128, torch.zeros(3, dtype=torch.long))
     again.load_state_dict(torch.load(tmp_path / "head.pt"))
     assert again.vocab.tolist() == [3, 1, 2]
+
+
+# -- training runs (train_draft) ---------------------------------------------------------------
+
+
+def text_of(n: int, seed: int = 3) -> list[int]:
+    return torch.randint(0, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_a_training_run_writes_a_head_that_agrees_with_the_target(target, tmp_path: Path) -> None:  # noqa: ANN001
+    from localllm.backends.torch.draft_head import DraftHead as Head
+    from localllm.backends.torch.train_draft import Progress, _passes, head_rows, load_head, train
+
+    seen: list[Progress] = []
+    out = train(target, text_of(64 * 32), tmp_path / "head.pt", digest="d" * 64, tokens=300 * 4 * 32,
+                seq=32, batch=4, lr=3e-3, report=seen.append)  # fmt: skip
+    assert out.exists() and not (tmp_path / "head.pt.partial").exists()
+    assert seen[-1].done and seen[-1].step == 300 and seen[-1].tokens == 300 * 4 * 32
+    head = load_head(out, "d" * 64)
+    held = torch.tensor(text_of(64 * 32)).view(64, 32)[15::16]  # the windows training left out
+    rows = head_rows(target, head.vocab)
+    fresh = Head(**{k: head.config[k] for k in ("dim", "n_heads", "n_kv_heads", "ffn_dim")},
+                 vocab=head.vocab, head_dim=head.head_dim)  # fmt: skip
+    with torch.no_grad():
+        trained, untrained = (float(losses(h, *_passes(target, held), rows)["agree"]) for h in (head, fresh))
+    assert trained > untrained + 0.2 and seen[-1].agree == pytest.approx(trained), (trained, untrained)
+    with pytest.raises(LocalLLMError, match="trained for another model"):
+        load_head(out, "e" * 64)
+
+
+def test_a_stopped_run_resumes_where_its_checkpoint_was(target, tmp_path: Path) -> None:  # noqa: ANN001
+    """Stopped after step 23 (its last checkpoint at 20), run again: the head is the one an
+    uninterrupted run trains, bit for bit."""
+    from localllm.backends.torch.train_draft import Progress, train
+
+    text, kw = text_of(32 * 32), {"seq": 32, "batch": 4, "lr": 3e-3, "every": 10, "digest": "d" * 64}
+    whole = torch.load(train(target, text, tmp_path / "whole.pt", tokens=40 * 128, **kw))
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_23(p: Progress) -> None:
+        if p.step == 23:
+            raise Stop
+
+    with pytest.raises(Stop):
+        train(target, text, tmp_path / "resumed.pt", tokens=40 * 128, report=stop_at_23, **kw)
+    assert torch.load(tmp_path / "resumed.pt.partial")["step"] == 20
+    with pytest.raises(LocalLLMError, match="another model"):  # a checkpoint of another model
+        train(target, text, tmp_path / "resumed.pt", tokens=40 * 128, **(kw | {"digest": "e" * 64}))
+    first: list[int] = []
+    resumed = torch.load(train(target, text, tmp_path / "resumed.pt", tokens=40 * 128,
+                               report=lambda p: first.append(p.step), **kw))  # fmt: skip
+    assert first[0] == 21  # it went on from the checkpoint
+    assert resumed["step"] == whole["step"] == 40
+    for name, t in whole["head"].items():
+        assert torch.equal(resumed["head"][name], t), name
+
+
+def test_too_little_text_is_one_line(target, tmp_path: Path) -> None:  # noqa: ANN001
+    from localllm.backends.torch.train_draft import train
+
+    with pytest.raises(LocalLLMError, match="too few to train"):
+        train(target, text_of(40), tmp_path / "h.pt", digest="d", tokens=100, seq=32)
+
+
+KILLED = """
+import sys, time, torch
+sys.path[:0] = {paths!r}
+torch.set_num_threads({threads})
+from test_draft_head import built, text_of
+from localllm.backends.torch.train_draft import train
+train(built(__import__("pathlib").Path({model!r})), text_of(32 * 32), __import__("pathlib").Path({out!r}),
+      digest="d" * 64, tokens=10**9, seq=32, batch=4, lr=3e-3, every=10,
+      report=lambda p: time.sleep(0.02))
+"""
+
+
+def test_a_run_killed_at_any_moment_resumes_from_its_last_checkpoint(
+    target, target_path: Path, tmp_path: Path  # noqa: ANN001
+) -> None:
+    """kill -9 of a training process (past its second checkpoint), then the same run again
+    here: it goes on from the checkpoint, and the head is the one an unkilled run trains."""
+    import signal
+    import subprocess
+    import sys
+
+    from localllm.backends.torch.train_draft import train
+
+    out = tmp_path / "killed.pt"
+    here = Path(__file__).parent
+    code = KILLED.format(paths=[str(here), str(here.parent.parent)], threads=torch.get_num_threads(),
+                         model=str(target_path), out=str(out))  # fmt: skip
+    child = subprocess.Popen([sys.executable, "-c", code])
+    partial = out.with_name(out.name + ".partial")
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and child.poll() is None:
+            if partial.exists() and torch.load(partial)["step"] >= 20:
+                break
+            time.sleep(0.05)
+        assert child.poll() is None, "the training process ended by itself"
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    at = torch.load(partial)["step"]
+    assert at >= 20 and at % 10 == 0
+    steps = at + 15
+    kw = {"seq": 32, "batch": 4, "lr": 3e-3, "every": 10, "digest": "d" * 64}
+    first: list[int] = []
+    resumed = torch.load(train(target, text_of(32 * 32), out, tokens=steps * 128,
+                               report=lambda p: first.append(p.step), **kw))  # fmt: skip
+    assert first[0] == at + 1  # it went on from the checkpoint
+    whole = torch.load(train(target, text_of(32 * 32), tmp_path / "whole.pt", tokens=steps * 128, **kw))
+    assert resumed["step"] == whole["step"] == steps
+    for name, t in whole["head"].items():
+        assert torch.equal(resumed["head"][name], t), name

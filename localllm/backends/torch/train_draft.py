@@ -1,0 +1,163 @@
+"""Training a draft head on this machine (issue 36): the frozen target reads text, the head learns
+its features and next-token distributions (`draft_head.losses`), a checkpoint at a time.
+
+    train(model, text, out, digest=..., minutes=30)     → the head's file `out`
+    load_head(out, digest)                              → the DraftHead, or one line why not
+
+The text is read in order in windows of `seq` tokens, `batch` windows a step, around again when
+it ends; a held-out tail (every `held`-th window) measures the draft's agreement with the target.
+Every `every` steps the head, the optimizer and the place in the text go to `out` + ".partial"
+(written whole, then renamed): a run killed at any moment resumes from the last checkpoint and
+takes the same steps an unkilled run would have (the data order and the updates are
+deterministic). The file records the model's digest: a head is refused for another model.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from localllm.backends.torch.draft_head import DraftHead, frequent, losses
+from localllm.errors import LocalLLMError
+
+__all__ = ["Progress", "head_rows", "load_head", "train"]
+
+FORMAT = 1  # the layout of the file `train` writes
+
+
+@dataclass
+class Progress:
+    """Where a training run stands (what its progress bar shows)."""
+
+    step: int
+    tokens: int  # target tokens the head has trained on
+    seconds: float  # training time, over every resumed run
+    loss: float  # the last step's
+    kl: float  # the last step's token loss less the target's entropy
+    agree: float | None = None  # held-out: how often the draft's top token is the target's
+    done: bool = False
+
+
+def head_rows(model: nn.Module, vocab: torch.Tensor) -> torch.Tensor:
+    """The target head's rows of `vocab`, (len(vocab), dim) float32, whatever layer holds it."""
+    head = getattr(model.output, "inner", model.output)  # a RowsApart wrapper
+    w = head.dequantize() if hasattr(head, "dequantize") else head.weight
+    return w.detach().float()[vocab.to(w.device)]
+
+
+def _passes(model: nn.Module, windows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The frozen target over windows (B, T): embeddings of tokens 1.., features, logits."""
+    with torch.no_grad():
+        h = model(windows, [model.make_caches(windows.shape[1]) for _ in range(len(windows))])
+        return model.embed(windows[:, 1:]).float(), h.float(), model.logits(h)
+
+
+def _new_head(model: nn.Module, vocab: torch.Tensor) -> DraftHead:
+    a = model.args
+    torch.manual_seed(0)  # the same start for the same model and text
+    return DraftHead(a.dim, a.n_heads, a.n_kv_heads, a.ffn_dim, vocab, head_dim=a.head_dim,
+                     rope_base=a.rope_base, eps=a.norm_eps)  # fmt: skip
+
+
+def _save(path: Path, state: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def train(model: nn.Module, text: Sequence[int], out: Path, *, digest: str,
+          minutes: float | None = None, tokens: int | None = None, n_draft_vocab: int = 8192,
+          seq: int = 256, batch: int = 4, held: int = 16, lr: float = 1e-3, every: int = 10,
+          report: Callable[[Progress], None] | None = None) -> Path:  # fmt: skip
+    """Train (or go on training) the head of `model` on `text` until `minutes` of training or
+    `tokens` target tokens in all, whichever comes first; write it to `out`.
+
+    Raises:
+        LocalLLMError: a text shorter than two windows; a checkpoint of another model.
+    """
+    if minutes is None and tokens is None:
+        raise ValueError("a training run needs a budget: minutes or tokens")
+    windows = torch.as_tensor(list(text), dtype=torch.long)
+    n = len(windows) // seq
+    if n < 2:
+        raise LocalLLMError(f"{len(windows)} tokens of text are too few to train a draft head on "
+                            f"(at least {2 * seq})")  # fmt: skip
+    windows = windows[: n * seq].view(n, seq)
+    kept = torch.arange(n) % held == held - 1
+    test, train_w = windows[kept][:4] if kept.any() else windows[-1:], windows[~kept]
+    partial = out.with_name(out.name + ".partial")
+    state = _load(partial, digest) if partial.exists() else None
+    vocab = state["vocab"] if state else frequent(train_w.flatten(), n_draft_vocab, model.args.vocab_size)
+    head = _new_head(model, vocab)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr)
+    step, seen, seconds = 0, 0, 0.0
+    if state:
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["optimizer"])
+        step, seen, seconds = state["step"], state["tokens"], state["seconds"]
+    rows = head_rows(model, vocab)
+    budget_s = math.inf if minutes is None else 60 * minutes
+    budget_t = math.inf if tokens is None else tokens
+    t0, last = time.monotonic() - seconds, None
+
+    def checkpoint() -> None:
+        _save(partial, {"format": FORMAT, "digest": digest, "vocab": vocab, "config": head.config,
+                        "head": head.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                        "tokens": seen, "seconds": time.monotonic() - t0})  # fmt: skip
+
+    while seen < budget_t and time.monotonic() - t0 < budget_s:
+        at = torch.arange(step * batch, (step + 1) * batch) % len(train_w)
+        emb, feats, logits = _passes(model, train_w[at])
+        got = losses(head, emb, feats, logits, rows)
+        opt.zero_grad()
+        got["loss"].backward()
+        opt.step()
+        step, seen = step + 1, seen + batch * seq
+        last = Progress(step, seen, time.monotonic() - t0, float(got["loss"].detach()), float(got["kl"]))
+        if step % every == 0:
+            checkpoint()
+        if report is not None:
+            report(last)
+    with torch.no_grad():
+        agree = float(losses(head, *_passes(model, test), rows)["agree"])
+    _save(out, {"format": FORMAT, "digest": digest, "vocab": vocab, "config": head.config,
+                "head": head.state_dict(), "step": step, "tokens": seen,
+                "seconds": time.monotonic() - t0, "agree": agree})  # fmt: skip
+    partial.unlink(missing_ok=True)
+    if report is not None:
+        report(Progress(step, seen, time.monotonic() - t0, last.loss if last else math.nan,
+                        last.kl if last else math.nan, agree, done=True))  # fmt: skip
+    return out
+
+
+def _load(path: Path, digest: str) -> dict[str, Any]:
+    """A head file (or checkpoint) of the model whose digest is `digest`."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a broken file is one line
+        raise LocalLLMError(f"{path.name}: not a draft head ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None  # fmt: skip
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise LocalLLMError(f"{path.name}: not a draft head this version of localllm reads")
+    if state.get("digest") != digest:
+        raise LocalLLMError(f"{path.name}: this draft head was trained for another model "
+                            f"({str(state.get('digest'))[:12]}, not {digest[:12]})")  # fmt: skip
+    return state
+
+
+def load_head(path: Path, digest: str) -> DraftHead:
+    """The trained head in `path` for the model whose digest is `digest`."""
+    state = _load(path, digest)
+    c = state["config"]
+    head = DraftHead(c["dim"], c["n_heads"], c["n_kv_heads"], c["ffn_dim"], state["vocab"],
+                     head_dim=c["head_dim"], rope_base=c["rope_base"], eps=c["eps"])  # fmt: skip
+    head.load_state_dict(state["head"])
+    return head.eval()
