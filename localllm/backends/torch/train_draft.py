@@ -7,13 +7,16 @@ its features and next-token distributions (`draft_head.losses`), a checkpoint at
 The text is read in order in windows of `seq` tokens, `batch` windows a step, around again when
 it ends; a held-out tail (every `held`-th window) measures the draft's agreement with the target.
 Every `every` steps the head, the optimizer and the place in the text go to `out` + ".partial"
-(written whole, then renamed): a run killed at any moment resumes from the last checkpoint and
-takes the same steps an unkilled run would have (the data order and the updates are
-deterministic). The file records the model's digest: a head is refused for another model.
+(written to a temporary file, fsynced, renamed): a run killed at any moment resumes from the last
+checkpoint and takes the same steps an unkilled run would have (the data order and the updates
+are deterministic). Files are safetensors (tensors, and JSON under the "localllm" metadata key:
+no pickle is ever loaded); they record the model's digest, and a head is refused for another
+model.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -23,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from localllm.backends.torch.draft_head import DraftHead, frequent, losses
@@ -67,10 +72,20 @@ def _new_head(model: nn.Module, vocab: torch.Tensor) -> DraftHead:
                      rope_base=a.rope_base, eps=a.norm_eps)  # fmt: skip
 
 
-def _save(path: Path, state: dict[str, Any]) -> None:
+def _save(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """`tensors` and `meta` as safetensors at `path`: a temporary file, fsynced, renamed."""
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp),
+              metadata={"localllm": json.dumps(meta)})  # fmt: skip
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def _state(head: DraftHead, digest: str, **meta: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A head's tensors (its parameters and draft vocabulary) and what the file says of it."""
+    tensors = {f"head.{k}": v for k, v in head.state_dict().items()}
+    return tensors, {"format": FORMAT, "digest": digest, "config": head.config, **meta}
 
 
 def train(model: nn.Module, text: Sequence[int], out: Path, *, digest: str,
@@ -94,24 +109,32 @@ def train(model: nn.Module, text: Sequence[int], out: Path, *, digest: str,
     kept = torch.arange(n) % held == held - 1
     test, train_w = windows[kept][:4] if kept.any() else windows[-1:], windows[~kept]
     partial = out.with_name(out.name + ".partial")
-    state = _load(partial, digest) if partial.exists() else None
-    vocab = state["vocab"] if state else frequent(train_w.flatten(), n_draft_vocab, model.args.vocab_size)
+    meta, tensors = _load(partial, digest) if partial.exists() else ({}, {})
+    vocab = tensors["head.vocab"] if meta else frequent(train_w.flatten(), n_draft_vocab,
+                                                        model.args.vocab_size)  # fmt: skip
     head = _new_head(model, vocab)
     opt = torch.optim.AdamW(head.parameters(), lr=lr)
     step, seen, seconds = 0, 0, 0.0
-    if state:
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["optimizer"])
-        step, seen, seconds = state["step"], state["tokens"], state["seconds"]
+    if meta:
+        head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")})
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for k, v in tensors.items():
+            if k.startswith("optimizer."):
+                _, i, name = k.split(".", 2)
+                state.setdefault(int(i), {})[name] = v
+        opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        step, seen, seconds = meta["step"], meta["tokens"], meta["seconds"]
     rows = head_rows(model, vocab)
     budget_s = math.inf if minutes is None else 60 * minutes
     budget_t = math.inf if tokens is None else tokens
     t0, last = time.monotonic() - seconds, None
 
     def checkpoint() -> None:
-        _save(partial, {"format": FORMAT, "digest": digest, "vocab": vocab, "config": head.config,
-                        "head": head.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                        "tokens": seen, "seconds": time.monotonic() - t0})  # fmt: skip
+        tensors, meta = _state(head, digest, step=step, tokens=seen, seconds=time.monotonic() - t0)
+        sd = opt.state_dict()
+        for i, st in sd["state"].items():
+            tensors.update({f"optimizer.{i}.{k}": v for k, v in st.items()})
+        _save(partial, tensors, meta | {"param_groups": sd["param_groups"]})
 
     while seen < budget_t and time.monotonic() - t0 < budget_s:
         at = torch.arange(step * batch, (step + 1) * batch) % len(train_w)
@@ -128,9 +151,8 @@ def train(model: nn.Module, text: Sequence[int], out: Path, *, digest: str,
             report(last)
     with torch.no_grad():
         agree = float(losses(head, *_passes(model, test), rows)["agree"])
-    _save(out, {"format": FORMAT, "digest": digest, "vocab": vocab, "config": head.config,
-                "head": head.state_dict(), "step": step, "tokens": seen,
-                "seconds": time.monotonic() - t0, "agree": agree})  # fmt: skip
+    _save(out, *_state(head, digest, step=step, tokens=seen, seconds=time.monotonic() - t0,
+                       agree=agree))  # fmt: skip
     partial.unlink(missing_ok=True)
     if report is not None:
         report(Progress(step, seen, time.monotonic() - t0, last.loss if last else math.nan,
@@ -138,26 +160,30 @@ def train(model: nn.Module, text: Sequence[int], out: Path, *, digest: str,
     return out
 
 
-def _load(path: Path, digest: str) -> dict[str, Any]:
-    """A head file (or checkpoint) of the model whose digest is `digest`."""
+def _load(path: Path, digest: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(what the file says, its tensors) of a head file or checkpoint of the model whose digest
+    is `digest`; one line for anything else."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads((f.metadata() or {}).get("localllm", "null"))
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iterator
     except Exception as e:  # noqa: BLE001 - a broken file is one line
         raise LocalLLMError(f"{path.name}: not a draft head ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None  # fmt: skip
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+                            f"{(str(e).splitlines() or [''])[0][:120]})") from None  # fmt: skip
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise LocalLLMError(f"{path.name}: not a draft head this version of localllm reads")
-    if state.get("digest") != digest:
+    if meta.get("digest") != digest:
         raise LocalLLMError(f"{path.name}: this draft head was trained for another model "
-                            f"({str(state.get('digest'))[:12]}, not {digest[:12]})")  # fmt: skip
-    return state
+                            f"({str(meta.get('digest'))[:12]}, not {digest[:12]})")  # fmt: skip
+    return meta, tensors
 
 
 def load_head(path: Path, digest: str) -> DraftHead:
     """The trained head in `path` for the model whose digest is `digest`."""
-    state = _load(path, digest)
-    c = state["config"]
-    head = DraftHead(c["dim"], c["n_heads"], c["n_kv_heads"], c["ffn_dim"], state["vocab"],
+    meta, tensors = _load(path, digest)
+    c = meta["config"]
+    head = DraftHead(c["dim"], c["n_heads"], c["n_kv_heads"], c["ffn_dim"], tensors["head.vocab"],
                      head_dim=c["head_dim"], rope_base=c["rope_base"], eps=c["eps"])  # fmt: skip
-    head.load_state_dict(state["head"])
+    head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")})
+    head.meta = meta  # type: ignore[assignment]  # what the file says: steps, tokens, agreement
     return head.eval()

@@ -107,16 +107,28 @@ def test_a_head_refuses_shapes_it_cannot_split() -> None:
         DraftHead(60, 8, 2, 128, torch.arange(4))
 
 
-def test_the_module_loads_without_a_path(tmp_path: Path) -> None:
-    """A trained head's state (not yet stored by a command: issue 36) round-trips."""
-    head = DraftHead(64, 4, 2, 128, torch.tensor([3, 1, 2]))
-    torch.save(head.state_dict(), tmp_path / "head.pt")
-    again = DraftHead(64, 4, 2, 128, torch.zeros(3, dtype=torch.long))
-    again.load_state_dict(torch.load(tmp_path / "head.pt"))
-    assert again.vocab.tolist() == [3, 1, 2]
+def test_a_broken_head_file_is_one_line(tmp_path: Path) -> None:
+    from localllm.backends.torch.train_draft import load_head
+
+    (tmp_path / "head.pt").write_bytes(b"\x80\x04 not a safetensors file")
+    with pytest.raises(LocalLLMError, match="head.pt: not a draft head"):
+        load_head(tmp_path / "head.pt", "d" * 64)
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "other.pt"))  # safetensors, not ours
+    with pytest.raises(LocalLLMError, match="other.pt: not a draft head this version"):
+        load_head(tmp_path / "other.pt", "d" * 64)
 
 
 # -- training runs (train_draft) ---------------------------------------------------------------
+
+
+def saved(path: Path) -> dict:
+    """What a head file or checkpoint holds: its metadata, "head" its parameters."""
+    from localllm.backends.torch.train_draft import _load
+
+    meta, tensors = _load(path, "d" * 64)
+    return meta | {"head": {k: v for k, v in tensors.items() if k.startswith("head.")}}
 
 
 def text_of(n: int, seed: int = 3) -> list[int]:
@@ -150,7 +162,7 @@ def test_a_stopped_run_resumes_where_its_checkpoint_was(target, tmp_path: Path) 
     from localllm.backends.torch.train_draft import Progress, train
 
     text, kw = text_of(32 * 32), {"seq": 32, "batch": 4, "lr": 3e-3, "every": 10, "digest": "d" * 64}
-    whole = torch.load(train(target, text, tmp_path / "whole.pt", tokens=40 * 128, **kw))
+    whole = saved(train(target, text, tmp_path / "whole.pt", tokens=40 * 128, **kw))
 
     class Stop(Exception):
         pass
@@ -161,11 +173,11 @@ def test_a_stopped_run_resumes_where_its_checkpoint_was(target, tmp_path: Path) 
 
     with pytest.raises(Stop):
         train(target, text, tmp_path / "resumed.pt", tokens=40 * 128, report=stop_at_23, **kw)
-    assert torch.load(tmp_path / "resumed.pt.partial")["step"] == 20
+    assert saved(tmp_path / "resumed.pt.partial")["step"] == 20
     with pytest.raises(LocalLLMError, match="another model"):  # a checkpoint of another model
         train(target, text, tmp_path / "resumed.pt", tokens=40 * 128, **(kw | {"digest": "e" * 64}))
     first: list[int] = []
-    resumed = torch.load(train(target, text, tmp_path / "resumed.pt", tokens=40 * 128,
+    resumed = saved(train(target, text, tmp_path / "resumed.pt", tokens=40 * 128,
                                report=lambda p: first.append(p.step), **kw))  # fmt: skip
     assert first[0] == 21  # it went on from the checkpoint
     assert resumed["step"] == whole["step"] == 40
@@ -212,7 +224,7 @@ def test_a_run_killed_at_any_moment_resumes_from_its_last_checkpoint(
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline and child.poll() is None:
-            if partial.exists() and torch.load(partial)["step"] >= 20:
+            if partial.exists() and saved(partial)["step"] >= 20:
                 break
             time.sleep(0.05)
         assert child.poll() is None, "the training process ended by itself"
@@ -220,15 +232,15 @@ def test_a_run_killed_at_any_moment_resumes_from_its_last_checkpoint(
     finally:
         child.kill()
         child.wait()
-    at = torch.load(partial)["step"]
+    at = saved(partial)["step"]
     assert at >= 20 and at % 10 == 0
     steps = at + 15
     kw = {"seq": 32, "batch": 4, "lr": 3e-3, "every": 10, "digest": "d" * 64}
     first: list[int] = []
-    resumed = torch.load(train(target, text_of(32 * 32), out, tokens=steps * 128,
+    resumed = saved(train(target, text_of(32 * 32), out, tokens=steps * 128,
                                report=lambda p: first.append(p.step), **kw))  # fmt: skip
     assert first[0] == at + 1  # it went on from the checkpoint
-    whole = torch.load(train(target, text_of(32 * 32), tmp_path / "whole.pt", tokens=steps * 128, **kw))
+    whole = saved(train(target, text_of(32 * 32), tmp_path / "whole.pt", tokens=steps * 128, **kw))
     assert resumed["step"] == whole["step"] == steps
     for name, t in whole["head"].items():
         assert torch.equal(resumed["head"][name], t), name
