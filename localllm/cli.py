@@ -217,6 +217,10 @@ def show(
     from localllm.quant.report import load_report, report_table
 
     quality = load_report(store.home, record.digest)
+    from localllm.engine.core import head_path
+    from localllm.engine.drafts import head_info
+
+    head = head_info(head_path(store.home, record.digest), record.digest)
     if json_out:
         _emit_json(
             _record_json(record)
@@ -229,6 +233,7 @@ def show(
                 "sampling_defaults": {"values": sampling, "source": sampling_source},
                 "memory": est.to_dict(),
                 "backend": backend,
+                "draft_head": head,
             }  # fmt: skip
         )
         return
@@ -262,6 +267,9 @@ def show(
                     else f"none: {backend['reason']}"),  # fmt: skip
         ("can do", _capabilities_text(backend["capabilities"])),
         ("sampling", sampling_text),
+        ("draft head", "none (`localllm train-draft` trains one)" if head is None else head["error"]
+                       if "error" in head else f"trained on {head['tokens']:,} tokens in "
+                       f"{(head['seconds'] or 0) / 60:.1f} min, held-out agreement {head['agree'] or 0:.0%}"),
     ]
     if info.sliding_window:
         facts.insert(8, ("sliding window", f"{info.sliding_window:,}"))
@@ -799,6 +807,51 @@ def tune(
     else:
         print("chosen: none — no skip set beat plain decoding here, so --speculative self decodes "
               "plainly on this model and device")  # fmt: skip
+
+
+@app.command("train-draft")
+def train_draft(
+    model: Annotated[str, typer.Argument(help="Model name, e.g. smollm2.")],
+    text: Annotated[
+        list[Path] | None,
+        typer.Option("--text", help="A UTF-8 text file to train on as well (repeatable)."),
+    ] = None,
+    minutes: Annotated[float, typer.Option("--minutes", help="Training time, in all.")] = 30.0,
+    tokens: Annotated[
+        int | None, typer.Option("--tokens", help="Stop after this many training tokens, in all.")
+    ] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Train a draft head for `--speculative head` on this machine (EAGLE-style: one small layer
+    on the model's own features), from its answers to built-in prompts and any --text files. It
+    is kept beside the model; run again to go on where a stopped run left off."""
+    from localllm.engine import load
+    from localllm.engine.drafts import training_text
+
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if not json_out else None
+    with load(model, backend="torch", ctx=1024, parallel=4) as llm:
+        budget = 256 * 48 if tokens is None else tokens // 2  # the answers: half a short run
+        ids = training_text(llm, text or [], budget, say=say)
+        llm.head_path.parent.mkdir(parents=True, exist_ok=True)
+        last: list[Any] = []
+
+        def progress(p: Any) -> None:
+            last[:] = [p]
+            if say is not None and not p.done:
+                rate = p.tokens / p.seconds if p.seconds else 0.0
+                print(f"\rstep {p.step} · {p.tokens:,} tokens · {rate:,.0f} tokens/s · loss "
+                      f"{p.loss:.3f} · KL {p.kl:.3f}", end="", file=sys.stderr, flush=True)  # fmt: skip
+
+        out = llm.run_here(lambda: llm.runner.train_draft_head(
+            ids, llm.head_path, digest=llm.digest, minutes=minutes, tokens=tokens, report=progress))
+    p = last[0]
+    if json_out:
+        _emit_json({"model": llm.name, "path": str(out), "steps": p.step, "tokens": p.tokens,
+                    "seconds": round(p.seconds, 1), "agreement": p.agree})  # fmt: skip
+        return
+    print(file=sys.stderr)
+    print(f"{llm.name}: draft head trained on {p.tokens:,} tokens in {p.seconds / 60:.1f} min; "
+          f"held-out agreement with the model's next token {p.agree:.0%}; kept at {out}")  # fmt: skip
 
 
 @app.command("eval")

@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from localllm.backends import Capabilities, check_options
@@ -231,7 +232,8 @@ class Model:
                  options: LoadOptions | None = None,
                  sampling_defaults: Mapping[str, Any] | None = None,
                  backend_why: str = "", draft: Runner | None = None,
-                 draft_name: str | None = None, tuned: Any = None) -> None:  # fmt: skip
+                 draft_name: str | None = None, tuned: Any = None, head: Any = None,
+                 digest: str = "") -> None:  # fmt: skip
         self.runner = runner
         self.name = name
         self.load_s = load_s
@@ -247,6 +249,8 @@ class Model:
         self.draft, self.draft_name = draft, draft_name  # a draft model's runner (`draft:NAME`)
         self._draft_model: DraftModel | None = None
         self.tuned_path = tuned  # where the `self` drafter's tuned skip set is kept
+        self.head_path = head  # where `train-draft` keeps this model's draft head
+        self.digest = digest  # the model file's (the store's key)
         self._self_config: Any = None
         spec = self.options.speculative
         self.speculative = spec if speculative_mode(spec) != "off" else None
@@ -1018,7 +1022,13 @@ def load(model: str, options: LoadOptions | None = None, *, check_memory: bool =
         raise
     return Model(runner, record.name, load_s=time.perf_counter() - t0, options=opts,
                  sampling_defaults=defaults, backend_why=why, draft=draft, draft_name=draft_name,
-                 tuned=store.home / "tuned" / f"{record.digest[:16]}.json")  # fmt: skip
+                 tuned=store.home / "tuned" / f"{record.digest[:16]}.json",
+                 head=head_path(store.home, record.digest), digest=record.digest)  # fmt: skip
+
+
+def head_path(home: Path, digest: str) -> Path:
+    """Where the draft head trained for the model file `digest` is kept in the store `home`."""
+    return home / "drafts" / f"{digest[:16]}.safetensors"
 
 
 def _open_draft(spec: Any, given: str, path: Any, opts: LoadOptions, store: Any) -> Runner:

@@ -454,6 +454,14 @@ class TorchRunner(TextOnly):
     # -- the forward pass ----------------------------------------------------------------------
 
     @on_compute_thread
+    def train_draft_head(self, text: Sequence[int], out: Path, *, digest: str, **kw: Any) -> Path:
+        """Train (or resume) this model's draft head on `text` (`train_draft.train`): the model
+        stays frozen; its caches are its own (no slot is touched)."""
+        from localllm.backends.torch.train_draft import train
+
+        return train(self.model, text, out, digest=digest, **kw)
+
+    @on_compute_thread
     @torch.inference_mode()
     def forward(self, pieces: Sequence[Piece], *, skip: frozenset[int] = frozenset()) -> Forward:
         """Evaluate every piece at its slot's next positions: multi-token pieces one at a time in

@@ -1,0 +1,109 @@
+"""What a draft head is trained on (issue 36): the model's own answers to built-in prompts
+(self-distillation: the head learns the text it will draft) and any texts the user gives.
+
+    training_text(llm, files, budget) -> token ids    the conversations (template and all, as
+                                                      the model sees them when it decodes), then
+                                                      each file's tokens
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from localllm.engine.core import prompt_ids
+from localllm.errors import LocalLLMError
+from localllm.types import Request, SamplingParams
+
+__all__ = ["PROMPTS", "head_info", "training_text"]
+
+# Everyday chat requests of the kinds users send (explain, list, write, rewrite, reason, code);
+# the model's answers to them are what a head drafts most.
+PROMPTS: tuple[str, ...] = (
+    "Explain how a rainbow forms.", "What is the difference between weather and climate?",
+    "Give me three tips for sleeping better.", "Write a short poem about the sea.",
+    "How do I boil an egg?", "What causes the seasons?", "Summarize the story of Cinderella.",
+    "List five fruits that are high in vitamin C.", "What is photosynthesis?",
+    "Write a haiku about autumn.", "How does a bicycle stay upright?",
+    "Explain what a computer's memory does.", "What are the planets of the solar system?",
+    "Write a Python function that reverses a string.", "What is a prime number? Give examples.",
+    "How do vaccines work?", "Suggest a name for a friendly robot and explain it.",
+    "What should I pack for a weekend camping trip?", "Explain recursion to a child.",
+    "Write a thank-you note to a teacher.", "Why is the sky blue?",
+    "How can I improve my handwriting?", "Describe a cat to someone who has never seen one.",
+    "What is the water cycle?", "Give me a recipe for pancakes.",
+    "Write a short story about a lost key.", "What are the benefits of reading books?",
+    "How does the internet work, in simple terms?", "Translate 'good morning' into French, "
+    "Spanish and German.", "What is gravity?", "Write a limerick about a dog.",
+    "How do I make a budget?", "Explain the rules of chess briefly.",
+    "What is the capital of Japan, and what is it known for?", "Write a SQL query that counts "
+    "rows in a table named users.", "What makes a good friend?", "How do bees make honey?",
+    "Give me a plan for learning to play the guitar.", "Explain what an atom is.",
+    "Write an email asking for a day off.", "What are some ways to save water at home?",
+    "How does a plant grow from a seed?", "Describe your ideal weekend.",
+    "What is the difference between a list and a tuple in Python?", "Why do we dream?",
+    "Write a motivational message for a student before an exam.",
+    "How do airplanes fly?", "Tell me a fun fact about octopuses.",
+)  # fmt: skip
+
+
+def training_text(llm: Any, files: Sequence[Path], budget: int,
+                  say: Callable[[str], None] | None = None) -> list[int]:  # fmt: skip
+    """Token ids to train `llm`'s draft head on: its answers to PROMPTS (sampled at temperature
+    0.7 with a seed per prompt, so a rerun writes the same text) until they hold `budget`
+    tokens (0: none), then the files' text.
+
+    Raises:
+        LocalLLMError: a file that cannot be read (one line naming it).
+    """
+    ids: list[int] = []
+    if budget > 0:
+        requests = [Request(messages=({"role": "user", "content": p},),
+                            sampling=SamplingParams(temperature=0.7, top_p=0.95, seed=i,
+                                                    max_tokens=min(256, budget)))
+                    for i, p in enumerate(PROMPTS)]  # fmt: skip
+        n = 0
+        for at in range(0, len(requests), max(1, llm.parallel)):
+            batch = requests[at : at + max(1, llm.parallel)]
+            streams = [llm.submit(r) for r in batch]
+            for r, s in zip(batch, streams):
+                result = s.wait()
+                if result.error:
+                    raise LocalLLMError(f"while writing the training text: {result.error}")
+                prompt, _ = prompt_ids(llm.runner, r, llm.name)
+                ids += [*prompt, *result.token_ids]
+                n += len(result.token_ids)
+            if say is not None:
+                say(f"self-distillation: {n} answer tokens of {budget}")
+            if n >= budget:
+                break
+    for path in files:
+        try:
+            text = Path(path).read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise LocalLLMError(f"{path}: cannot read it ({e.strerror or e})") from None
+        ids += llm.tokenize(text, add_special=False)
+    return ids
+
+
+def head_info(path: Path, digest: str) -> dict[str, Any] | None:
+    """What a stored draft head says of itself (steps, tokens, seconds, held-out agreement),
+    read from its safetensors header alone (no torch): None where there is none, {"error": why}
+    where the file is not a head of this model."""
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > 1 << 20:
+                raise ValueError(f"a header of {size} bytes")
+            header = json.loads(f.read(size))
+        meta = json.loads(header["__metadata__"]["localllm"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        return {"error": f"{path.name}: not a draft head ({type(e).__name__})"}
+    if not isinstance(meta, dict) or meta.get("digest") != digest:
+        return {"error": f"{path.name}: not a draft head of this model"}
+    return {k: meta.get(k) for k in ("step", "tokens", "seconds", "agree")}
