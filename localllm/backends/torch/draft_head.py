@@ -2,9 +2,10 @@
 features, and the losses it is trained with.
 
 EAGLE-1 (arXiv 2401.15077): at position t the head reads the target's feature f_t (its last
-hidden state, normed: what `model.logits` takes) and the embedding of the token after it,
-x_{t+1}: g_t = layer(fc([e(x_{t+1}); f_t])) predicts f_{t+1}, and the target's own output head
-over g_t gives the draft's distribution of x_{t+2}. Drafting feeds g_t back as the next feature,
+hidden state before the final norm, as EAGLE's published heads take it: `features` captures it)
+and the embedding of the token after it, x_{t+1}: g_t = layer(fc([e(x_{t+1}); f_t])) predicts
+f_{t+1}, and the target's own final norm and output head over g_t give the draft's
+distribution of x_{t+2}. Drafting feeds g_t back as the next feature,
 so k drafts cost k passes of one layer and k products with the head's rows. FR-Spec (arXiv
 2502.14856): the draft reads only the head's rows of the most frequent tokens (`vocab`, chosen by
 `frequent` from the training text), so drafting does not pay for the whole vocabulary.
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TOKEN_WEIGHT", "DraftHead", "frequent", "losses"]
+__all__ = ["TOKEN_WEIGHT", "DraftHead", "features", "frequent", "losses"]
 
 TOKEN_WEIGHT = 0.1  # EAGLE's weight of the token loss beside the feature loss (1.0)
 
@@ -84,9 +85,23 @@ class DraftHead(nn.Module):
         gate, up = self.w13(self.norm(x)).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up), (k, v)
 
-    def logits(self, g: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """g (..., dim) → (..., len(vocab)): `rows` are the target head's rows of `vocab`."""
-        return F.linear(g, rows)
+    def logits(self, g: torch.Tensor, rows: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """g (..., dim) → (..., len(vocab)) through the target's final `norm` and `rows`, its
+        output head's rows of `vocab`."""
+        return F.linear(norm(g).to(rows.dtype), rows)
+
+
+def features(model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen target over rows of tokens (B, T) in fresh caches: its features (the input of
+    its final norm) and its logits, (B, T, dim) and (B, T, n_vocab) float32."""
+    seen: list[torch.Tensor] = []
+    hook = model.norm.register_forward_hook(lambda _m, args, _out: seen.append(args[0]))
+    try:
+        with torch.no_grad():
+            h = model(tokens, [model.make_caches(tokens.shape[1]) for _ in range(len(tokens))])
+            return seen[-1].float(), model.logits(h)
+    finally:
+        hook.remove()
 
 
 def frequent(tokens: Sequence[int] | torch.Tensor, n: int, n_vocab: int) -> torch.Tensor:
@@ -97,14 +112,14 @@ def frequent(tokens: Sequence[int] | torch.Tensor, n: int, n_vocab: int) -> torc
 
 
 def losses(head: DraftHead, emb_next: torch.Tensor, feats: torch.Tensor, target_logits: torch.Tensor,
-           rows: torch.Tensor) -> dict[str, torch.Tensor]:  # fmt: skip
+           rows: torch.Tensor, norm: nn.Module) -> dict[str, torch.Tensor]:  # fmt: skip
     """EAGLE's losses over a batch of the frozen target's passes.
 
     Args:
         emb_next: (B, T - 1, dim) the target's embeddings of x_1 .. x_{T-1}.
         feats: (B, T, dim) its features f_0 .. f_{T-1}.
         target_logits: (B, T, n_vocab) its logits at each position (of x_{t+1}).
-        rows: the target head's rows of `head.vocab`.
+        rows, norm: the target head's rows of `head.vocab`, its final norm.
     Returns:
         "feature" (smooth L1 of g_t against f_{t+1}), "token" (cross-entropy of the draft's
         distribution of x_{t+2} against the target's, over the draft vocabulary), "loss" (their
@@ -114,7 +129,7 @@ def losses(head: DraftHead, emb_next: torch.Tensor, feats: torch.Tensor, target_
     g, _ = head(emb_next, feats[:, :-1])
     feature = F.smooth_l1_loss(g, feats[:, 1:])
     p = target_logits[:, 1:].index_select(-1, head.vocab).float().softmax(-1)
-    log_q = F.log_softmax(head.logits(g, rows).float(), dim=-1)
+    log_q = F.log_softmax(head.logits(g, rows, norm).float(), dim=-1)
     token = -(p * log_q).sum(-1).mean()
     agree = (log_q.argmax(-1) == p.argmax(-1)).float().mean()
     entropy = -(p * p.clamp(min=1e-30).log()).sum(-1).mean()

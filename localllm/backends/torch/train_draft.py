@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from localllm.backends.torch.draft_head import DraftHead, frequent, losses
+from localllm.backends.torch.draft_head import DraftHead, features, frequent, losses
 from localllm.errors import LocalLLMError
 
 __all__ = ["Progress", "head_rows", "load_head", "train"]
@@ -60,9 +60,9 @@ def head_rows(model: nn.Module, vocab: torch.Tensor) -> torch.Tensor:
 
 def _passes(model: nn.Module, windows: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The frozen target over windows (B, T): embeddings of tokens 1.., features, logits."""
+    feats, logits = features(model, windows)
     with torch.no_grad():
-        h = model(windows, [model.make_caches(windows.shape[1]) for _ in range(len(windows))])
-        return model.embed(windows[:, 1:]).float(), h.float(), model.logits(h)
+        return model.embed(windows[:, 1:]).float(), feats, logits
 
 
 def _new_head(model: nn.Module, vocab: torch.Tensor) -> DraftHead:
@@ -139,7 +139,7 @@ def train(model: nn.Module, text: Sequence[int], out: Path, *, digest: str,
     while seen < budget_t and time.monotonic() - t0 < budget_s:
         at = torch.arange(step * batch, (step + 1) * batch) % len(train_w)
         emb, feats, logits = _passes(model, train_w[at])
-        got = losses(head, emb, feats, logits, rows)
+        got = losses(head, emb, feats, logits, rows, model.norm)
         opt.zero_grad()
         got["loss"].backward()
         opt.step()
@@ -150,7 +150,7 @@ def train(model: nn.Module, text: Sequence[int], out: Path, *, digest: str,
         if report is not None:
             report(last)
     with torch.no_grad():
-        agree = float(losses(head, *_passes(model, test), rows)["agree"])
+        agree = float(losses(head, *_passes(model, test), rows, model.norm)["agree"])
     _save(out, *_state(head, digest, step=step, tokens=seen, seconds=time.monotonic() - t0,
                        agree=agree))  # fmt: skip
     partial.unlink(missing_ok=True)

@@ -44,10 +44,12 @@ def target(target_path: Path):  # noqa: ANN201
 
 
 def passes(model, tokens: torch.Tensor):  # noqa: ANN001, ANN201
-    """The target over rows of tokens (B, T): its embeddings, normed features, logits."""
+    """The target over rows of tokens (B, T): its embeddings, features, logits."""
+    from localllm.backends.torch.draft_head import features
+
+    feats, logits = features(model, tokens)
     with torch.no_grad():
-        h = model(tokens, [model.make_caches(tokens.shape[1]) for _ in range(len(tokens))])
-        return model.embed(tokens), h, model.logits(h)
+        return model.embed(tokens), feats, logits
 
 
 def make_head(model, vocab: torch.Tensor) -> DraftHead:  # noqa: ANN001
@@ -66,17 +68,17 @@ def test_training_on_the_targets_features_beats_the_untrained_head(target) -> No
     head = make_head(target, vocab)
     emb, feats, logits = passes(target, held)
     with torch.no_grad():
-        before = losses(head, emb[:, 1:], feats, logits, rows)
+        before = losses(head, emb[:, 1:], feats, logits, rows, target.norm)
     data = passes(target, train)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
     for step in range(300):
         i = torch.arange(8) + 8 * (step % 8)
-        out = losses(head, data[0][i, 1:], data[1][i], data[2][i], rows)
+        out = losses(head, data[0][i, 1:], data[1][i], data[2][i], rows, target.norm)
         opt.zero_grad()
         out["loss"].backward()
         opt.step()
     with torch.no_grad():
-        after = losses(head, emb[:, 1:], feats, logits, rows)
+        after = losses(head, emb[:, 1:], feats, logits, rows, target.norm)
     assert float(after["kl"]) < 0.5 * float(before["kl"]), (before, after)
     assert float(after["feature"]) < 0.7 * float(before["feature"]), (before, after)
     assert float(after["agree"]) > float(before["agree"]) + 0.2, (before, after)
@@ -150,7 +152,8 @@ def test_a_training_run_writes_a_head_that_agrees_with_the_target(target, tmp_pa
     fresh = Head(**{k: head.config[k] for k in ("dim", "n_heads", "n_kv_heads", "ffn_dim")},
                  vocab=head.vocab, head_dim=head.head_dim)  # fmt: skip
     with torch.no_grad():
-        trained, untrained = (float(losses(h, *_passes(target, held), rows)["agree"]) for h in (head, fresh))
+        trained, untrained = (float(losses(h, *_passes(target, held), rows, target.norm)["agree"])
+                              for h in (head, fresh))  # fmt: skip
     assert trained > untrained + 0.2 and seen[-1].agree == pytest.approx(trained), (trained, untrained)
     with pytest.raises(LocalLLMError, match="trained for another model"):
         load_head(out, "e" * 64)
@@ -244,3 +247,14 @@ def test_a_run_killed_at_any_moment_resumes_from_its_last_checkpoint(
     assert resumed["step"] == whole["step"] == steps
     for name, t in whole["head"].items():
         assert torch.equal(resumed["head"][name], t), name
+
+
+def test_features_are_the_input_of_the_targets_final_norm(target) -> None:  # noqa: ANN001
+    """EAGLE's heads read the last hidden state before the final norm: normed and through the
+    head, the features give the target's logits."""
+    from localllm.backends.torch.draft_head import features
+
+    feats, logits = features(target, torch.randint(0, 384, (2, 9), generator=torch.Generator().manual_seed(4)))
+    with torch.no_grad():
+        torch.testing.assert_close(target.logits(target.norm(feats)), logits)
+    assert not torch.allclose(target.norm(feats), feats)
