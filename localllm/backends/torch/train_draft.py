@@ -33,7 +33,7 @@ from torch import nn
 from localllm.backends.torch.draft_head import DraftHead, features, frequent, losses
 from localllm.errors import LocalLLMError
 
-__all__ = ["Progress", "head_rows", "load_head", "train"]
+__all__ = ["Progress", "head_rows", "load_head", "load_published", "train"]
 
 FORMAT = 1  # the layout of the file `train` writes
 
@@ -186,4 +186,72 @@ def load_head(path: Path, digest: str) -> DraftHead:
                      head_dim=c["head_dim"], rope_base=c["rope_base"], eps=c["eps"])  # fmt: skip
     head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")})
     head.meta = meta  # type: ignore[assignment]  # what the file says: steps, tokens, agreement
+    return head.eval()
+
+
+# EAGLE-1's published layout (SafeAILab/EAGLE `cnets.py`): one Llama decoder layer whose input
+# norm is left out, behind `fc`; our names for its tensors (q|k|v and gate|up are fused here).
+_EAGLE = {
+    "fc.weight": "fc.weight", "fc.bias": "fc.bias",
+    "layers.0.self_attn.o_proj.weight": "wo.weight",
+    "layers.0.mlp.down_proj.weight": "w2.weight",
+    "layers.0.post_attention_layernorm.weight": "norm.weight",
+}  # fmt: skip
+_FUSED = {
+    "wqkv.weight": ("layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
+                    "layers.0.self_attn.v_proj.weight"),
+    "w13.weight": ("layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight"),
+}  # fmt: skip
+
+
+def load_published(folder: Path, n_vocab: int) -> DraftHead:
+    """An EAGLE head as its authors publish it: `config.json` (a Llama config of one layer) and
+    `model.safetensors`, for a target with `n_vocab` tokens (the head drafts over all of them).
+
+    Raises:
+        LocalLLMError: one line for a missing or unreadable file, a pickle (`pytorch_model.bin`:
+            never loaded; convert it to safetensors), an EAGLE-3 head, a tensor missing or of
+            the wrong shape.
+    """
+    name = folder.name
+    try:
+        c = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise LocalLLMError(f"{name}: no readable config.json ({type(e).__name__})") from None
+    weights = folder / "model.safetensors"
+    if not weights.exists():
+        why = ("pytorch_model.bin is a pickle, which localllm never loads: convert it to "
+               "model.safetensors") if (folder / "pytorch_model.bin").exists() else "no model.safetensors"  # fmt: skip
+        raise LocalLLMError(f"{name}: {why}")
+    try:
+        with safe_open(str(weights), "pt") as f:
+            tensors = {k.removeprefix("model."): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    except Exception as e:  # noqa: BLE001 - a broken file is one line
+        raise LocalLLMError(f"{name}: model.safetensors cannot be read ({type(e).__name__})") from None
+    if any(k.startswith("midlayer.") or k in ("d2t", "t2d") for k in tensors):
+        raise LocalLLMError(f"{name}: an EAGLE-3 head, which localllm does not read yet (EAGLE-1 "
+                            "heads: fc and one decoder layer)")  # fmt: skip
+    try:
+        dim, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+        head = DraftHead(dim, heads, int(c.get("num_key_value_heads") or heads),
+                         int(c["intermediate_size"]), torch.arange(n_vocab),
+                         head_dim=int(c.get("head_dim") or dim // heads),
+                         rope_base=float(c.get("rope_theta", 10000.0)),
+                         eps=float(c.get("rms_norm_eps", 1e-6)))  # fmt: skip
+    except (KeyError, TypeError, ValueError) as e:
+        raise LocalLLMError(f"{name}: config.json is not a Llama config ({type(e).__name__}: {e})") from None
+    state = {ours: tensors[theirs] for theirs, ours in _EAGLE.items() if theirs in tensors}
+    state.setdefault("fc.bias", torch.zeros(dim))  # some heads were trained without one
+    for ours, parts in _FUSED.items():
+        if all(p in tensors for p in parts):
+            state[ours] = torch.cat([tensors[p] for p in parts])
+    state["vocab"] = head.vocab
+    want = head.state_dict()
+    for k, t in want.items():
+        if k not in state:
+            raise LocalLLMError(f"{name}: model.safetensors has no tensor for {k} (EAGLE-1 layout)")
+        if state[k].shape != t.shape:
+            raise LocalLLMError(f"{name}: {k} has shape {list(state[k].shape)}, the config says "
+                                f"{list(t.shape)}")  # fmt: skip
+    head.load_state_dict({k: state[k].float() for k in want})
     return head.eval()

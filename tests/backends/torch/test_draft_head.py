@@ -258,3 +258,77 @@ def test_features_are_the_input_of_the_targets_final_norm(target) -> None:  # no
     with torch.no_grad():
         torch.testing.assert_close(target.logits(target.norm(feats)), logits)
     assert not torch.allclose(target.norm(feats), feats)
+
+
+# -- published heads (EAGLE-1's layout) -------------------------------------------------------
+
+
+def eagle_folder(folder: Path, *, bias: bool = True):  # noqa: ANN201
+    """A random EAGLE-1 head saved as its authors publish one: config.json and model.safetensors
+    (fc, then a transformers Llama decoder layer without its input norm). Returns (fc, layer,
+    config) for the oracle."""
+    import transformers
+    from safetensors.torch import save_file
+    from transformers.models.llama import modeling_llama
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=1, vocab_size=384,
+                                      rope_theta=10000.0, rms_norm_eps=1e-6)  # fmt: skip
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(5)
+    fc = torch.nn.Linear(128, 64, bias=bias)
+    layer = modeling_llama.LlamaDecoderLayer(config, 0)
+    layer.input_layernorm = torch.nn.Identity()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) / (p.shape[-1] ** 0.5) if p.dim() > 1 else 1 + 0.2 * torch.randn_like(p))
+    tensors = {f"fc.{k}": v for k, v in fc.state_dict().items()}
+    tensors |= {f"layers.0.{k}": v for k, v in layer.state_dict().items()}
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(config.to_json_string())
+    return fc, layer, config
+
+
+def test_a_published_eagle_head_computes_what_its_authors_layer_does(tmp_path: Path) -> None:
+    """Oracle: transformers' own Llama decoder layer (EAGLE-1's draft layer) behind the head's
+    fc, on the same inputs; the loaded head gives its outputs at every position."""
+    from transformers.models.llama import modeling_llama
+
+    from localllm.backends.torch.train_draft import load_published
+
+    for bias in (True, False):
+        folder = tmp_path / f"eagle-{bias}"
+        fc, layer, config = eagle_folder(folder, bias=bias)
+        head = load_published(folder, 384)
+        assert head.vocab.tolist() == list(range(384))
+        emb, feat = torch.randn(2, 10, 64), torch.randn(2, 10, 64)
+        pos = torch.arange(10).unsqueeze(0)
+        with torch.no_grad():
+            x = fc(torch.cat((emb, feat), dim=-1))
+            cos_sin = modeling_llama.LlamaRotaryEmbedding(config)(x, pos)
+            want = layer(x, position_ids=pos, position_embeddings=cos_sin)
+            want = want[0] if isinstance(want, tuple) else want
+            got, _ = head(emb, feat)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_published_heads_it_cannot_read_are_one_line(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from localllm.backends.torch.train_draft import load_published
+
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "pytorch_model.bin").write_bytes(b"\x80\x04.")
+    with pytest.raises(LocalLLMError, match="pickle, which localllm never loads"):
+        load_published(folder, 384)
+    eagle_folder(tmp_path / "eagle3")
+    save_file({"midlayer.x": torch.zeros(1)}, str(tmp_path / "eagle3" / "model.safetensors"))
+    with pytest.raises(LocalLLMError, match="EAGLE-3 head"):
+        load_published(tmp_path / "eagle3", 384)
+    eagle_folder(tmp_path / "short")
+    save_file({"fc.weight": torch.zeros(64, 128)}, str(tmp_path / "short" / "model.safetensors"))
+    with pytest.raises(LocalLLMError, match="no tensor for wqkv.weight"):
+        load_published(tmp_path / "short", 384)
