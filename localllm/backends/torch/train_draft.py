@@ -67,9 +67,10 @@ def _passes(model: nn.Module, windows: torch.Tensor) -> tuple[torch.Tensor, ...]
 
 def _new_head(model: nn.Module, vocab: torch.Tensor) -> DraftHead:
     a = model.args
-    torch.manual_seed(0)  # the same start for the same model and text
-    return DraftHead(a.dim, a.n_heads, a.n_kv_heads, a.ffn_dim, vocab, head_dim=a.head_dim,
-                     rope_base=a.rope_base, eps=a.norm_eps)  # fmt: skip
+    with torch.random.fork_rng(devices=[]):  # the same start for the same model and text,
+        torch.manual_seed(0)  # and the caller's generator left as it was
+        return DraftHead(a.dim, a.n_heads, a.n_kv_heads, a.ffn_dim, vocab, head_dim=a.head_dim,
+                         rope_base=a.rope_base, eps=a.norm_eps)  # fmt: skip
 
 
 def _save(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
@@ -107,7 +108,8 @@ def train(model: nn.Module, text: Sequence[int], out: Path, *, digest: str,
                             f"(at least {2 * seq})")  # fmt: skip
     windows = windows[: n * seq].view(n, seq)
     kept = torch.arange(n) % held == held - 1
-    test, train_w = windows[kept][:4] if kept.any() else windows[-1:], windows[~kept]
+    kept[-1] |= not bool(kept.any())  # a short text still holds one window out
+    test, train_w = windows[kept][:4], windows[~kept]
     partial = out.with_name(out.name + ".partial")
     meta, tensors = _load(partial, digest) if partial.exists() else ({}, {})
     vocab = tensors["head.vocab"] if meta else frequent(train_w.flatten(), n_draft_vocab,
