@@ -267,9 +267,7 @@ def show(
                     else f"none: {backend['reason']}"),  # fmt: skip
         ("can do", _capabilities_text(backend["capabilities"])),
         ("sampling", sampling_text),
-        ("draft head", "none (`localllm train-draft` trains one)" if head is None else head["error"]
-                       if "error" in head else f"trained on {head['tokens']:,} tokens in "
-                       f"{(head['seconds'] or 0) / 60:.1f} min, held-out agreement {head['agree'] or 0:.0%}"),
+        ("draft head", _head_text(head)),
     ]
     if info.sliding_window:
         facts.insert(8, ("sliding window", f"{info.sliding_window:,}"))
@@ -295,6 +293,16 @@ def show(
         print(used.source.rstrip())
     else:
         print(f"Chat template: {used.origin} — {used.note}")
+
+
+def _head_text(head: dict[str, Any] | None) -> str:
+    """`show`'s line on the model's draft head (`engine.drafts.head_info`)."""
+    if head is None:
+        return "none (`localllm train-draft` trains one)"
+    if "error" in head:
+        return str(head["error"])
+    return (f"trained on {head['tokens'] or 0:,} tokens in {(head['seconds'] or 0) / 60:.1f} min, "
+            f"held-out agreement {head['agree'] or 0:.0%}")  # fmt: skip
 
 
 def _capabilities_text(caps: dict[str, Any] | None) -> str:
@@ -828,6 +836,8 @@ def train_draft(
     from localllm.engine import load
     from localllm.engine.drafts import training_text
 
+    if (tokens is not None and tokens < 1) or minutes <= 0:
+        raise LocalLLMError("--tokens and --minutes must be above 0")
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if not json_out else None
     with load(model, backend="torch", ctx=1024, parallel=4) as llm:
         budget = 256 * 48 if tokens is None else tokens // 2  # the answers: half a short run

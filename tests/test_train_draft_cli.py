@@ -43,9 +43,11 @@ def test_train_draft_keeps_a_head_that_show_lists(tmp_path: Path, capsys: pytest
 
 def test_a_text_file_that_cannot_be_read_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     need("torch", "pip install -e '.[dev]'")
-    rc, out, err = run(["train-draft", "smollm2", "--tokens", "0", "--text", str(tmp_path / "missing.txt")],
+    rc, out, err = run(["train-draft", "smollm2", "--tokens", "4096", "--text", str(tmp_path / "missing.txt")],
                        capsys)  # fmt: skip
     assert_one_line_error(rc, out, err, "missing.txt: cannot read it")
+    rc, out, err = run(["train-draft", "smollm2", "--tokens", "0"], capsys)
+    assert_one_line_error(rc, out, err, "--tokens and --minutes must be above 0")
 
 
 def test_head_info_refuses_another_models_head(tmp_path: Path) -> None:

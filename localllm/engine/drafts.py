@@ -59,6 +59,12 @@ def training_text(llm: Any, files: Sequence[Path], budget: int,
     Raises:
         LocalLLMError: a file that cannot be read (one line naming it).
     """
+    texts = []
+    for path in files:  # read first: a file that cannot be read costs no generation
+        try:
+            texts.append(Path(path).read_text(encoding="utf-8", errors="replace"))
+        except OSError as e:
+            raise LocalLLMError(f"{path}: cannot read it ({e.strerror or e})") from None
     ids: list[int] = []
     if budget > 0:
         requests = [Request(messages=({"role": "user", "content": p},),
@@ -80,11 +86,7 @@ def training_text(llm: Any, files: Sequence[Path], budget: int,
                 say(f"self-distillation: {n} answer tokens of {budget}")
             if n >= budget:
                 break
-    for path in files:
-        try:
-            text = Path(path).read_text(encoding="utf-8", errors="replace")
-        except OSError as e:
-            raise LocalLLMError(f"{path}: cannot read it ({e.strerror or e})") from None
+    for text in texts:
         ids += llm.tokenize(text, add_special=False)
     return ids
 
