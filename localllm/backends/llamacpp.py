@@ -224,7 +224,7 @@ class LlamaCppRunner:
     capabilities = CAPABILITIES
     dtype = "auto"  # the file's own types; llama.cpp computes in them
     prefix_kind = "full"  # a handle is a whole sequence state: one restores a prefix
-    samples_on_device = False  # its logits come to the host; the engine samples there
+    logits_on_device = False  # its logits come to the host; the engine samples there
     prefix_budget = 512 * 2**20  # bytes of saved states the engine may keep
 
     def __init__(

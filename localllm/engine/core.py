@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from localllm.backends import Capabilities, check_options
-from localllm.backends.base import MEDIA_MARKER, Choice, Piece, Runner
+from localllm.backends.base import MEDIA_MARKER, Piece, Runner
 from localllm.engine.output import Assembler, Step
 from localllm.engine.reasoning import Splitter, template_args, thinking_of
-from localllm.engine.sampling import Sampler, logprobs
+from localllm.engine.sampling import Choice, Sampler, logprobs
 from localllm.engine.scheduler import Scheduler
 from localllm.engine.slots import Slot, Slots
 from localllm.engine.speculative import (
@@ -563,20 +563,21 @@ class Model:
             out: dict[_Live, list[Step]] = {lv: [] for lv in full}
             if tail:
                 marks = {lv: lv.sampler.mark() for lv, _, _ in tail}
-                pieces = [Piece(lv.slot.sid, t, n, self._choice(lv) if lv not in drafts else None)
-                          for lv, t, n in tail]  # fmt: skip
+                choices = [self._choice(lv) if lv not in drafts else None for lv, _, _ in tail]
                 try:
-                    f = r.forward(pieces)
+                    f = r.forward([Piece(lv.slot.sid, t, n, c is not None)
+                                   for (lv, t, n), c in zip(tail, choices)])  # fmt: skip
+                    drawn = iter(self._draw_on_device(f.device_rows, choices))
                 except BaseException:  # the draws for a step that did not happen are undone
                     for lv, mark in marks.items():
                         lv.sampler.rewind(mark)
                     raise
                 row = 0
-                for (lv, t, n), piece in zip(tail, pieces):
+                for (lv, t, n), choice in zip(tail, choices):
                     self._fed(lv, t, f.shifted.get(lv.slot.sid, 0))
                     cached = lv.cached if lv.left else 0
-                    if piece.choose is not None:  # the runner chose it: no logits came back
-                        step = self._took(lv, f.chosen[lv.slot.sid], None, cached=cached)
+                    if choice is not None:  # drawn where the logits are: no row came back
+                        step = self._took(lv, next(drawn), None, cached=cached)
                     else:
                         rows = f.logits[row : row + n]
                         row += n
@@ -660,13 +661,23 @@ class Model:
             slot.tokens.extend(tokens)
 
     def _choice(self, live: _Live) -> Choice | None:
-        """How the runner may choose the sequence's next token on its device (drawing its
-        uniform now), or None where the engine samples from the logits: a runner without that,
-        a grammar, logprobs, penalties."""
-        if (not self.runner.samples_on_device or live.constraint is not None
+        """The sequence's next draw where the runner keeps its logits (the uniform drawn now),
+        or None where the engine samples a host row: a runner without that, a grammar,
+        logprobs, penalties."""
+        if (not self.runner.logits_on_device or live.constraint is not None
                 or live.asm.request.sampling.logprobs is not None):  # fmt: skip
             return None
         return live.sampler.choice()
+
+    @staticmethod
+    def _draw_on_device(rows: Any, choices: Sequence[Choice | None]) -> list[int]:
+        """The tokens of the rows a forward kept on its device (one transfer of ids)."""
+        wanted = [c for c in choices if c is not None]
+        if not wanted:
+            return []
+        from localllm.engine.device_sampling import choose
+
+        return choose(rows, wanted).tolist()
 
     def _sample(self, live: _Live, logits: Any, *, cached: int = 0) -> Step:
         if live.constraint is not None:

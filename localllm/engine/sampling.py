@@ -14,15 +14,27 @@ seed would mean another sequence on each runner; this one costs ~0.05 ms a token
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-from localllm.backends.base import Choice
 from localllm.types import SamplingParams
 
-__all__ = ["Sampler", "logprobs"]
+__all__ = ["Choice", "Sampler", "logprobs"]
 
 _NEG = np.float32(-np.inf)
+
+
+class Choice(NamedTuple):
+    """One draw of a `Sampler` as `device_sampling.choose` makes it where the logits are: the
+    chain's parameters (no penalties, no grammar) and `u`, the uniform the sequence's own
+    generator drew for this token (None: greedy, the first largest logit)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    u: float | None
 
 
 class Sampler:
@@ -124,9 +136,9 @@ class Sampler:
         return int(ids[self._pick(p)])
 
     def choice(self) -> Choice | None:
-        """This sampler's next draw as a runner that samples on its device takes it
-        (`backends.base.Choice`; the uniform comes from this sequence's generator now), or None
-        where the chain needs the host (penalties read the history)."""
+        """This sampler's next draw as `device_sampling.choose` takes it (the uniform comes
+        from this sequence's generator now), or None where the chain needs the host (penalties
+        read the history)."""
         if self.penalize:
             return None
         s = self.params

@@ -34,7 +34,6 @@ from localllm.backends.torch.compiled import CompiledStep, cache_dir, prepare, w
 from localllm.backends.torch.kvquant import GROUPED, POOLED, RESIDUAL, codec, pooled
 from localllm.backends.torch.models.base import QUERIES_AS_ROWS
 from localllm.backends.torch.policies import PagedStreaming
-from localllm.backends.torch.sampling import choose
 from localllm.chat import template_for
 from localllm.errors import ContextOverflow, LocalLLMError, OutOfBlocks
 from localllm.memory import parse_kv_cache
@@ -167,7 +166,7 @@ class TorchRunner(TextOnly):
     name = "torch"
     capabilities = TORCH
     prefix_kind = "edge"
-    samples_on_device = True  # `sampling.choose`: a decode step moves token ids, not logits
+    logits_on_device = True  # the engine samples them there: a decode step moves token ids
 
     @on_compute_thread  # loading is torch work too
     def __init__(self, path: str | Path, *, n_ctx: int, n_slots: int = 1, max_batch: int = 256,
@@ -483,8 +482,8 @@ class TorchRunner(TextOnly):
             seen.add(p.slot)
             if not p.tokens or not 0 <= p.logits <= len(p.tokens):
                 raise ValueError(f"a piece of {len(p.tokens)} tokens cannot give {p.logits} logits")
-            if p.choose is not None and p.logits != 1:
-                raise ValueError("a piece whose token the runner chooses gives one row of logits")
+            if p.on_device and p.logits != 1:
+                raise ValueError("a piece whose row stays on the device gives one row of logits")
             caches = self._slot(p.slot)
             if not self._policies[p.slot].enabled:
                 end = max(caches[i].offset for i in kept) + len(p.tokens)
@@ -520,19 +519,14 @@ class TorchRunner(TextOnly):
             now = self._caches[slot][kept[0]].dropped
             if now != d:
                 shifted[slot] = now - d
-        chosen: dict[int, int] = {}
         wanted = [p for p in pieces if p.logits]  # what `rows` holds, in order
-        picks = [j for j, p in enumerate(wanted) if p.choose is not None]
-        if picks:  # sampled here: only their token ids come to the host
-            ids = choose(torch.cat([rows[j][:, : self.n_vocab] for j in picks]),
-                         [wanted[j].choose for j in picks]).tolist()  # type: ignore[misc]  # fmt: skip
-            chosen = {wanted[j].slot: t for j, t in zip(picks, ids)}
-            rows = [r for j, r in enumerate(rows) if wanted[j].choose is None]
+        kept = [r for p, r in zip(wanted, rows) if p.on_device]
+        rows = [r for p, r in zip(wanted, rows) if not p.on_device]
         if rows:
             logits = torch.cat(rows).float().cpu().numpy()[:, : self.n_vocab]
         else:
             logits = np.zeros((0, self.n_vocab), dtype=np.float32)
-        return Forward(logits, shifted, chosen)
+        return Forward(logits, shifted, torch.cat(kept)[:, : self.n_vocab] if kept else None)
 
     def _evaluate(self, pieces: Sequence[Piece], skip: frozenset[int]) -> list[torch.Tensor]:
         """The model calls of `forward`; the logits rows in piece order."""

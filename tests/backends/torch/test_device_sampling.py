@@ -1,8 +1,8 @@
-"""The device sampler (`backends.torch.sampling.choose`) against the engine's host sampler (the
+"""The engine's device sampler (`engine.device_sampling.choose`) against its host sampler (the
 oracle, itself checked against llama.cpp's chain in tests/engine/test_sampling.py): for every
 chain, the same tokens from the same logits and the same seeded uniforms, whole batches of rows
-with different parameters at once, ties broken alike; and the runner's forward with chosen
-pieces moves token ids, not logits, giving what the host would have drawn."""
+with different parameters at once, ties broken alike; and the torch runner keeps the rows the
+engine samples on its device, so a decode step moves token ids, not logits."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ need("torch", "pip install -e '.[dev]' (torch: pip install torch==2.13.0 first)"
 
 import torch  # noqa: E402
 
-from localllm.backends.base import Choice, Piece  # noqa: E402
-from localllm.backends.torch.sampling import choose  # noqa: E402
+from localllm.backends.base import Piece  # noqa: E402
+from localllm.engine.device_sampling import choose  # noqa: E402
 from localllm.engine.sampling import Sampler  # noqa: E402
 from localllm.types import SamplingParams  # noqa: E402
 
@@ -91,7 +91,7 @@ def test_rewind_takes_back_a_draw() -> None:
 def test_the_parameters_reach_the_device_in_one_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every row's parameters go over as one tensor, whatever the batch (no copy per row, no
     sync per row: the caller moves the ids once)."""
-    from localllm.backends.torch import sampling
+    from localllm.engine import device_sampling as sampling
 
     copies: list[tuple[int, ...]] = []
     real = sampling._to
@@ -108,21 +108,22 @@ def test_the_parameters_reach_the_device_in_one_copy(monkeypatch: pytest.MonkeyP
     assert copies == [(8, 6)]
 
 
-def test_the_runner_moves_token_ids_not_logits(default_model_path: Path) -> None:
-    """Two slots read the same prompt; one asks for its logits, the other for a token chosen
-    on the device: no logits row comes back for the second, and its token is the one the host
-    sampler draws from the first's logits with the same seed."""
+def test_the_runner_keeps_the_rows_asked_for_on_its_device(default_model_path: Path) -> None:
+    """Two slots read the same prompt; one asks for its logits, the other keeps its row on the
+    device: no host row comes back for the second, its device row is the first's, and the
+    engine's device draw from it is the host sampler's draw from the first with the same seed."""
     from localllm.backends.torch.runner import TorchRunner
 
     runner = TorchRunner(default_model_path, n_ctx=64, n_slots=2, compile="off")
     try:
         prompt = runner.tokenize("The quick brown fox")
         params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=11)
-        f = runner.forward([Piece(0, prompt, 1), Piece(1, prompt, 1, Sampler(params).choice())])
-        assert f.logits.shape == (1, runner.n_vocab) and list(f.chosen) == [1]
-        assert f.chosen[1] == Sampler(params)(f.logits[0])
+        f = runner.forward([Piece(0, prompt, 1), Piece(1, prompt, 1, True)])
+        assert f.logits.shape == (1, runner.n_vocab) and f.device_rows.shape == (1, runner.n_vocab)
+        assert torch.equal(f.device_rows.float(), torch.from_numpy(f.logits))
+        assert choose(f.device_rows, [Sampler(params).choice()]).tolist() == [Sampler(params)(f.logits[0])]
         with pytest.raises(ValueError, match="one row of logits"):
-            runner.forward([Piece(0, [5, 6], 2, Choice(1.0, 0, 1.0, 0.0, 0.5))])
+            runner.forward([Piece(0, [5, 6], 2, True)])
     finally:
         runner.close()
 
@@ -169,7 +170,7 @@ def test_the_engine_draws_the_same_tokens_on_the_device_and_on_the_host(
     engine.drop_caches()
     device = [_ask(engine, text, **kw) for text, kw in asks]
     assert rows and not any(rows), rows  # no logits came to the host for a decode step
-    monkeypatch.setattr(runner, "samples_on_device", False)
+    monkeypatch.setattr(runner, "logits_on_device", False)
     engine.drop_caches()
     host = [_ask(engine, text, **kw) for text, kw in asks]
     assert device == host

@@ -1,4 +1,6 @@
-"""The engine's sampling chain on the device, for every row of a step at once (`choose`).
+"""The engine's sampling chain where a runner's logits are (its device: `logits_on_device`),
+for every row of a step at once (`choose`). Imported only when a runner kept rows there, so
+torch is not imported for a runner that has none.
 
 The engine's sampler (`localllm.engine.sampling.Sampler`, numpy on the host) is the oracle: the
 same chain in the same order (top-k → top-p → min-p → temperature → one uniform through the
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from localllm.backends.base import Choice
+from localllm.engine.sampling import Choice
 
 __all__ = ["choose"]
 
