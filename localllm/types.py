@@ -124,11 +124,12 @@ def _parse_speculative(spec: str | None) -> str | None:
     if spec in (None, "", "off"):
         return None
     mode, _, model = spec.partition(":")
-    if mode in ("lookup", "self") and not model:
+    if mode in ("lookup", "self", "head", "auto") and not model:
         return spec
     if mode == "draft" and model:
         return spec
-    raise LocalLLMError(f"bad speculative mode {spec!r}: use off, lookup, self or draft:MODEL")
+    raise LocalLLMError(f"bad speculative mode {spec!r}: use off, lookup, self, head, auto or "
+                        "draft:MODEL")  # fmt: skip
 
 
 def speculative_mode(spec: str | None) -> str:
@@ -156,7 +157,7 @@ class LoadOptions:
     kv_cache: str = "f16"
     streaming: str | None = None  # SINKS:WINDOW
     evict: str | None = None  # h2o:BUDGET
-    speculative: str | None = None  # off, lookup, self, draft:MODEL
+    speculative: str | None = None  # off, lookup, self, head, auto, draft:MODEL
     threads: int | None = None
     parallel: int = DEFAULT_PARALLEL  # sequences decoded together (continuous batching)
     compile: str = "auto"  # the torch engine's compiled step: COMPILE_MODES
@@ -199,7 +200,8 @@ class LoadOptions:
 
     @property
     def speculative_mode(self) -> str:
-        """off, lookup, self or draft (what `Capabilities.speculative` lists)."""
+        """off, lookup, self, head, auto or draft (`Capabilities.speculative` lists all but
+        auto, which a loaded model resolves: head where it has one, else lookup)."""
         return speculative_mode(self.speculative)
 
     def replace(self, **kw: Any) -> LoadOptions:

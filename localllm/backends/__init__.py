@@ -30,7 +30,7 @@ class Capabilities:
 
     kv_cache_types: tuple[str, ...]
     streaming: bool  # StreamingLLM context policy (--streaming SINKS:WINDOW)
-    speculative: tuple[str, ...]  # modes: off, lookup, self, draft
+    speculative: tuple[str, ...]  # modes: off, lookup, self, draft, head
     batching: bool  # several sequences in one step
     embeddings: bool
     grammar: bool  # constrained decoding: response_format, tool_choice "required" or a function
@@ -111,7 +111,7 @@ TORCH_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_
 TORCH = Capabilities(
     kv_cache_types=kv_types("torch"),
     streaming=True,
-    speculative=("off", "lookup", "self", "draft"),
+    speculative=("off", "lookup", "self", "draft", "head"),
     batching=True,
     embeddings=True,
     grammar=True,  # llguidance masks (localllm.structured)
@@ -280,7 +280,7 @@ def check_options(options: LoadOptions, caps: Capabilities, backend: str) -> Non
             raise no(f"{kind} eviction (--evict)", caps.eviction or ("none",),
                      lambda c: kind in c.eviction)  # fmt: skip
     mode = options.speculative_mode
-    if mode not in caps.speculative:
+    if mode != "auto" and mode not in caps.speculative:
         raise no(f"speculative mode {mode!r}", caps.speculative, lambda c: mode in c.speculative)
     if options.device not in ("auto", *caps.devices):
         raise no(f"{options.device} device", caps.devices)

@@ -34,9 +34,11 @@ from localllm.engine.scheduler import Scheduler
 from localllm.engine.slots import Slot, Slots
 from localllm.engine.speculative import (
     DRAFT_K,
+    HEAD_K,
     LOOKUP_K,
     Draft,
     DraftModel,
+    HeadDrafter,
     LayerSkip,
     Lookup,
     Pace,
@@ -85,7 +87,7 @@ def check_supported(request: Request, caps: Capabilities, backend: str) -> None:
         if not request.tools:
             raise Unsupported("tool_choice names tools but the request has none")
     mode = speculative_mode(request.speculative)
-    if mode not in caps.speculative:
+    if mode != "auto" and mode not in caps.speculative:
         raise Unsupported(
             f"the {backend} backend has no speculative mode {mode!r} (it has: {', '.join(caps.speculative)})"
         )
@@ -252,7 +254,8 @@ class Model:
         self.head_path = head  # where `train-draft` keeps this model's draft head
         self.digest = digest  # the model file's (the store's key)
         self._self_config: Any = None
-        spec = self.options.speculative
+        self._head_on = False  # the runner drafts with the head at `head_path` (`use_head`)
+        spec = self.resolve(self.options.speculative)
         self.speculative = spec if speculative_mode(spec) != "off" else None
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._work, name=f"localllm:{name}", daemon=True)
@@ -358,6 +361,24 @@ class Model:
             self._self_config = tune.cached_or_tuned(self)
         return self._self_config
 
+    def resolve(self, spec: str | None) -> str | None:
+        """`auto`: the model's draft head where it has one (`train-draft`) and its backend
+        drafts with heads, else prompt lookup. Other modes as they are."""
+        if speculative_mode(spec) != "auto":
+            return spec
+        has = self.head_path is not None and Path(self.head_path).exists()
+        return "head" if has and "head" in self.capabilities.speculative else "lookup"
+
+    def use_head(self) -> None:
+        """Make the runner draft with this model's head (once); one line where it has none."""
+        if self._head_on:
+            return
+        if self.head_path is None or not Path(self.head_path).exists():
+            raise LocalLLMError(f"{self.name} has no draft head yet: `localllm train-draft "
+                                f"{self.name}` trains one (or use --speculative lookup)")  # fmt: skip
+        self.run_here(lambda: self.runner.use_head(self.head_path, self.digest))
+        self._head_on = True
+
     def _drafter(self, spec: str | None, policy: ContextPolicy) -> tuple[Any, Pace | None]:
         """(drafter, pace) for a sequence's speculative mode; (None, None) when off."""
         mode = speculative_mode(spec)
@@ -371,6 +392,9 @@ class Model:
             if self._draft_model is None:
                 self._draft_model = DraftModel(self.draft)
             return self._draft_model, Pace(DRAFT_K, DRAFT_K // 2)
+        if mode == "head":
+            self.use_head()
+            return HeadDrafter(self.runner), Pace(HEAD_K, HEAD_K // 2)
         config = self.self_config()
         drafter = LayerSkip(self.runner, config.skip, confidence=config.confidence)
         return drafter, Pace(max(1, config.k), on=config.pays)
@@ -773,6 +797,8 @@ class Model:
             request = replace(request, speculative="off")  # the model's default mode too
         elif request.speculative is None and self.options.speculative:
             request = replace(request, speculative=self.options.speculative)
+        if speculative_mode(request.speculative) == "auto":
+            request = replace(request, speculative=self.resolve(request.speculative))
         ids, splitter = prompt_ids(self.runner, request, self.name)
         if ids and min(ids) < 0 and speculative_mode(request.speculative) == "draft":
             # images: a draft model reads none (it has no projector); the model's default
@@ -1031,10 +1057,17 @@ def load(model: str, options: LoadOptions | None = None, *, check_memory: bool =
     except BaseException:
         runner.close()
         raise
-    return Model(runner, record.name, load_s=time.perf_counter() - t0, options=opts,
-                 sampling_defaults=defaults, backend_why=why, draft=draft, draft_name=draft_name,
-                 tuned=store.home / "tuned" / f"{record.digest[:16]}.json",
-                 head=head_path(store.home, record.digest), digest=record.digest)  # fmt: skip
+    llm = Model(runner, record.name, load_s=time.perf_counter() - t0, options=opts,
+                sampling_defaults=defaults, backend_why=why, draft=draft, draft_name=draft_name,
+                tuned=store.home / "tuned" / f"{record.digest[:16]}.json",
+                head=head_path(store.home, record.digest), digest=record.digest)  # fmt: skip
+    if speculative_mode(llm.speculative) == "head":
+        try:  # a missing or foreign head is refused at load, not at the first request
+            llm.use_head()
+        except BaseException:
+            llm.close()
+            raise
+    return llm
 
 
 def head_path(home: Path, digest: str) -> Path:

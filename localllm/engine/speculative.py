@@ -10,9 +10,10 @@
                                            speculation still pays (else it switches itself off)
 
 Drafters: `Lookup` (n-gram prompt lookup over prompt + generated text), `DraftModel` (a smaller
-model with the same vocabulary, on a runner of its own, one slot per slot of the target's) and
+model with the same vocabulary, on a runner of its own, one slot per slot of the target's),
 `LayerSkip` (the target itself with some layers left out, through `forward(..., skip=)`: a runner
-that has "self" among its speculative modes). Target and drafter see the same processed
+that has "self" among its speculative modes) and `HeadDrafter` (an EAGLE-style draft head on the
+target's own features, through `head_logits`: a runner that has "head"). Target and drafter see the same processed
 distributions (`Sampler.distribution`), so the output is distributed exactly as the target's;
 greedy output is the target's greedy output.
 """
@@ -34,9 +35,11 @@ from localllm.types import ContextPolicy, speculative_mode
 
 __all__ = [
     "DRAFT_K",
+    "HEAD_K",
     "LOOKUP_K",
     "Draft",
     "DraftModel",
+    "HeadDrafter",
     "LayerSkip",
     "Lookup",
     "Pace",
@@ -46,6 +49,7 @@ __all__ = [
 
 LOOKUP_K = 10  # the most tokens prompt lookup proposes in one pass
 DRAFT_K = 8  # ... and a draft model or layer skipping
+HEAD_K = 8  # ... and a draft head
 
 
 @dataclass
@@ -289,6 +293,42 @@ class LayerSkip:
         finally:
             if fed:
                 self.runner.trim(sid, fed, skip=self.skip)
+        return Draft(tokens, q)
+
+
+class HeadDrafter:
+    """A draft head (EAGLE, arXiv 2401.15077) in the target's runner: one small layer over the
+    target's features of the positions it evaluated, then over its own predicted features, a
+    token at a time (`Runner.head_logits`). Its vocabulary is the draft vocabulary it was
+    trained with; tokens outside it are never drafted (probability 0), which the exact rule
+    allows for.
+
+    Drafting stops early at a token whose probability is below `confidence`."""
+
+    def __init__(self, runner: Any, *, confidence: float = 0.0) -> None:
+        self.runner = runner
+        self.confidence = confidence
+
+    def propose(self, seq: Any, k: int) -> Draft:
+        if not seq.slot.exact:
+            return Draft([])  # the target's cache was shifted: its features lead elsewhere
+        sampler: Sampler = seq.sampler
+        history = list(seq.history)
+        q: list[np.ndarray] | None = None if sampler.greedy else []
+        tokens: list[int] = []
+        sid, tok = seq.slot.sid, seq.last
+        try:
+            for _ in range(k):
+                logits = self.runner.head_logits(sid, tok)
+                if logits is None:
+                    break
+                tok, conf = _choose(sampler, logits, history, q)
+                tokens.append(tok)
+                history.append(tok)
+                if conf < self.confidence:
+                    break
+        finally:
+            self.runner.head_done(sid)
         return Draft(tokens, q)
 
 

@@ -31,6 +31,7 @@ from localllm.backends import TORCH
 from localllm.backends.base import Forward, Piece, TextOnly
 from localllm.backends.torch.cache import BLOCK, KVCache, Pages, Prefix, Rows
 from localllm.backends.torch.compiled import CompiledStep, cache_dir, prepare, wanted
+from localllm.backends.torch.draft_head import HeadState, softcap
 from localllm.backends.torch.kvquant import GROUPED, POOLED, RESIDUAL, codec, pooled
 from localllm.backends.torch.models.base import QUERIES_AS_ROWS
 from localllm.backends.torch.policies import PagedStreaming
@@ -260,6 +261,10 @@ class TorchRunner(TextOnly):
         self._lock = threading.Lock()  # embed() may come from another thread than the engine's
         # the compiler's imports and checks, while the caller idles (`compiled.prepare`)
         self._prepared = prepare(self.torch_device) if self.compiled else None
+        self._head: Any = None  # a draft head (`use_head`), its rows of the output head, softcap
+        self._head_rows: torch.Tensor | None = None
+        self._head_cap = 0.0
+        self._heads = [HeadState() for _ in range(self.n_slots)]
 
     def _load(self, path: str | Path) -> tuple[Any, Any, dict[str, Any]]:
         """(tokenizer, model, metadata) of a GGUF file in this runner's precision and device."""
@@ -365,6 +370,7 @@ class TorchRunner(TextOnly):
                 pages.release(slot)
         self._caches[slot] = []
         self._peak[slot] = self._step[slot] = 0
+        self._heads[slot].reset()
         self._drop_unused_pool()
 
     def _drop_unused_pool(self) -> None:
@@ -409,6 +415,8 @@ class TorchRunner(TextOnly):
         if self._paged(slot):  # blocks past every layer's positions go back to the pool
             for pages in self._pages:
                 pages.shrink(slot, max(c.at for c in self._caches[slot]))
+        if not skip:
+            self._heads[slot].trim(self.held(slot))
         return True
 
     def kv_bytes(self) -> int:
@@ -453,6 +461,43 @@ class TorchRunner(TextOnly):
     # -- the forward pass ----------------------------------------------------------------------
 
     @on_compute_thread
+    def use_head(self, path: Path, digest: str) -> None:
+        """Draft with the head kept at `path` (`train_draft.load_head`: one line if it is not a
+        head of this model): from now on every slot's evaluated positions leave their features
+        for it (`head_logits`). Compiled steps give no features: with a head, forwards run
+        eagerly."""
+        from localllm.backends.torch.train_draft import head_rows, load_head
+
+        if self._head is not None:
+            return
+        head = load_head(path, digest)
+        rows = head_rows(self.model, head.vocab)
+        self._head = head.to(device=self.torch_device, dtype=self.compute_dtype)
+        self._head_rows = rows.to(device=self.torch_device, dtype=self.compute_dtype)
+        self._head_cap = softcap(self.model)
+        self.head_info = dict(head.meta)  # type: ignore[attr-defined]
+
+    @on_compute_thread
+    def head_logits(self, slot: int, token: int) -> np.ndarray | None:
+        """The draft head's logits (n_vocab,) float32 of the token after `token` (-inf outside
+        its draft vocabulary): the slot's last sampled token on a round's first call, then each
+        token drafted after it. None where it has nothing to go on (`draft_head.HeadState`)."""
+        assert self._head is not None and self._head_rows is not None, "use_head first"
+        got = self._heads[slot].draft(self._head, self.model.embed, self._head_rows, token,
+                                      self._head_cap)  # fmt: skip
+        if got is None:
+            return None
+        out = np.full(self.n_vocab, -np.inf, dtype=np.float32)
+        vocab = self._head.vocab
+        keep = vocab < self.n_vocab
+        out[vocab[keep].cpu().numpy()] = got.float()[keep].cpu().numpy()
+        return out
+
+    def head_done(self, slot: int) -> None:
+        """A round of drafting is over: what it drafted leaves the head's cache."""
+        self._heads[slot].done()
+
+    @on_compute_thread
     def train_draft_head(self, text: Sequence[int], out: Path, *, digest: str, **kw: Any) -> Path:
         """Train (or resume) this model's draft head on `text` (`train_draft.train`): the model
         stays frozen; its caches are its own (no slot is touched)."""
@@ -492,8 +537,11 @@ class TorchRunner(TextOnly):
         before = {p.slot: [c.offset for c in self._caches[p.slot]] for p in pieces}
         places = {s: max(c.at for c in self._caches[s]) for s in before if self._paged(s)}
         dropped = {p.slot: self._caches[p.slot][kept[0]].dropped for p in pieces}
+        fresh: list[tuple[int, int, torch.Tensor, list[int]]] | None = (
+            [] if self._head is not None and not skip else None
+        )
         try:
-            rows = self._evaluate(pieces, skip)
+            rows = self._evaluate(pieces, skip, fresh)
         except Exception as e:
             for slot, offsets in before.items():
                 caches = self._caches[slot]
@@ -513,6 +561,8 @@ class TorchRunner(TextOnly):
                     f"{tokens} tokens; try a smaller --ctx or --parallel"
                 ) from None
             raise
+        for slot, pos, h, tokens in fresh or ():  # the draft head's features, once all went well
+            self._heads[slot].record(pos, h, tokens)
         shifted = {}
         for slot, d in dropped.items():
             self._note(slot)
@@ -528,12 +578,15 @@ class TorchRunner(TextOnly):
             logits = np.zeros((0, self.n_vocab), dtype=np.float32)
         return Forward(logits, shifted, torch.cat(kept)[:, : self.n_vocab] if kept else None)
 
-    def _evaluate(self, pieces: Sequence[Piece], skip: frozenset[int]) -> list[torch.Tensor]:
-        """The model calls of `forward`; the logits rows in piece order."""
+    def _evaluate(self, pieces: Sequence[Piece], skip: frozenset[int],
+                  fresh: list[tuple[int, int, torch.Tensor, list[int]]] | None = None,
+                  ) -> list[torch.Tensor]:  # fmt: skip
+        """The model calls of `forward`; the logits rows in piece order. `fresh`: where the
+        features of every position evaluated go (slot, first position, (T, dim), tokens)."""
         model, dev = self.model, self.torch_device
         out: dict[int, torch.Tensor] = {}
         singles = []
-        compiled = self.compiled and not skip
+        compiled = self.compiled and not skip and fresh is None
         for i, p in enumerate(pieces):
             if len(p.tokens) == 1:
                 singles.append(i)
@@ -548,7 +601,10 @@ class TorchRunner(TextOnly):
             for s in range(0, n, size):
                 chunk = tokens[s : s + size]
                 x = torch.tensor([chunk], dtype=torch.long, device=dev)  # (1, T)
+                at = caches[0].offset
                 h = model(x, [caches], skip=skip)[0]  # (T, dim)
+                if fresh is not None:
+                    fresh.append((p.slot, at, h, chunk))
                 first = n - p.logits - s  # the chunk's first position that wants logits
                 if first < len(chunk):
                     rows.append(model.logits(h[max(0, first) :]))
@@ -562,7 +618,11 @@ class TorchRunner(TextOnly):
                     out[i] = logits[j : j + 1]
         elif singles:
             x = torch.tensor([[pieces[i].tokens[0]] for i in singles], dtype=torch.long, device=dev)
+            ats = [self._caches[pieces[i].slot][0].offset for i in singles]
             h = model(x, [self._caches[pieces[i].slot] for i in singles], skip=skip)  # (B, 1, dim)
+            if fresh is not None:
+                fresh += [(pieces[i].slot, at, h[j], [pieces[i].tokens[0]])
+                          for j, (i, at) in enumerate(zip(singles, ats))]  # fmt: skip
             want = [j for j, i in enumerate(singles) if pieces[i].logits]
             if want:
                 idx = torch.tensor(want, device=dev)
@@ -685,6 +745,7 @@ class TorchRunner(TextOnly):
             return False
         for c in caches:
             c.offset = n
+        self._heads[slot].reset()  # no features of the restored positions: the head starts after
         return True
 
     # -- the rest ------------------------------------------------------------------------------
@@ -742,6 +803,8 @@ class TorchRunner(TextOnly):
         self._policies = [ContextPolicy() for _ in range(self.n_slots)]
         self._peak, self._step = [0] * self.n_slots, [0] * self.n_slots
         self._rows = None
+        self._heads = [HeadState() for _ in range(self.n_slots)]
+        self._head = self._head_rows = None
         self.model = None  # type: ignore[assignment]
 
 

@@ -30,12 +30,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from localllm.backends.torch.draft_head import DraftHead, features, frequent, losses
+from localllm.backends.torch.draft_head import DraftHead, features, frequent, losses, softcap
 from localllm.errors import LocalLLMError
 
-__all__ = ["Progress", "head_rows", "load_head", "load_published", "train"]
+__all__ = ["Progress", "head_rows", "load_head", "load_published", "save_head", "train"]
 
-FORMAT = 1  # the layout of the file `train` writes
+# The layout of the file `train` writes. 2: features after the target's final norm (format 1's
+# were read before it, and are refused: train the head again).
+FORMAT = 2
 
 
 @dataclass
@@ -75,6 +77,7 @@ def _new_head(model: nn.Module, vocab: torch.Tensor) -> DraftHead:
 
 def _save(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     """`tensors` and `meta` as safetensors at `path`: a temporary file, fsynced, renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp),
               metadata={"localllm": json.dumps(meta)})  # fmt: skip
@@ -87,6 +90,12 @@ def _state(head: DraftHead, digest: str, **meta: Any) -> tuple[dict[str, torch.T
     """A head's tensors (its parameters and draft vocabulary) and what the file says of it."""
     tensors = {f"head.{k}": v for k, v in head.state_dict().items()}
     return tensors, {"format": FORMAT, "digest": digest, "config": head.config, **meta}
+
+
+def save_head(head: DraftHead, path: Path, digest: str, **meta: Any) -> Path:
+    """`head` as the head of the model whose digest is `digest`, at `path` (as `train` keeps it)."""
+    _save(path, *_state(head, digest, **meta))
+    return path
 
 
 def train(model: nn.Module, text: Sequence[int], out: Path, *, digest: str,
@@ -141,7 +150,7 @@ def train(model: nn.Module, text: Sequence[int], out: Path, *, digest: str,
     while seen < budget_t and time.monotonic() - t0 < budget_s:
         at = torch.arange(step * batch, (step + 1) * batch) % len(train_w)
         emb, feats, logits = _passes(model, train_w[at])
-        got = losses(head, emb, feats, logits, rows, model.norm)
+        got = losses(head, emb, feats, logits, rows, softcap(model))
         opt.zero_grad()
         got["loss"].backward()
         opt.step()
@@ -152,9 +161,8 @@ def train(model: nn.Module, text: Sequence[int], out: Path, *, digest: str,
         if report is not None:
             report(last)
     with torch.no_grad():
-        agree = float(losses(head, *_passes(model, test), rows, model.norm)["agree"])
-    _save(out, *_state(head, digest, step=step, tokens=seen, seconds=time.monotonic() - t0,
-                       agree=agree))  # fmt: skip
+        agree = float(losses(head, *_passes(model, test), rows, softcap(model))["agree"])
+    save_head(head, out, digest, step=step, tokens=seen, seconds=time.monotonic() - t0, agree=agree)
     partial.unlink(missing_ok=True)
     if report is not None:
         report(Progress(step, seen, time.monotonic() - t0, last.loss if last else math.nan,
@@ -172,6 +180,9 @@ def _load(path: Path, digest: str) -> tuple[dict[str, Any], dict[str, torch.Tens
     except Exception as e:  # noqa: BLE001 - a broken file is one line
         raise LocalLLMError(f"{path.name}: not a draft head ({type(e).__name__}: "
                             f"{(str(e).splitlines() or [''])[0][:120]})") from None  # fmt: skip
+    if isinstance(meta, dict) and meta.get("format") == 1:
+        raise LocalLLMError(f"{path.name}: a draft head of an older localllm (it read other "
+                            "features): train it again with `localllm train-draft`")  # fmt: skip
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise LocalLLMError(f"{path.name}: not a draft head this version of localllm reads")
     if meta.get("digest") != digest:

@@ -68,17 +68,17 @@ def test_training_on_the_targets_features_beats_the_untrained_head(target) -> No
     head = make_head(target, vocab)
     emb, feats, logits = passes(target, held)
     with torch.no_grad():
-        before = losses(head, emb[:, 1:], feats, logits, rows, target.norm)
+        before = losses(head, emb[:, 1:], feats, logits, rows)
     data = passes(target, train)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
     for step in range(300):
         i = torch.arange(8) + 8 * (step % 8)
-        out = losses(head, data[0][i, 1:], data[1][i], data[2][i], rows, target.norm)
+        out = losses(head, data[0][i, 1:], data[1][i], data[2][i], rows)
         opt.zero_grad()
         out["loss"].backward()
         opt.step()
     with torch.no_grad():
-        after = losses(head, emb[:, 1:], feats, logits, rows, target.norm)
+        after = losses(head, emb[:, 1:], feats, logits, rows)
     assert float(after["kl"]) < 0.5 * float(before["kl"]), (before, after)
     assert float(after["feature"]) < 0.7 * float(before["feature"]), (before, after)
     assert float(after["agree"]) > float(before["agree"]) + 0.2, (before, after)
@@ -152,7 +152,7 @@ def test_a_training_run_writes_a_head_that_agrees_with_the_target(target, tmp_pa
     fresh = Head(**{k: head.config[k] for k in ("dim", "n_heads", "n_kv_heads", "ffn_dim")},
                  vocab=head.vocab, head_dim=head.head_dim)  # fmt: skip
     with torch.no_grad():
-        trained, untrained = (float(losses(h, *_passes(target, held), rows, target.norm)["agree"])
+        trained, untrained = (float(losses(h, *_passes(target, held), rows)["agree"])
                               for h in (head, fresh))  # fmt: skip
     assert trained > untrained + 0.2 and seen[-1].agree == pytest.approx(trained), (trained, untrained)
     with pytest.raises(LocalLLMError, match="trained for another model"):
@@ -249,15 +249,19 @@ def test_a_run_killed_at_any_moment_resumes_from_its_last_checkpoint(
         assert torch.equal(resumed["head"][name], t), name
 
 
-def test_features_are_the_input_of_the_targets_final_norm(target) -> None:  # noqa: ANN001
-    """EAGLE's heads read the last hidden state before the final norm: normed and through the
-    head, the features give the target's logits."""
+def test_features_are_what_the_targets_output_head_reads(target) -> None:  # noqa: ANN001
+    """EAGLE's heads read the base model's output, after its final norm: through the output
+    head's rows (all of them here), the features give the target's logits, and a head's draft
+    distribution is that product over its own rows."""
     from localllm.backends.torch.draft_head import features
 
     feats, logits = features(target, torch.randint(0, 384, (2, 9), generator=torch.Generator().manual_seed(4)))
+    rows = target.output.weight.detach()
     with torch.no_grad():
-        torch.testing.assert_close(target.logits(target.norm(feats)), logits)
-    assert not torch.allclose(target.norm(feats), feats)
+        torch.testing.assert_close(DraftHead.logits(feats, rows), logits)
+        torch.testing.assert_close(DraftHead.logits(feats, rows[:7]), logits[..., :7])
+        capped = DraftHead.logits(feats, rows, cap=2.0)
+    torch.testing.assert_close(capped, torch.tanh(logits / 2.0) * 2.0)
 
 
 # -- published heads (EAGLE-1's layout) -------------------------------------------------------

@@ -1,0 +1,338 @@
+"""Drafting with a draft head (issue 36, `--speculative head`): the runner keeps the target's
+features of every position it evaluates and the head's own cache over them (`HeadState`), so a
+round of drafting reads what one pass of the head over the whole sequence reads; rejected drafts
+and trims leave it as a run that never drafted them would; greedy output with a head is plain
+greedy output (fp32, the default model, a head trained on it); sampled output is distributed as
+plain sampling's; `auto` takes the head where the model has one; a model without one is one
+line."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from chisquare import chi2_sf
+
+from conftest import in_home, need
+
+need("torch", "pip install -e '.[dev]' (torch: pip install torch==2.13.0 first)")
+
+import torch  # noqa: E402
+
+from localllm.backends.base import Piece  # noqa: E402
+from localllm.backends.torch.draft_head import DraftHead, features  # noqa: E402
+from localllm.backends.torch.runner import TorchRunner  # noqa: E402
+from localllm.backends.torch.train_draft import save_head  # noqa: E402
+from localllm.engine import Model, load  # noqa: E402
+from localllm.engine.speculative import HeadDrafter, Pace  # noqa: E402
+from localllm.errors import LocalLLMError  # noqa: E402
+from localllm.types import ContextPolicy, Request  # noqa: E402
+
+P_MIN = 1e-3
+DIGEST = "d" * 64
+
+
+def random_head(model: Any, seed: int = 0, vocab: torch.Tensor | None = None) -> DraftHead:
+    a = model.args
+    torch.manual_seed(seed)
+    head = DraftHead(a.dim, a.n_heads, a.n_kv_heads, 2 * a.dim,
+                     torch.arange(a.vocab_size) if vocab is None else vocab,
+                     head_dim=a.head_dim, rope_base=a.rope_base, eps=a.norm_eps)  # fmt: skip
+    with torch.no_grad():  # larger than the default start: drafts that differ from token to token
+        for p in head.parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+    return head.eval()
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchRunner]:
+    """The 2-layer random Llama (the default model's vocabulary) in f32, two slots, drafting
+    with a random head over half the vocabulary."""
+    r = TorchRunner(tiny_llama, n_ctx=256, n_slots=2, dtype="f32", kv_cache="f32", threads=2)
+    path = save_head(random_head(r.model, vocab=torch.arange(0, r.n_vocab, 2)),
+                     tmp_path_factory.mktemp("head") / "head.safetensors", DIGEST)  # fmt: skip
+    r.use_head(path, DIGEST)
+    yield r
+    r.close()
+
+
+def reference(r: TorchRunner, seq: list[int], last: int, drafts: list[int]) -> list[np.ndarray]:
+    """The head's logits (n_vocab,) of one pass over the whole sequence `seq` (its features
+    from a fresh pass of the target) with `last` after it, then over each draft in turn."""
+    head, rows = r._head, r._head_rows
+    with torch.no_grad():
+        h, _ = features(r.model, torch.tensor([seq]))
+        nxt = torch.tensor([[*seq[1:], last]])
+        g, cache = head(r.model.embed(nxt), h, 0, None)
+        g = g[:, -1:]
+        out = [head.logits(g[0, 0], rows)]
+        for i, d in enumerate(drafts):
+            g, cache = head(r.model.embed(torch.tensor([[d]])), g, len(seq) + i, cache)
+            out.append(head.logits(g[0, 0], rows))
+    full = []
+    for z in out:
+        row = np.full(r.n_vocab, -np.inf, dtype=np.float32)
+        row[head.vocab.numpy()] = z.numpy()
+        full.append(row)
+    return full
+
+
+def close(a: np.ndarray, b: np.ndarray) -> None:
+    assert np.array_equal(np.isinf(a), np.isinf(b))
+    a, b = a[np.isfinite(a)], b[np.isfinite(b)]
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5 * float(np.abs(b).max()))  # float32
+
+
+def test_a_round_reads_what_one_pass_over_the_sequence_reads(runner: TorchRunner) -> None:
+    """Prompt in two pieces, a round of three drafts, a verification that keeps one of them,
+    a second round: every draft's logits are those of one head pass over the whole sequence
+    so far (the target's own features, the drafts fed back as EAGLE feeds them)."""
+    r, slot = runner, 0
+    r.clear(slot)
+    prompt = list(range(1000, 1040))
+    r.forward([Piece(slot, prompt[:25], 0)])
+    r.forward([Piece(slot, prompt[25:], 1)])
+    last = 7
+    got = [r.head_logits(slot, last)]
+    drafts = [int(got[0].argmax())]
+    for _ in range(2):
+        got.append(r.head_logits(slot, drafts[-1]))
+        drafts.append(int(got[-1].argmax()))
+    r.head_done(slot)
+    want = reference(r, prompt, last, drafts[:2])
+    for a, b in zip(got, want):
+        close(a, b)
+    assert np.isinf(got[0][1::2]).all()  # outside the head's vocabulary: never drafted
+    # the target verifies [last, d1, d2, d3], keeps d1 and rejects the rest
+    r.forward([Piece(slot, [last, *drafts], 4)])
+    assert r.trim(slot, 2)
+    seq, nxt = [*prompt, last, drafts[0]], 11
+    got = [r.head_logits(slot, nxt)]
+    got.append(r.head_logits(slot, int(got[0].argmax())))
+    r.head_done(slot)
+    for a, b in zip(got, reference(r, seq, nxt, [int(got[0].argmax())])):
+        close(a, b)
+    # a second round with nothing evaluated since the first: the same logits again
+    close(r.head_logits(slot, nxt), got[0])
+    r.head_done(slot)
+
+
+def test_trims_gaps_and_clears_restart_the_head_where_it_can_read(runner: TorchRunner) -> None:
+    r, slot = runner, 1
+    r.clear(slot)
+    prompt = list(range(2000, 2030))
+    r.forward([Piece(slot, prompt, 1)])
+    assert r.head_logits(slot, 5) is not None
+    r.head_done(slot)
+    r.trim(slot, 10)  # below what the head read: it starts afresh, and nothing waits to be read
+    assert r.head_logits(slot, 5) is None
+    r.head_done(slot)
+    r.forward([Piece(slot, [5, 6, 7], 1)])  # the head reads from here on
+    with torch.no_grad():
+        h, _ = features(r.model, torch.tensor([[*prompt[:20], 5, 6, 7]]))
+        g, _ = r._head(r.model.embed(torch.tensor([[6, 7, 9]])), h[:, 20:], 20, None)
+    close(r.head_logits(slot, 9), reference_row(r, g[0, -1]))
+    r.head_done(slot)
+    r.clear(slot)
+    assert r.head_logits(slot, 9) is None  # a cleared slot's head holds nothing
+    r.head_done(slot)
+
+
+def reference_row(r: TorchRunner, g: torch.Tensor) -> np.ndarray:
+    row = np.full(r.n_vocab, -np.inf, dtype=np.float32)
+    with torch.no_grad():
+        row[r._head.vocab.numpy()] = r._head.logits(g, r._head_rows).numpy()
+    return row
+
+
+def test_a_failed_forward_leaves_no_features(runner: TorchRunner) -> None:
+    r, slot = runner, 0
+    r.clear(slot)
+    r.forward([Piece(slot, [1, 2, 3], 1)])
+    waiting = r._heads[slot].waiting
+    with pytest.raises(Exception, match="context"):
+        r.forward([Piece(slot, list(range(300)), 1)])  # past the context: refused, nothing kept
+    assert r._heads[slot].waiting == waiting and r.held(slot) == 3
+
+
+def test_a_head_of_another_model_is_refused_in_one_line(tiny_llama: Path, tmp_path: Path) -> None:
+    r = TorchRunner(tiny_llama, n_ctx=64, n_slots=1, dtype="f32", threads=2)
+    try:
+        path = save_head(random_head(r.model), tmp_path / "h.safetensors", "e" * 64)
+        with pytest.raises(LocalLLMError, match="trained for another model"):
+            r.use_head(path, DIGEST)
+    finally:
+        r.close()
+
+
+# -- through the engine ------------------------------------------------------------------------
+
+
+class Rounds(Pace):
+    """Drafts `k_max` every pass while on, never gives up, and notes each round."""
+
+    def __init__(self, k_max: int) -> None:
+        super().__init__(k_max, k_max, give_up=False)
+        self.log: list[tuple[int, int]] = []
+
+    def want(self) -> int:
+        return self.k_max if self.on else 0
+
+    def verified(self, drafted: int, accepted: int, seconds: float) -> None:
+        self.log.append((drafted, accepted))
+        super().verified(drafted, accepted, seconds)
+        self.on = True  # what is tested is the drafting, not whether it pays here
+
+
+@pytest.fixture(scope="module")
+def trained(default_model_path: Path, corpus_dir: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Model]:  # fmt: skip
+    """SmolLM2 in f32 with a head trained on it for a fixed budget of the repository's corpus
+    (the same head on every machine), eight slots."""
+    from localllm.backends.torch.train_draft import train
+
+    home = tmp_path_factory.mktemp("home")
+    with in_home(home):
+        m = load("smollm2", backend="torch", ctx=512, dtype="f32", kv_cache="f32", threads=2,
+                 parallel=8)  # fmt: skip
+    text = m.tokenize((corpus_dir / "alice.txt").read_text(encoding="utf-8"), add_special=False)
+    m.run_here(lambda: train(m.runner.model, text, m.head_path, digest=m.digest, tokens=60 * 4 * 128,
+                             seq=128, batch=4, n_draft_vocab=4096, lr=2e-3))  # fmt: skip
+    m.use_head()
+    yield m
+    m.close()
+
+
+def generate(m: Model, prompt: str, n: int, pace: Pace | None = None, **kw: Any) -> Any:
+    if pace is None:
+        return m.complete(prompt, max_tokens=n, temperature=0, ignore_eos=True, speculative="off", **kw)
+
+    def forced(spec: str | None, policy: ContextPolicy) -> tuple[Any, Pace]:
+        pace.plain(1.0)
+        return HeadDrafter(m.runner), pace
+
+    m._drafter = forced  # type: ignore[method-assign]
+    try:
+        return m.complete(prompt, max_tokens=n, temperature=0, ignore_eos=True, speculative="head", **kw)
+    finally:
+        del m._drafter
+
+
+PROMPTS = [
+    "Alice was beginning to get very tired of sitting by her sister on the bank,",
+    "Explain how a rainbow forms.",
+    "def fib(n):\n",
+    "The Queen of Hearts, she made some tarts,",
+    "Write a short poem about the sea.",
+]
+
+
+@pytest.mark.parametrize("which", range(len(PROMPTS)))
+def test_greedy_with_a_head_is_plain_greedy(trained: Model, which: int) -> None:
+    """fp32, 128 tokens, five prompts, k = 2..6: the tokens of plain greedy decoding, with
+    drafts both kept and rejected along the way."""
+    prompt, n, k = PROMPTS[which], 128, 2 + which
+    plain = generate(trained, prompt, n)
+    pace = Rounds(k)
+    got = generate(trained, prompt, n, pace)
+    assert got.token_ids == plain.token_ids
+    sp = got.speculative
+    assert sp is not None and sp.rounds == len(pace.log) > 0
+    assert sp.passes + sp.accepted == n - 1
+    assert any(a for _, a in pace.log), pace.log  # some drafts kept
+    assert any(a < d for d, a in pace.log), pace.log  # some rejected
+
+
+def test_the_trained_head_agrees_with_the_model(trained: Model) -> None:
+    """The fixture's short training already drafts a good share of the model's next tokens
+    (a random head: ~0)."""
+    meta = trained.runner.head_info
+    assert meta["agree"] > 0.25, meta
+
+
+def test_auto_takes_the_head_where_there_is_one(trained: Model, tmp_path: Path) -> None:
+    assert trained.resolve("auto") == "head"
+    assert trained.resolve("lookup") == "lookup"
+    got = trained.complete(PROMPTS[0], max_tokens=24, temperature=0, speculative="auto")
+    assert got.speculative is not None and got.speculative.mode == "head"
+    trained.head_path, saved = tmp_path / "none.safetensors", trained.head_path
+    try:
+        assert trained.resolve("auto") == "lookup"
+    finally:
+        trained.head_path = saved
+
+
+def test_a_model_without_a_head_says_how_to_train_one(default_model_path: Path) -> None:
+    with pytest.raises(LocalLLMError, match="train-draft smollm2"):
+        load("smollm2", backend="torch", ctx=256, threads=2, speculative="head")
+    with load("smollm2", backend="torch", ctx=256, threads=2) as m:
+        assert m.resolve("auto") == "lookup"
+        s = m.submit(Request(prompt="Hi", speculative="head", sampling=m.sampling(max_tokens=4)))
+        with pytest.raises(LocalLLMError, match="no draft head yet: `localllm train-draft smollm2"):
+            s.wait()
+        assert m.complete("Hi", max_tokens=2).usage.completion_tokens == 2  # the model lives on
+
+
+def test_sampling_with_a_head_is_distributed_as_plain(trained: Model) -> None:
+    """Temperature 1, top-k 3: the joint distribution of the first three tokens (the second
+    and third out of a verification of two head drafts: a kept or rejected first draft, and the
+    bonus) matches plain sampling's, Pearson's homogeneity test, p > 0.001, 300 draws each."""
+    prompt = "My favourite colour is"
+    params = {"temperature": 1.0, "top_k": 3, "top_p": 1.0, "min_p": 0.0, "max_tokens": 3,
+              "ignore_eos": True}  # fmt: skip
+
+    def head(spec: str | None, policy: ContextPolicy) -> tuple[Any, Pace]:
+        pace = Rounds(2)
+        pace.plain(1.0)
+        return HeadDrafter(trained.runner), pace
+
+    trained._drafter = head  # type: ignore[method-assign]
+    try:
+        streams = [(mode, trained.submit(Request(prompt=prompt, speculative=mode,
+                                                 sampling=trained.sampling(**params, seed=5000 + i))))
+                   for i in range(300) for mode in ("off", "head")]  # fmt: skip
+        firsts = {"off": Counter(), "head": Counter()}  # (t0, t1): t1 verified a first draft
+        seconds = {"off": Counter(), "head": Counter()}  # (t1, t2): t2 a second draft or a bonus
+        kept = 0
+        for mode, stream in streams:
+            got = stream.wait()
+            firsts[mode][tuple(got.token_ids[0:2])] += 1
+            seconds[mode][tuple(got.token_ids[1:3])] += 1
+            if mode == "head":
+                assert got.speculative.rounds >= 1
+                kept += got.speculative.accepted
+    finally:
+        del trained._drafter
+    for table in (firsts, seconds):
+        stat, df = chi2(table["off"], table["head"])
+        assert df >= 3 and chi2_sf(stat, df) > P_MIN, (stat, table)
+    assert kept > 60  # drafts were kept often enough for the bonus token to be tested
+
+
+def chi2(a: Counter, b: Counter) -> tuple[float, int]:
+    """Pearson's homogeneity test over the 2 x cells table, cells seen fewer than 10 times in
+    all pooled into one (the test's approximation needs expected counts of 5 or more)."""
+    rare = {c for c in set(a) | set(b) if a.get(c, 0) + b.get(c, 0) < 10}
+    a, b = _pooled(a, rare), _pooled(b, rare)
+    cells = sorted(set(a) | set(b), key=str)
+    na, nb = sum(a.values()), sum(b.values())
+    stat = 0.0
+    for c in cells:
+        total = a.get(c, 0) + b.get(c, 0)
+        for got, n in ((a.get(c, 0), na), (b.get(c, 0), nb)):
+            want = total * n / (na + nb)
+            stat += (got - want) ** 2 / want
+    return stat, len(cells) - 1
+
+
+def _pooled(counts: Counter, rare: set) -> Counter:
+    out: Counter = Counter()
+    for c, n in counts.items():
+        out["rare" if c in rare else c] += n
+    return out
+
