@@ -50,6 +50,10 @@ CHAT = [
     [{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
     [{"role": "user", "content": "Explain how a bicycle works to a ten-year-old."}],
     [{"role": "user", "content": "What are some good habits for staying healthy?"}],
+    [{"role": "user", "content": "Write a Python function that checks whether a word is a "
+                                 "palindrome, and explain how it works."}],
+    [{"role": "user", "content": "Give me a packing list for a week at the beach."}],
+    [{"role": "user", "content": "Write a polite email to a neighbour about a noisy party."}],
 ]
 
 
@@ -115,13 +119,58 @@ def compare(llm, messages, modes: list[str], tokens: int, repeats: int) -> dict:
     return out
 
 
+def has_head(model: str) -> bool:
+    from localllm.engine.core import head_path
+    from localllm.models_registry.catalog import ensure_local
+    from localllm.models_registry.store import Store
+
+    store = Store()
+    record = ensure_local(model, store)
+    return head_path(store.home, record.digest).exists()
+
+
+def train_head(model: str, args, results: dict, key: str) -> None:
+    """`localllm train-draft MODEL` with its default budget (or --head-minutes), as a user runs
+    it: its own answers written, then the head trained; what it reports is kept. A stored head
+    is kept (and its training reported again) unless --retrain."""
+    import subprocess
+    import sys
+
+    from localllm.engine.core import head_path
+    from localllm.engine.drafts import head_info
+    from localllm.models_registry.catalog import ensure_local
+    from localllm.models_registry.store import Store
+
+    res = results.setdefault(key, {})
+    store = Store()
+    record = ensure_local(model, store)
+    path = head_path(store.home, record.digest)
+    if path.exists() and not args.retrain:
+        res["stored"] = head_info(path, record.digest)
+        log(f"{model}: using the stored draft head ({res['stored']})")
+        return
+    path.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "localllm", "train-draft", model, "--json"]
+    if args.head_minutes:
+        cmd += ["--minutes", str(args.head_minutes)]
+    log(f"{model}: " + " ".join(cmd[2:]))
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    res["training"] = json.loads(out.stdout) | {"wall_s": round(time.perf_counter() - t0, 1)}
+    log(f"  {res['training']}")
+
+
+def torch_modes(model: str = MODEL) -> list[str]:
+    return ["lookup", "self", *(["head"] if has_head(model) else [])]
+
+
 def grounded(args, results: dict) -> None:
     from localllm.engine import load
 
     res = results.setdefault("grounded", {})
     with load(MODEL, backend="torch", ctx=2048, parallel=1, threads=THREADS[0]) as llm:
         log("grounded, torch")
-        res["torch"] = compare(llm, GROUNDED, ["lookup", "self"], args.tokens, args.repeats)
+        res["torch"] = compare(llm, GROUNDED, torch_modes(), args.tokens, args.repeats)
         res["prompt_tokens"] = len(llm.backend.tokenize(llm.backend.chat_template.render(GROUNDED)))
     with load(MODEL, backend="llama.cpp", ctx=2048, parallel=1, threads=THREADS[0]) as llm:
         log("grounded, llama.cpp")
@@ -143,7 +192,7 @@ def chat(args, results: dict) -> None:
     from localllm.engine import load
 
     res = results.setdefault("chat", {})
-    for backend, modes in (("torch", ["lookup", "self"]), ("llama.cpp", ["lookup"])):
+    for backend, modes in (("torch", torch_modes()), ("llama.cpp", ["lookup"])):
         with load(MODEL, backend=backend, ctx=2048, parallel=1, threads=THREADS[0]) as llm:
             rows = []
             for i, messages in enumerate(CHAT):
@@ -243,7 +292,10 @@ def quick_tuner() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="grounded,f32,chat,self,gemma")
+    ap.add_argument("--only", default="head,grounded,f32,chat,self,gemma")
+    ap.add_argument("--retrain", action="store_true", help="train the draft head again")
+    ap.add_argument("--head-minutes", type=float, default=None,
+                    help="train-draft's --minutes (default: its own default budget)")
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -265,6 +317,8 @@ def main() -> None:
     results["machine"] = machine()
     results["args"] = {"tokens": args.tokens, "repeats": args.repeats, "threads": args.threads}
     started = time.perf_counter()
+    if "head" in only:
+        train_head(MODEL, args, results, "head")
     if "grounded" in only:
         grounded(args, results)
     if "f32" in only:

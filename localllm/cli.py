@@ -817,6 +817,9 @@ def tune(
               "plainly on this model and device")  # fmt: skip
 
 
+ANSWER_TOKENS = 60_000  # train-draft's self-distillation: answer tokens (about 6 min with llama.cpp)
+
+
 @app.command("train-draft")
 def train_draft(
     model: Annotated[str, typer.Argument(help="Model name, e.g. smollm2.")],
@@ -824,7 +827,9 @@ def train_draft(
         list[Path] | None,
         typer.Option("--text", help="A UTF-8 text file to train on as well (repeatable)."),
     ] = None,
-    minutes: Annotated[float, typer.Option("--minutes", help="Training time, in all.")] = 30.0,
+    minutes: Annotated[
+        float, typer.Option("--minutes", help="The whole run: writing the answers, then training.")
+    ] = 30.0,
     tokens: Annotated[
         int | None, typer.Option("--tokens", help="Stop after this many training tokens, in all.")
     ] = None,
@@ -833,35 +838,64 @@ def train_draft(
     """Train a draft head for `--speculative head` on this machine (EAGLE-style: one small layer
     on the model's own features), from its answers to built-in prompts and any --text files. It
     is kept beside the model; run again to go on where a stopped run left off."""
+    import time
+
     from localllm.engine import load
-    from localllm.engine.drafts import training_text
+    from localllm.engine.core import head_path
+    from localllm.engine.drafts import keep_text, kept_text, training_text
+    from localllm.models_registry.catalog import ensure_local
 
     if (tokens is not None and tokens < 1) or minutes <= 0:
         raise LocalLLMError("--tokens and --minutes must be above 0")
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if not json_out else None
-    with load(model, backend="torch", ctx=1024, parallel=4) as llm:
-        budget = 256 * 48 if tokens is None else tokens // 2  # the answers: half a short run
-        ids = training_text(llm, text or [], budget, say=say)
-        llm.head_path.parent.mkdir(parents=True, exist_ok=True)
-        last: list[Any] = []
+    t0 = time.monotonic()
+    store = _store()
+    record = ensure_local(model, store)
+    head = head_path(store.home, record.digest)
+    saved = head.with_name(head.stem + ".text.json")  # the text of a run in progress
+    kept = kept_text(saved, record.digest) if head.with_name(head.name + ".partial").exists() else None
+    if kept is not None:
+        ids, writing = kept
+        if say is not None:
+            say(f"going on with the stopped run's text ({len(ids):,} tokens)")
+    else:
+        # the model's own answers, at most a third of the run: written by llama.cpp where it
+        # runs here (about twice the torch engine's rate on a CPU), else by the torch engine
+        budget = ANSWER_TOKENS if tokens is None else tokens // 2
+        until = t0 + 60 * minutes / 3
+        try:
+            writer = load(model, backend="llama.cpp", ctx=1024, parallel=8)
+        except LocalLLMError:
+            writer = load(model, backend="torch", ctx=1024, parallel=4)
+        with writer as llm:
+            ids = training_text(llm, text or [], budget, say=say, until=until)
+        writing = time.monotonic() - t0
+        keep_text(saved, record.digest, ids, writing)
+    last: list[Any] = []
 
-        def progress(p: Any) -> None:
-            last[:] = [p]
-            if say is not None and not p.done:
-                rate = p.tokens / p.seconds if p.seconds else 0.0
-                print(f"\rstep {p.step} · {p.tokens:,} tokens · {rate:,.0f} tokens/s · loss "
-                      f"{p.loss:.3f} · KL {p.kl:.3f}", end="", file=sys.stderr, flush=True)  # fmt: skip
+    def progress(p: Any) -> None:
+        last[:] = [p]
+        if say is not None and not p.done:
+            rate = p.tokens / p.seconds if p.seconds else 0.0
+            agree = f" · held-out agreement {p.agree:.0%}" if p.agree is not None else ""
+            print(f"\rstep {p.step} · {p.tokens:,} tokens · {rate:,.0f} tokens/s · loss "
+                  f"{p.loss:.3f} · KL {p.kl:.3f}{agree}   ", end="", file=sys.stderr, flush=True)  # fmt: skip
 
+    train_minutes = max(minutes - writing / 60, minutes / 10)
+    with load(model, backend="torch", ctx=512, parallel=1) as llm:
         out = llm.run_here(lambda: llm.runner.train_draft_head(
-            ids, llm.head_path, digest=llm.digest, minutes=minutes, tokens=tokens, report=progress))
+            ids, llm.head_path, digest=llm.digest, minutes=train_minutes, tokens=tokens, report=progress))
+    saved.unlink(missing_ok=True)
     p = last[0]
     if json_out:
         _emit_json({"model": llm.name, "path": str(out), "steps": p.step, "tokens": p.tokens,
-                    "seconds": round(p.seconds, 1), "agreement": p.agree})  # fmt: skip
+                    "seconds": round(p.seconds + writing, 1), "training_seconds": round(p.seconds, 1),
+                    "text_tokens": len(ids), "agreement": p.agree})  # fmt: skip
         return
     print(file=sys.stderr)
-    print(f"{llm.name}: draft head trained on {p.tokens:,} tokens in {p.seconds / 60:.1f} min; "
-          f"held-out agreement with the model's next token {p.agree:.0%}; kept at {out}")  # fmt: skip
+    print(f"{llm.name}: draft head trained on {p.tokens:,} tokens in {p.seconds / 60:.1f} min (and "
+          f"{writing / 60:.1f} min writing its text); held-out agreement with the model's next "
+          f"token {p.agree:.0%}; kept at {out}")  # fmt: skip
 
 
 @app.command("eval")

@@ -88,6 +88,7 @@ def settings_for(backend: str) -> list[Setting]:
 def candidates(records: Sequence[Any], backend_names: Sequence[str]) -> list[tuple[Any, Setting]]:
     """Every local model × the settings of each backend that suits its file."""
     from localllm import backends
+    from localllm.engine.core import head_path
     from localllm.models_registry.store import Store
 
     store = Store()
@@ -99,6 +100,8 @@ def candidates(records: Sequence[Any], backend_names: Sequence[str]) -> list[tup
             if spec.suits(path) is not None or not spec.available().ok:
                 continue
             out += [(record, s) for s in settings_for(name)]
+            if "head" in spec.capabilities.speculative and head_path(store.home, record.digest).exists():
+                out.append((record, Setting(spec.name, "f16", "head")))  # its trained draft head
     return out
 
 

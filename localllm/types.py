@@ -313,7 +313,7 @@ class ToolCall:
 class SpeculativeStats:
     """What speculative decoding did in one request's decode passes (after the first token)."""
 
-    mode: str = ""  # lookup, self, draft:MODEL
+    mode: str = ""  # lookup, self, head, draft:MODEL
     drafted: int = 0
     accepted: int = 0
     passes: int = 0  # target passes while decoding, plain ones included
@@ -321,6 +321,10 @@ class SpeculativeStats:
     rejections: int = 0  # rounds that ended at a rejected draft (α = accepted / (accepted + this))
     tokens: int = 0  # tokens those passes yielded
     switched_off: str = ""  # why speculation switched itself off ("": it did not)
+    # per draft position i (0: the first token after the last sampled one): rounds that drafted
+    # a token there, and rounds whose draft there was accepted
+    drafted_at: tuple[int, ...] = ()
+    accepted_at: tuple[int, ...] = ()
 
     @property
     def acceptance(self) -> float:

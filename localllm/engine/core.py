@@ -394,7 +394,7 @@ class Model:
             return self._draft_model, Pace(DRAFT_K, DRAFT_K // 2)
         if mode == "head":
             self.use_head()
-            return HeadDrafter(self.runner), Pace(HEAD_K, HEAD_K // 2)
+            return HeadDrafter(self.runner, lookup=True), Pace(HEAD_K, HEAD_K // 2)
         config = self.self_config()
         drafter = LayerSkip(self.runner, config.skip, confidence=config.confidence)
         return drafter, Pace(max(1, config.k), on=config.pays)

@@ -110,6 +110,8 @@ class Assembler:
             ("drafted", "accepted", "passes", "rounds", "rejections", "tokens"), 0
         )
         self.spec_off = ""
+        self.drafted_at: list[int] = []  # per draft position (`SpeculativeStats`)
+        self.accepted_at: list[int] = []
 
     @property
     def done(self) -> bool:
@@ -130,6 +132,11 @@ class Assembler:
             sp["accepted"] += step.accepted
             sp["rounds"] += bool(step.drafted)
             sp["rejections"] += step.accepted < step.drafted
+            if step.drafted:
+                for at, n in ((self.drafted_at, step.drafted), (self.accepted_at, step.accepted)):
+                    at.extend([0] * (step.drafted - len(at)))
+                    for i in range(n):
+                        at[i] += 1
             self.spec_off = self.spec_off or step.spec_off
         self.shifts += len(step.shifted)
         self.discarded += sum(step.shifted)
@@ -202,7 +209,9 @@ class Assembler:
             reasoning=(self._shown("".join(self.thoughts)) or None) if self.splitter else None,
             logprobs=tuple(self.logprobs) if self.request.sampling.logprobs is not None else None,
             speculative=(SpeculativeStats(mode=self.request.speculative or "", **self.spec,
-                                          switched_off=self.spec_off)
+                                          switched_off=self.spec_off,
+                                          drafted_at=tuple(self.drafted_at),
+                                          accepted_at=tuple(self.accepted_at))
                          if speculative_mode(self.request.speculative) != "off" else None),
         )  # fmt: skip
         ids, self.pending = tuple(self.pending), []

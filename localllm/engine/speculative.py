@@ -175,6 +175,7 @@ class Lookup:
         self.max_n, self.min_n = max_n, min_n
         self.ends: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # n-grams ending before this position are in `ends`
+        self.n = 0  # the length of the last match (0: none)
 
     def propose(self, seq: Any, k: int) -> Draft:
         return Draft(self.lookup(seq.history, k))
@@ -190,9 +191,11 @@ class Lookup:
         for n in range(min(self.max_n, n_text), self.min_n - 1, -1):
             e = self.ends.get(tuple(text[n_text - n :]))
             if e is not None:
+                self.n = n
                 follow = list(text[e + 1 : e + 1 + k])
                 images = [i for i, t in enumerate(follow) if t < 0]  # an image's positions: no draft
                 return follow[: images[0]] if images else follow
+        self.n = 0
         return []
 
 
@@ -303,13 +306,26 @@ class HeadDrafter:
     trained with; tokens outside it are never drafted (probability 0), which the exact rule
     allows for.
 
+    With `lookup`, prompt lookup drafts instead where the last `COPY_N` or more tokens occurred
+    earlier in prompt + answer (the answer is copying, or repeating itself: a copied draft costs
+    nothing to make and is kept often), the head everywhere else.
+
     Drafting stops early at a token whose probability is below `confidence`."""
 
-    def __init__(self, runner: Any, *, confidence: float = 0.0) -> None:
+    COPY_N = 2
+
+    def __init__(self, runner: Any, *, confidence: float = 0.0, lookup: bool = False) -> None:
         self.runner = runner
         self.confidence = confidence
+        self.lookup = Lookup() if lookup else None
+        self.copied = 0  # rounds that drafted by prompt lookup
 
     def propose(self, seq: Any, k: int) -> Draft:
+        if self.lookup is not None:
+            copy = self.lookup.lookup(seq.history, k)
+            if copy and self.lookup.n >= self.COPY_N:
+                self.copied += 1
+                return Draft(copy)
         if not seq.slot.exact:
             return Draft([])  # the target's cache was shifted: its features lead elsewhere
         sampler: Sampler = seq.sampler

@@ -67,6 +67,12 @@ class Metrics:
                                registry=r)  # fmt: skip
         self.accepted = Counter("localllm_speculative_accepted_tokens", "Drafted tokens accepted",
                                 ["model"], registry=r)  # fmt: skip
+        self.drafted_at = Counter("localllm_speculative_drafted_at_position",
+                                  "Rounds that drafted a token at a draft position (1: the first)",
+                                  ["model", "position"], registry=r)  # fmt: skip
+        self.accepted_at = Counter("localllm_speculative_accepted_at_position",
+                                   "Rounds whose draft at a draft position was accepted",
+                                   ["model", "position"], registry=r)  # fmt: skip
         self.rejected = Counter("localllm_rejected_requests", "Requests refused by admission (503)",
                                 ["model"], registry=r)  # fmt: skip
         r.register(_Live(models, queued))
@@ -84,6 +90,10 @@ class Metrics:
         if s is not None and s.drafted:
             self.drafted.labels(model).inc(s.drafted)
             self.accepted.labels(model).inc(s.accepted)
+            for counter, counts in ((self.drafted_at, s.drafted_at), (self.accepted_at, s.accepted_at)):
+                for i, n in enumerate(counts):
+                    if n:
+                        counter.labels(model, str(i + 1)).inc(n)
 
     def summary(self) -> dict[str, float]:
         """Totals over every model (for the app's Server screen): counts, mean TTFT and TPOT,

@@ -30,6 +30,7 @@ from localllm.backends.torch.train_draft import save_head  # noqa: E402
 from localllm.engine import Model, load  # noqa: E402
 from localllm.engine.speculative import HeadDrafter, Pace  # noqa: E402
 from localllm.errors import LocalLLMError  # noqa: E402
+from localllm.server.metrics import Metrics  # noqa: E402
 from localllm.types import ContextPolicy, Request  # noqa: E402
 
 P_MIN = 1e-3
@@ -122,20 +123,29 @@ def test_a_round_reads_what_one_pass_over_the_sequence_reads(runner: TorchRunner
     r.head_done(slot)
 
 
-def test_trims_gaps_and_clears_restart_the_head_where_it_can_read(runner: TorchRunner) -> None:
+def test_a_trim_keeps_the_entries_before_it_and_a_clear_forgets_all(runner: TorchRunner) -> None:
+    """Trimmed below what the head read, the head keeps its entries of the positions still
+    held (but the last, which read a token now gone) and reads on after them; cleared, it
+    holds nothing."""
     r, slot = runner, 1
     r.clear(slot)
     prompt = list(range(2000, 2030))
     r.forward([Piece(slot, prompt, 1)])
     assert r.head_logits(slot, 5) is not None
     r.head_done(slot)
-    r.trim(slot, 10)  # below what the head read: it starts afresh, and nothing waits to be read
-    assert r.head_logits(slot, 5) is None
+    r.trim(slot, 10)  # 20 positions stay; the entry of position 19 read prompt[20]: it goes
+    assert r.head_logits(slot, 5) is None  # nothing new to read, and no entry to go on from
     r.head_done(slot)
-    r.forward([Piece(slot, [5, 6, 7], 1)])  # the head reads from here on
+    r.forward([Piece(slot, [5, 6, 7], 1)])  # positions 20 .. 22
+    head = r._head
     with torch.no_grad():
         h, _ = features(r.model, torch.tensor([[*prompt[:20], 5, 6, 7]]))
-        g, _ = r._head(r.model.embed(torch.tensor([[6, 7, 9]])), h[:, 20:], 20, None)
+        nxt = torch.tensor([[*prompt[1:20], 5, 6, 7, 9]])
+        x, q, k, v = head._project(r.model.embed(nxt), h, torch.arange(23))
+        seen = torch.ones(23, 23, dtype=torch.bool).tril()
+        seen[:, 19] = False
+        seen[19, 19] = True
+        g = head._finish(x, q, k, v, seen)
     close(r.head_logits(slot, 9), reference_row(r, g[0, -1]))
     r.head_done(slot)
     r.clear(slot)
@@ -148,6 +158,38 @@ def reference_row(r: TorchRunner, g: torch.Tensor) -> np.ndarray:
     with torch.no_grad():
         row[r._head.vocab.numpy()] = r._head.logits(g, r._head_rows).numpy()
     return row
+
+
+def test_the_prefix_cache_keeps_the_heads_entries_of_a_span(runner: TorchRunner) -> None:
+    """A span saved from one slot and restored into another brings the head's entries of its
+    positions along: the other slot's first round reads them (all but the span's last, which
+    read a token past it) as one pass over the whole sequence with that one entry left out."""
+    r = runner
+    prompt = list(range(3000, 3040))
+    r.clear(0)
+    r.forward([Piece(0, prompt, 1)])
+    r.head_logits(0, 7)
+    r.head_done(0)
+    span = r.save(0, 0, 30)
+    assert span.head is not None and span.head[0].tolist() == list(range(30))
+    first, rest = r.split(span, 20)
+    assert first.head[0].tolist() == list(range(20)) and rest.head[0].tolist() == list(range(20, 30))
+    r.clear(1)
+    assert r.restore(1, [(first, 20), (rest, 10)])
+    r.forward([Piece(1, prompt[30:], 1)])
+    got = r.head_logits(1, 7)
+    r.head_done(1)
+    head = r._head
+    with torch.no_grad():
+        h, _ = features(r.model, torch.tensor([prompt]))
+        x, q, k, v = head._project(r.model.embed(torch.tensor([[*prompt[1:], 7]])), h, torch.arange(40))
+        seen = torch.ones(40, 40, dtype=torch.bool).tril()
+        seen[:, 29] = False  # the span's last entry read prompt[30]: not kept with it
+        seen[29, 29] = True
+        g = head._finish(x, q, k, v, seen)
+    close(got, reference_row(r, g[0, -1]))
+    for h_ in (span, first, rest):
+        r.release(h_)
 
 
 def test_a_failed_forward_leaves_no_features(runner: TorchRunner) -> None:
@@ -208,13 +250,14 @@ def trained(default_model_path: Path, corpus_dir: Path,
     m.close()
 
 
-def generate(m: Model, prompt: str, n: int, pace: Pace | None = None, **kw: Any) -> Any:
+def generate(m: Model, prompt: str, n: int, pace: Pace | None = None, drafter: Any = None,
+             **kw: Any) -> Any:  # fmt: skip
     if pace is None:
         return m.complete(prompt, max_tokens=n, temperature=0, ignore_eos=True, speculative="off", **kw)
 
     def forced(spec: str | None, policy: ContextPolicy) -> tuple[Any, Pace]:
         pace.plain(1.0)
-        return HeadDrafter(m.runner), pace
+        return drafter or HeadDrafter(m.runner), pace
 
     m._drafter = forced  # type: ignore[method-assign]
     try:
@@ -246,6 +289,29 @@ def test_greedy_with_a_head_is_plain_greedy(trained: Model, which: int) -> None:
     assert sp.passes + sp.accepted == n - 1
     assert any(a for _, a in pace.log), pace.log  # some drafts kept
     assert any(a < d for d, a in pace.log), pace.log  # some rejected
+    # per draft position: rounds that drafted there, and that kept the draft there
+    most = max(d for d, _ in pace.log)
+    assert sp.drafted_at == tuple(sum(d > i for d, _ in pace.log) for i in range(most))
+    assert sp.accepted_at == tuple(sum(a > i for _, a in pace.log) for i in range(most))
+    assert sum(sp.accepted_at) == sp.accepted and sum(sp.drafted_at) == sp.drafted
+    metrics = Metrics(lambda: [], lambda *_: 0)
+    metrics.observe("smollm2", got)
+    text = metrics.render().decode()
+    for i, n in enumerate(sp.accepted_at):
+        if n:
+            assert f'localllm_speculative_accepted_at_position_total{{model="smollm2",position="{i + 1}"}} {float(n)}' in text
+
+
+def test_lookup_goes_on_where_the_head_agrees_with_it(trained: Model) -> None:
+    """An answer that copies its prompt: where prompt lookup's text begins with the head's
+    first draft, the draft goes on with that text, and the output is still plain greedy's."""
+    prompt = ("Repeat this list exactly: apples, pears, plums, cherries, grapes, lemons, limes, "
+              "oranges, peaches, apricots, figs, dates.\nThe list: apples,")
+    plain = generate(trained, prompt, 48)
+    drafter = HeadDrafter(trained.runner, lookup=True)
+    got = generate(trained, prompt, 48, Rounds(8), drafter)
+    assert got.token_ids == plain.token_ids
+    assert drafter.copied > 0 and got.speculative.accepted > drafter.copied
 
 
 def test_the_trained_head_agrees_with_the_model(trained: Model) -> None:
@@ -282,7 +348,9 @@ def test_sampling_with_a_head_is_distributed_as_plain(trained: Model) -> None:
     """Temperature 1, top-k 3: the joint distribution of the first three tokens (the second
     and third out of a verification of two head drafts: a kept or rejected first draft, and the
     bonus) matches plain sampling's, Pearson's homogeneity test, p > 0.001, 300 draws each."""
-    prompt = "My favourite colour is"
+    prompt = ("Alice was beginning to get very tired of sitting by her sister on the bank, and of "
+              "having nothing to do: once or twice she had peeped into the book her sister was "
+              "reading, but it had no")  # text the head was trained on: it drafts well here
     params = {"temperature": 1.0, "top_k": 3, "top_p": 1.0, "min_p": 0.0, "max_tokens": 3,
               "ignore_eos": True}  # fmt: skip
 
@@ -311,7 +379,7 @@ def test_sampling_with_a_head_is_distributed_as_plain(trained: Model) -> None:
     for table in (firsts, seconds):
         stat, df = chi2(table["off"], table["head"])
         assert df >= 3 and chi2_sf(stat, df) > P_MIN, (stat, table)
-    assert kept > 60  # drafts were kept often enough for the bonus token to be tested
+    assert kept > 50, kept  # drafts were kept often enough for the bonus token to be tested
 
 
 def chi2(a: Counter, b: Counter) -> tuple[float, int]:
@@ -336,3 +404,20 @@ def _pooled(counts: Counter, rare: set) -> Counter:
         out["rare" if c in rare else c] += n
     return out
 
+
+
+def test_recommend_measures_head_where_a_model_has_one(default_model_path: Path) -> None:
+    from localllm.engine.core import head_path
+    from localllm.models_registry.catalog import ensure_local
+    from localllm.models_registry.store import Store
+    from localllm.recommend import Setting, candidates
+
+    store = Store()
+    record = ensure_local("smollm2", store)
+    assert (record, Setting("torch", "f16", "head")) not in candidates([record], ["torch"])
+    path = head_path(store.home, record.digest)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"a head")
+    got = candidates([record], ["torch"])
+    assert (record, Setting("torch", "f16", "head")) in got
+    assert (record, Setting("torch", "f16", "lookup")) in got

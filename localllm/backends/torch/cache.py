@@ -18,6 +18,7 @@ sequence (`make_caches`). Quantized, StreamingLLM and H2O caches implement the s
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -330,10 +331,13 @@ class Prefix:
     """A prefix-cache handle on positions [start, end) of a runner's slot: one `Span` in each of
     its page sets (the sliding-window layers' and the others')."""
 
-    def __init__(self, spans: Sequence[Span]) -> None:
+    def __init__(self, spans: Sequence[Span], head: tuple[Any, ...] | None = None) -> None:
         self.spans = list(spans)
         self.start, self.end = self.spans[0].start, self.spans[0].end
-        self.nbytes = sum(sp.nbytes for sp in self.spans)
+        # a draft head's entries of these positions (`draft_head.HeadState.entries`), or None
+        self.head = head
+        self.nbytes = sum(sp.nbytes for sp in self.spans) + (
+            sum(t.numel() * t.element_size() for t in head) if head is not None else 0)  # fmt: skip
 
     @property
     def released(self) -> bool:
@@ -341,7 +345,14 @@ class Prefix:
 
     def split(self, k: int) -> tuple[Prefix, Prefix]:
         cuts = [sp.split(k) for sp in self.spans]
-        return Prefix([a for a, _ in cuts]), Prefix([b for _, b in cuts])
+        heads: list[tuple[Any, ...] | None] = [None, None]
+        if self.head is not None:
+            pos, keys, values = self.head
+            for i, part in enumerate((pos < self.start + k, pos >= self.start + k)):
+                if bool(part.any()):
+                    idx = part.nonzero().flatten().to(keys.device)
+                    heads[i] = (pos[part], keys[:, :, idx], values[:, :, idx])
+        return Prefix([a for a, _ in cuts], heads[0]), Prefix([b for _, b in cuts], heads[1])
 
     def release(self) -> None:
         for sp in self.spans:

@@ -26,9 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TOKEN_WEIGHT", "DraftHead", "HeadState", "features", "frequent", "losses", "softcap"]
+__all__ = ["FEATURE_WEIGHT", "STEP_DECAY", "DraftHead", "HeadState", "features", "frequent", "losses",
+           "soft_labels", "softcap"]
 
-TOKEN_WEIGHT = 0.1  # EAGLE's weight of the token loss beside the feature loss (1.0)
+FEATURE_WEIGHT = 0.1  # the feature loss's weight beside the token loss's (1.0)
+STEP_DECAY = 0.8  # each later drafted step's token loss weighs this much of the one before
 
 
 class DraftHead(nn.Module):
@@ -63,6 +65,26 @@ class DraftHead(nn.Module):
         a, b = x.chunk(2, dim=-1)
         return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
 
+    def _project(self, emb: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor
+                 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        """fc over [emb; feats] (B, T, dim) and its queries, keys, values at positions pos (T,)."""
+        x = self.fc(torch.cat((emb, feats), dim=-1))
+        b, t, _ = x.shape
+        hd, h, kv = self.head_dim, self.n_heads, self.n_kv_heads
+        q, k, v = self.wqkv(x).split((h * hd, kv * hd, kv * hd), dim=-1)
+        q = self._rope(q.view(b, t, h, hd).transpose(1, 2), pos)
+        k = self._rope(k.view(b, t, kv, hd).transpose(1, 2), pos)
+        return x, q, k, v.view(b, t, kv, hd).transpose(1, 2)
+
+    def _finish(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                seen: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Attention of q over (k, v) where `seen` (T, S) allows, then the feed-forward."""
+        b, t, _ = x.shape
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, enable_gqa=True)
+        x = x + self.wo(a.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        gate, up = self.w13(self.norm(x)).chunk(2, dim=-1)
+        return x + self.w2(F.silu(gate) * up)
+
     def forward(self, emb: torch.Tensor, feats: torch.Tensor, start: int = 0,
                 cache: tuple[torch.Tensor, torch.Tensor] | None = None,
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
@@ -70,22 +92,43 @@ class DraftHead(nn.Module):
         cache: keys and values of the positions before, (B, KV, S, head_dim) each (all of them,
         or a run ending at start - 1: RoPE makes attention depend on distances alone).
         Returns g (B, T, dim), the predicted features f_{t+1}, and the cache with these positions."""
-        x = self.fc(torch.cat((emb, feats), dim=-1))
-        b, t, _ = x.shape
-        hd, h, kv = self.head_dim, self.n_heads, self.n_kv_heads
-        q, k, v = self.wqkv(x).split((h * hd, kv * hd, kv * hd), dim=-1)
-        pos = torch.arange(start, start + t, device=x.device)
-        q = self._rope(q.view(b, t, h, hd).transpose(1, 2), pos)
-        k = self._rope(k.view(b, t, kv, hd).transpose(1, 2), pos)
-        v = v.view(b, t, kv, hd).transpose(1, 2)
+        t = emb.shape[1]
+        x, q, k, v = self._project(emb, feats, torch.arange(start, start + t, device=emb.device))
         if cache is not None:
             k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
         held = k.shape[2] - t  # causal over the cache's entries and then these
         seen = torch.arange(k.shape[2], device=x.device) <= torch.arange(held, held + t, device=x.device).unsqueeze(-1)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, enable_gqa=True)
-        x = x + self.wo(a.transpose(1, 2).reshape(b, t, h * hd))
-        gate, up = self.w13(self.norm(x)).chunk(2, dim=-1)
-        return x + self.w2(F.silu(gate) * up), (k, v)
+        return self._finish(x, q, k, v, seen), (k, v)
+
+    def unrolled(self, emb_next: torch.Tensor, feats: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Drafting `steps` tokens from every position at once, as drafting does it (EAGLE-3's
+        training-time test, arXiv 2503.01840): step 1 reads the target's features, step s > 1
+        the head's own g of step s - 1, so the head learns from the inputs it drafts from.
+
+        emb_next (B, n, dim): e(x_1) .. e(x_n); feats (B, n, dim): f_0 .. f_{n-1}. Returns
+        [g_1, ..., g_steps], each (B, n, dim): row r of g_s reads e(x_{r+s}) at position
+        r + s - 1 and predicts f_{r+s} (the draft of x_{r+s+1}); its attention sees the
+        target's entries 0 .. r (step 1's keys) and its own row's entries of steps 2 .. s. Rows
+        with r + s > n are padding (their token is zeros).
+        """
+        n, dev = emb_next.shape[1], emb_next.device
+        rows = torch.arange(n, device=dev)
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        out: list[torch.Tensor] = []
+        inp = feats
+        for s in range(1, steps + 1):
+            emb = F.pad(emb_next[:, s - 1 :], (0, 0, 0, s - 1))  # e(x_{r+s}), zeros past the end
+            x, q, k, v = self._project(emb, inp, rows + (s - 1))
+            keys.append(k)
+            values.append(v)
+            causal = rows.unsqueeze(0) <= rows.unsqueeze(-1)  # step 1's entries 0 .. r
+            own = rows.unsqueeze(0) == rows.unsqueeze(-1)  # each later step's entry of row r
+            seen = torch.cat([causal, *[own] * (s - 1)], dim=-1)
+            g = self._finish(x, q, torch.cat(keys, dim=2), torch.cat(values, dim=2), seen)
+            out.append(g)
+            inp = g
+        return out
 
     @staticmethod
     def logits(g: torch.Tensor, rows: torch.Tensor, cap: float = 0.0) -> torch.Tensor:
@@ -115,30 +158,55 @@ def frequent(tokens: Sequence[int] | torch.Tensor, n: int, n_vocab: int) -> torc
     return order[: min(n, n_vocab)].sort().values
 
 
-def losses(head: DraftHead, emb_next: torch.Tensor, feats: torch.Tensor, target_logits: torch.Tensor,
-           rows: torch.Tensor, cap: float = 0.0) -> dict[str, torch.Tensor]:  # fmt: skip
-    """EAGLE's losses over a batch of the frozen target's passes.
+def soft_labels(target_logits: torch.Tensor, vocab: torch.Tensor,
+                top: int = 32) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The target's next-token distributions (..., n_vocab) over a draft vocabulary, kept as
+    its `top` most likely tokens there (indices into `vocab`, renormalized probabilities):
+    (..., top) int64 and float32. What a draft can learn of a distribution it cannot draft
+    outside `vocab` (the rest of the mass is lost to it either way)."""
+    p = target_logits.index_select(-1, vocab.to(target_logits.device)).float().softmax(-1)
+    vals, idx = p.topk(min(top, p.shape[-1]), dim=-1)
+    return idx, vals / vals.sum(-1, keepdim=True)
+
+
+def losses(head: DraftHead, emb_next: torch.Tensor, feats: torch.Tensor,
+           target: torch.Tensor | tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor,
+           cap: float = 0.0, *, steps: int = 1,
+           feature_weight: float = FEATURE_WEIGHT) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The head's losses over a batch of the frozen target's passes.
 
     Args:
         emb_next: (B, T - 1, dim) the target's embeddings of x_1 .. x_{T-1}.
         feats: (B, T, dim) its features f_0 .. f_{T-1}.
-        target_logits: (B, T, n_vocab) its logits at each position (of x_{t+1}).
+        target: (B, T, n_vocab) its logits at each position (of x_{t+1}), or their
+            `soft_labels` over the head's vocabulary, (B, T, top) each.
         rows, cap: the target head's rows of `head.vocab`, its final logit softcap.
+        steps: tokens drafted from each position (`DraftHead.unrolled`); step s's token loss
+            weighs `STEP_DECAY` ** (s - 1).
     Returns:
-        "feature" (smooth L1 of g_t against f_{t+1}), "token" (cross-entropy of the draft's
-        distribution of x_{t+2} against the target's, over the draft vocabulary), "loss" (their
-        weighted sum), "kl" (the token loss less the target's entropy: 0 for a perfect draft)
-        and "agree" (how often the two distributions' top tokens are the same).
+        "token" (cross-entropy of the draft's distributions against the target's, over the
+        draft vocabulary, summed over steps as weighed), "feature" (smooth L1 of step 1's g_t
+        against f_{t+1}), "loss" (token + feature_weight · feature), "kl" (step 1's token
+        loss less the target's entropy: 0 for a perfect draft) and "agree" (how often step s's
+        top token is the target's, (steps,)).
     """
-    g, _ = head(emb_next, feats[:, :-1])
-    feature = F.smooth_l1_loss(g, feats[:, 1:])
-    p = target_logits[:, 1:].index_select(-1, head.vocab).float().softmax(-1)
-    log_q = F.log_softmax(head.logits(g, rows, cap).float(), dim=-1)
-    token = -(p * log_q).sum(-1).mean()
-    agree = (log_q.argmax(-1) == p.argmax(-1)).float().mean()
-    entropy = -(p * p.clamp(min=1e-30).log()).sum(-1).mean()
-    return {"feature": feature, "token": token, "loss": feature + TOKEN_WEIGHT * token,
-            "kl": (token - entropy).detach(), "agree": agree.detach()}  # fmt: skip
+    idx, p = soft_labels(target, head.vocab) if isinstance(target, torch.Tensor) else target
+    n = emb_next.shape[1]
+    gs = head.unrolled(emb_next, feats[:, :n], steps)
+    token = torch.zeros((), device=feats.device)
+    agree, kl = [], torch.zeros(())
+    for s, g in enumerate(gs, start=1):
+        m = n - s + 1  # rows r with a target: r + s <= T - 1
+        log_q = F.log_softmax(head.logits(g[:, :m], rows, cap), dim=-1)
+        ps, ids = p[:, s : s + m].float(), idx[:, s : s + m]
+        ce = -(ps * log_q.gather(-1, ids)).sum(-1).mean()
+        token = token + STEP_DECAY ** (s - 1) * ce
+        agree.append((log_q.argmax(-1) == ids[..., 0]).float().mean().detach())
+        if s == 1:
+            kl = (ce - -(ps * ps.clamp(min=1e-30).log()).sum(-1).mean()).detach()
+    feature = F.smooth_l1_loss(gs[0], feats[:, 1 : n + 1].to(gs[0].dtype))
+    return {"feature": feature, "token": token, "loss": token + feature_weight * feature,
+            "kl": kl, "agree": torch.stack(agree)}  # fmt: skip
 
 
 class HeadState:
@@ -152,6 +220,11 @@ class HeadState:
     Each later call reads (g, the token just drafted) at the next position, on top of them;
     `done` drops those draft entries again. Features wait only until the next round, at most
     `PENDING` positions of them (a sequence that does not draft keeps no more).
+
+    Each entry keeps its position (its keys are rotated by it), so entries may be missing —
+    positions restored from the prefix cache without the head's entries of them, one whose
+    feature was forgotten — and attention reads the others. The prefix cache keeps the head's
+    entries of a span beside the target's (`entries`, `restore`).
     """
 
     PENDING = 4096
@@ -163,8 +236,9 @@ class HeadState:
         self.feats: list[torch.Tensor] = []  # (T, dim) each: the target's, positions at ..
         self.tokens: list[int] = []  # the tokens evaluated at those positions
         self.at = 0  # the position of the first waiting feature
-        self.cache: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.end = 0  # the head's cache holds entries .. end - 1 (then `drafts` draft ones)
+        self.cache: tuple[torch.Tensor, torch.Tensor] | None = None  # (1, KV, n, hd) each
+        self.pos = torch.zeros(0, dtype=torch.long)  # each cached entry's position
+        self.end = 0  # drafts go at end, end + 1 ... (the last committed entry's position + 1)
         self.drafts = 0
         self.g: torch.Tensor | None = None  # the last predicted feature of this round (1, 1, dim)
         self.last: tuple[int, torch.Tensor] | None = None  # token and g of entry end - 1
@@ -182,9 +256,16 @@ class HeadState:
         self.feats.append(h.detach())
         self.tokens.extend(tokens)
         extra = len(self.tokens) - self.PENDING
-        if extra > 0:  # the oldest go: the head restarts after them
+        if extra > 0:  # the oldest go: the head reads on without them
             whole = torch.cat(self.feats)[extra:]
             self.feats, self.tokens, self.at = [whole], self.tokens[extra:], self.at + extra
+
+    def _keep(self, keep: torch.Tensor) -> None:
+        """Keep the cached entries where `keep` (n,) is True."""
+        if self.cache is not None and not bool(keep.all()):
+            k, v = self.cache
+            idx = keep.nonzero().flatten().to(k.device)
+            self.cache, self.pos = (k[:, :, idx], v[:, :, idx]), self.pos[keep]
 
     def trim(self, held: int) -> None:
         """The slot now holds positions .. held - 1 only."""
@@ -194,7 +275,29 @@ class HeadState:
             self.feats = [whole] if whole is not None and keep else []
             self.tokens = self.tokens[:keep]
         if self.end > held - 1:  # entry t read the token at t + 1, which is gone (or may change)
-            self.cache, self.end, self.drafts, self.g, self.last = None, 0, 0, None, None
+            self._keep(self.pos < held - 1)
+            self.end, self.last = min(self.end, held), None
+
+    def entries(self, start: int, end: int) -> tuple[torch.Tensor, ...] | None:
+        """The cached entries of positions [start, end): (positions, keys, values); None: none."""
+        if self.cache is None:
+            return None
+        keep = (self.pos >= start) & (self.pos < end)
+        if not bool(keep.any()):
+            return None
+        idx = keep.nonzero().flatten().to(self.cache[0].device)
+        return self.pos[keep], self.cache[0][:, :, idx], self.cache[1][:, :, idx]
+
+    def restore(self, parts: Sequence[tuple[torch.Tensor, ...]], held: int) -> None:
+        """The slot was given `held` positions from the prefix cache, and with them these
+        entries of the head (`entries` of each span)."""
+        self.reset()
+        if parts:
+            pos = torch.cat([p[0] for p in parts])
+            self.cache = (torch.cat([p[1] for p in parts], dim=2), torch.cat([p[2] for p in parts], dim=2))
+            self.pos = pos
+            self._keep(pos < held - 1)  # the last read a token the slot may not go on with
+        self.end = self.at = held
 
     @torch.inference_mode()
     def draft(self, head: DraftHead, embed: Callable[[torch.Tensor], torch.Tensor],
@@ -207,12 +310,13 @@ class HeadState:
         if self.g is None:  # the round's first call: catch up
             if self.tokens:
                 feats = torch.cat(self.feats) if len(self.feats) > 1 else self.feats[0]
-                if self.cache is None or self.end != self.at:  # a gap: start afresh here
-                    self.cache, self.end = None, self.at
+                self._keep(self.pos < self.at)  # entries of these positions are redone
+                n = len(self.tokens)
                 nxt = torch.tensor([[*self.tokens[1:], token]], dtype=torch.long, device=dev)
                 g, self.cache = head(embed(nxt).to(rows.dtype), feats[None].to(rows.dtype),
-                                     self.end, self.cache)  # fmt: skip
-                self.end += len(self.tokens)
+                                     self.at, self.cache)  # fmt: skip
+                self.pos = torch.cat((self.pos, torch.arange(self.at, self.at + n)))
+                self.end = self.at + n
                 self.feats, self.tokens = [], []
                 self.g = g[:, -1:]
                 self.last = (token, self.g)

@@ -705,7 +705,8 @@ class TorchRunner(TextOnly):
         if not 0 <= start <= end <= min(c.offset for c in caches):
             raise ValueError(f"positions [{start}, {end}) are not held (the slot holds "
                              f"{caches[0].offset})")  # fmt: skip
-        return Prefix([pages.span(slot, start, end) for pages in self._pages])
+        return Prefix([pages.span(slot, start, end) for pages in self._pages],
+                      self._heads[slot].entries(start, end))  # fmt: skip
 
     @on_compute_thread
     def split(self, handle: Prefix, k: int) -> tuple[Prefix, Prefix]:
@@ -745,7 +746,8 @@ class TorchRunner(TextOnly):
             return False
         for c in caches:
             c.offset = n
-        self._heads[slot].reset()  # no features of the restored positions: the head starts after
+        # the draft head's entries of the restored positions, where the spans kept them
+        self._heads[slot].restore([h.head for h, _ in pieces if h.head is not None], n)
         return True
 
     # -- the rest ------------------------------------------------------------------------------

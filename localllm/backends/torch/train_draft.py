@@ -30,7 +30,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from localllm.backends.torch.draft_head import DraftHead, features, frequent, losses, softcap
+from localllm.backends.torch.draft_head import (
+    DraftHead,
+    features,
+    frequent,
+    losses,
+    soft_labels,
+    softcap,
+)
 from localllm.errors import LocalLLMError
 
 __all__ = ["Progress", "head_rows", "load_head", "load_published", "save_head", "train"]
@@ -60,11 +67,36 @@ def head_rows(model: nn.Module, vocab: torch.Tensor) -> torch.Tensor:
     return w.detach().float()[vocab.to(w.device)]
 
 
-def _passes(model: nn.Module, windows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The frozen target over windows (B, T): embeddings of tokens 1.., features, logits."""
-    feats, logits = features(model, windows)
-    with torch.no_grad():
-        return model.embed(windows[:, 1:]).float(), feats, logits
+class _Passes:
+    """The frozen target over the text's windows: features (float16) and soft labels over the
+    draft vocabulary, each window's computed once and kept while they fit in `budget` bytes
+    (later epochs then cost the head's work alone)."""
+
+    def __init__(self, model: nn.Module, windows: torch.Tensor, vocab: torch.Tensor, top: int,
+                 budget: int) -> None:  # fmt: skip
+        self.model, self.windows, self.vocab, self.top = model, windows, vocab, top
+        per = windows.shape[1] * (model.args.dim * 2 + top * 6)
+        self.room = budget // per  # windows kept
+        self.kept: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def __call__(self, at: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        """Windows `at`: (embeddings of tokens 1.., features, (label ids, probabilities))."""
+        new = [i for i in at if i not in self.kept]
+        if new:
+            feats, logits = features(self.model, self.windows[new])
+            idx, p = soft_labels(logits, self.vocab, self.top)
+            got = {i: (feats[j].half(), idx[j].int(), p[j].half()) for j, i in enumerate(new)}
+            for i in new:
+                if len(self.kept) < self.room:
+                    self.kept[i] = got[i]
+        else:
+            got = {}
+        rows = [self.kept.get(i) or got[i] for i in at]
+        with torch.no_grad():
+            emb = self.model.embed(self.windows[list(at)][:, 1:]).float()
+        feats = torch.stack([r[0] for r in rows]).float()
+        labels = (torch.stack([r[1] for r in rows]).long(), torch.stack([r[2] for r in rows]).float())
+        return emb, feats, labels
 
 
 def _new_head(model: nn.Module, vocab: torch.Tensor) -> DraftHead:
@@ -101,9 +133,15 @@ def save_head(head: DraftHead, path: Path, digest: str, **meta: Any) -> Path:
 def train(model: nn.Module, text: Sequence[int], out: Path, *, digest: str,
           minutes: float | None = None, tokens: int | None = None, n_draft_vocab: int = 8192,
           seq: int = 256, batch: int = 4, held: int = 16, lr: float = 1e-3, every: int = 10,
+          steps: int = 3, top: int = 32, warmup: int = 20, kept_bytes: int = 2 << 30,
           report: Callable[[Progress], None] | None = None) -> Path:  # fmt: skip
     """Train (or go on training) the head of `model` on `text` until `minutes` of training or
     `tokens` target tokens in all, whichever comes first; write it to `out`.
+
+    Each epoch takes the training windows in an order of its own (seeded by its number); the
+    target's passes over a window are kept for later epochs while `kept_bytes` allow. The
+    learning rate warms up over `warmup` steps; `steps` tokens are drafted from every position
+    (`DraftHead.unrolled`). Held-out agreement is measured at every checkpoint.
 
     Raises:
         LocalLLMError: a text shorter than two windows; a checkpoint of another model.
@@ -125,7 +163,7 @@ def train(model: nn.Module, text: Sequence[int], out: Path, *, digest: str,
                                                         model.args.vocab_size)  # fmt: skip
     head = _new_head(model, vocab)
     opt = torch.optim.AdamW(head.parameters(), lr=lr)
-    step, seen, seconds = 0, 0, 0.0
+    step, seen, seconds, agree = 0, 0, 0.0, None
     if meta:
         head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")})
         state: dict[int, dict[str, torch.Tensor]] = {}
@@ -134,34 +172,51 @@ def train(model: nn.Module, text: Sequence[int], out: Path, *, digest: str,
                 _, i, name = k.split(".", 2)
                 state.setdefault(int(i), {})[name] = v
         opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-        step, seen, seconds = meta["step"], meta["tokens"], meta["seconds"]
-    rows = head_rows(model, vocab)
+        step, seen, seconds, agree = meta["step"], meta["tokens"], meta["seconds"], meta.get("agree")
+    rows, cap = head_rows(model, vocab), softcap(model)
+    passes = _Passes(model, train_w, vocab, top, kept_bytes)
+    held_out = _Passes(model, test, vocab, top, kept_bytes)
     budget_s = math.inf if minutes is None else 60 * minutes
     budget_t = math.inf if tokens is None else tokens
     t0, last = time.monotonic() - seconds, None
+    orders: dict[int, torch.Tensor] = {}
+
+    def order(epoch: int) -> torch.Tensor:
+        if epoch not in orders:
+            orders.clear()
+            orders[epoch] = torch.randperm(len(train_w), generator=torch.Generator().manual_seed(epoch))
+        return orders[epoch]
+
+    def measure() -> float:
+        with torch.no_grad():
+            return float(losses(head, *held_out(range(len(test))), rows, cap, steps=1)["agree"][0])
 
     def checkpoint() -> None:
-        tensors, meta = _state(head, digest, step=step, tokens=seen, seconds=time.monotonic() - t0)
+        tensors, meta = _state(head, digest, step=step, tokens=seen, seconds=time.monotonic() - t0,
+                               agree=agree)  # fmt: skip
         sd = opt.state_dict()
         for i, st in sd["state"].items():
             tensors.update({f"optimizer.{i}.{k}": v for k, v in st.items()})
         _save(partial, tensors, meta | {"param_groups": sd["param_groups"]})
 
     while seen < budget_t and time.monotonic() - t0 < budget_s:
-        at = torch.arange(step * batch, (step + 1) * batch) % len(train_w)
-        emb, feats, logits = _passes(model, train_w[at])
-        got = losses(head, emb, feats, logits, rows, softcap(model))
+        at = [int(order(i // len(train_w))[i % len(train_w)]) for i in range(step * batch, (step + 1) * batch)]
+        emb, feats, labels = passes(at)
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / max(1, warmup))
+        got = losses(head, emb, feats, labels, rows, cap, steps=steps)
         opt.zero_grad()
         got["loss"].backward()
         opt.step()
         step, seen = step + 1, seen + batch * seq
-        last = Progress(step, seen, time.monotonic() - t0, float(got["loss"].detach()), float(got["kl"]))
         if step % every == 0:
+            agree = measure()
             checkpoint()
+        last = Progress(step, seen, time.monotonic() - t0, float(got["loss"].detach()), float(got["kl"]),
+                        agree)  # fmt: skip
         if report is not None:
             report(last)
-    with torch.no_grad():
-        agree = float(losses(head, *_passes(model, test), rows, softcap(model))["agree"])
+    agree = measure()
     save_head(head, out, digest, step=step, tokens=seen, seconds=time.monotonic() - t0, agree=agree)
     partial.unlink(missing_ok=True)
     if report is not None:

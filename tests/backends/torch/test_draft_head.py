@@ -80,7 +80,6 @@ def test_training_on_the_targets_features_beats_the_untrained_head(target) -> No
     with torch.no_grad():
         after = losses(head, emb[:, 1:], feats, logits, rows)
     assert float(after["kl"]) < 0.5 * float(before["kl"]), (before, after)
-    assert float(after["feature"]) < 0.7 * float(before["feature"]), (before, after)
     assert float(after["agree"]) > float(before["agree"]) + 0.2, (before, after)
 
 
@@ -96,6 +95,24 @@ def test_drafting_over_the_cache_is_one_pass_over_the_positions(target) -> None:
             rest.append(g)
     torch.testing.assert_close(torch.cat([first, *rest], dim=1), whole, rtol=1e-5, atol=1e-5)
     assert cache[0].shape == (2, target.args.n_kv_heads, 12, head.head_dim)
+
+
+def test_unrolled_steps_are_what_drafting_over_the_cache_gives(target) -> None:  # noqa: ANN001
+    """Training-time test: step s of row r is the head drafting s tokens after position r
+    (its entries 0 .. r over the target's features, then its own g fed back a token at a time),
+    for every row at once."""
+    head = make_head(target, torch.arange(384))
+    tokens = torch.randint(0, 384, (2, 10), generator=torch.Generator().manual_seed(6))
+    emb, feats, _ = passes(target, tokens)
+    with torch.no_grad():
+        gs = head.unrolled(emb[:, 1:], feats[:, :9], 3)
+        for r in (0, 4, 6):
+            g, cache = head(emb[:, 1 : r + 2], feats[:, : r + 1])
+            g = g[:, -1:]
+            torch.testing.assert_close(gs[0][:, r : r + 1], g, rtol=1e-5, atol=1e-5)
+            for s in (2, 3):
+                g, cache = head(emb[:, r + s : r + s + 1], g, r + s - 1, cache)
+                torch.testing.assert_close(gs[s - 1][:, r : r + 1], g, rtol=1e-5, atol=1e-5)
 
 
 def test_the_draft_vocabulary_is_the_most_frequent_tokens() -> None:
@@ -139,7 +156,7 @@ def text_of(n: int, seed: int = 3) -> list[int]:
 
 def test_a_training_run_writes_a_head_that_agrees_with_the_target(target, tmp_path: Path) -> None:  # noqa: ANN001
     from localllm.backends.torch.draft_head import DraftHead as Head
-    from localllm.backends.torch.train_draft import Progress, _passes, head_rows, load_head, train
+    from localllm.backends.torch.train_draft import Progress, head_rows, load_head, train
 
     seen: list[Progress] = []
     out = train(target, text_of(64 * 32), tmp_path / "head.pt", digest="d" * 64, tokens=300 * 4 * 32,
@@ -152,9 +169,11 @@ def test_a_training_run_writes_a_head_that_agrees_with_the_target(target, tmp_pa
     fresh = Head(**{k: head.config[k] for k in ("dim", "n_heads", "n_kv_heads", "ffn_dim")},
                  vocab=head.vocab, head_dim=head.head_dim)  # fmt: skip
     with torch.no_grad():
-        trained, untrained = (float(losses(h, *_passes(target, held), rows)["agree"])
+        emb, feats, logits = passes(target, held)
+        trained, untrained = (float(losses(h, emb[:, 1:], feats, logits, rows)["agree"][0])
                               for h in (head, fresh))  # fmt: skip
-    assert trained > untrained + 0.2 and seen[-1].agree == pytest.approx(trained), (trained, untrained)
+    # the run measured it on float16 copies of the features
+    assert trained > untrained + 0.2 and seen[-1].agree == pytest.approx(trained, abs=0.03), (trained, untrained)
     with pytest.raises(LocalLLMError, match="trained for another model"):
         load_head(out, "e" * 64)
 
