@@ -182,6 +182,20 @@ class FakeRunner(_Tokens):
             del self.slots[slot][-n:]
         return True
 
+    # a draft head that knows the fake's rule: it drafts the token the model will choose
+    def use_head(self, path: Any, digest: str) -> None:
+        self.drafting: dict[int, list[int]] = {}
+
+    def head_logits(self, slot: int, token: int) -> np.ndarray | None:
+        seen = self.drafting.setdefault(slot, [])
+        seen.append(token)
+        row = np.zeros(N_VOCAB, np.float32)
+        row[self.next_token([*self.slots[slot], *seen])] = 10.0
+        return row
+
+    def head_done(self, slot: int) -> None:
+        self.drafting.pop(slot, None)
+
     def save(self, slot: int, start: int, end: int) -> Any:
         return _Handle(self.slots[slot][start:end])
 

@@ -151,7 +151,7 @@ def test_fields_the_backend_lacks_are_refused(model: Model) -> None:
     if not model.capabilities.grammar:  # the real engines have it (llguidance: test_structured.py)
         with pytest.raises(Unsupported, match="response_format json_object"):
             model.submit(replace(base, response_format={"type": "json_object"}))
-    for mode, spec in (("lookup", "lookup"), ("self", "self"), ("draft", "draft:other")):
+    for mode, spec in (("lookup", "lookup"), ("self", "self"), ("draft", "draft:other"), ("head", "head")):
         if mode not in model.capabilities.speculative:
             with pytest.raises(Unsupported, match=f"speculative mode '{mode}'"):
                 model.submit(replace(base, speculative=spec))
