@@ -1,13 +1,17 @@
-"""Speculative decoding on the default model, side by side in one run (issue 13).
+"""Speculative decoding on the default model, side by side in one run (issues 13, 36).
 
-    .venv/bin/python bench/speculative.py [--only grounded,f32,chat,self,gemma] [--tokens 200]
-        [--threads 2] [--quick]
+    .venv/bin/python bench/speculative.py [--only head,grounded,f32,chat,self,gemma] [--tokens 200]
+        [--threads 2] [--quick] [--retrain] [--head-minutes N]
 
 SmolLM2-135M-Instruct (Q4_1), each engine's CPU default (torch: int4 feed-forward, fp16 elsewhere;
 llama.cpp: the file's types), greedy, one sequence. Every number is tokens/s over the decode
 (after the first token) of the same request, runs interleaved (off, mode, off, mode, ...) so both
 see the machine in the same state; the median of --repeats runs.
 
+0. head: `localllm train-draft smollm2` with its default budget (answers written, then the head
+   trained; what it reports is kept under "head"), unless the bench's store holds a head
+   (--retrain trains again). With a head, `head` joins the torch modes of 1. and 2. Goals
+   (issue 36): chat mean ≥ 1.5x and slowest ≥ 1.1x, grounded ≥ 2.5x.
 1. grounded: a ~1,000-token input the answer copies from — "rewrite this Python module with a
    docstring on every function" (the module: localllm/gguf_merge.py's first 2,600 characters).
    torch: off, lookup, self; llama.cpp: off, lookup. Goal: lookup ≥ 1.8x on torch with identical

@@ -54,8 +54,8 @@ from localllm.backends import Capabilities
 from localllm.chat import ChatTemplate
 from localllm.types import ContextPolicy
 
-__all__ = ["MEDIA_MARKER", "RUNNER_MEMBERS", "Capabilities", "Forward", "Piece", "Runner", "TextOnly",
-           "media_cut", "media_id", "media_of"]
+__all__ = ["MEDIA_MARKER", "RUNNER_MEMBERS", "Capabilities", "Forward", "NoDraftHead", "Piece", "Runner",
+           "TextOnly", "media_cut", "media_id", "media_of"]
 
 
 # -- images in a prompt ----------------------------------------------------------------------
@@ -191,6 +191,23 @@ class TextOnly:
 
         raise Unsupported(f"the {getattr(self, 'name', 'this')} backend has no vision projector "
                           "loaded: it cannot read images")  # fmt: skip
+
+
+class NoDraftHead:
+    """What a runner without draft heads says (the engine asks `capabilities.speculative` first:
+    a request for `head` is refused before any of these is called)."""
+
+    def use_head(self, path: Any, digest: str) -> None:
+        from localllm.errors import Unsupported
+
+        raise Unsupported(f"the {getattr(self, 'name', 'this')} backend has no draft heads: use "
+                          "--backend torch for --speculative head")  # fmt: skip
+
+    def head_logits(self, slot: int, token: int) -> np.ndarray | None:
+        return None
+
+    def head_done(self, slot: int) -> None:
+        return None
 
 
 def _members() -> frozenset[str]:

@@ -29,6 +29,7 @@ from localllm.backends.base import (
     MEDIA_MARKER,
     MEDIA_SPAN,
     Forward,
+    NoDraftHead,
     Piece,
     TextOnly,
     media_id,
@@ -217,7 +218,7 @@ class _State:
         self.nbytes = len(data)
 
 
-class LlamaCppRunner:
+class LlamaCppRunner(NoDraftHead):
     """A `localllm.backends.base.Runner` over one llama.cpp context: `n_slots` sequences."""
 
     name = "llama.cpp"

@@ -13,9 +13,9 @@ Drafters: `Lookup` (n-gram prompt lookup over prompt + generated text), `DraftMo
 model with the same vocabulary, on a runner of its own, one slot per slot of the target's),
 `LayerSkip` (the target itself with some layers left out, through `forward(..., skip=)`: a runner
 that has "self" among its speculative modes) and `HeadDrafter` (an EAGLE-style draft head on the
-target's own features, through `head_logits`: a runner that has "head"). Target and drafter see the same processed
-distributions (`Sampler.distribution`), so the output is distributed exactly as the target's;
-greedy output is the target's greedy output.
+target's own features, through `head_logits`: a runner that has "head"). Target and drafter see
+the same processed distributions (`Sampler.distribution`), so the output is distributed exactly
+as the target's; greedy output is the target's greedy output.
 """
 
 from __future__ import annotations

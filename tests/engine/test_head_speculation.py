@@ -302,9 +302,9 @@ def test_greedy_with_a_head_is_plain_greedy(trained: Model, which: int) -> None:
             assert f'localllm_speculative_accepted_at_position_total{{model="smollm2",position="{i + 1}"}} {float(n)}' in text
 
 
-def test_lookup_goes_on_where_the_head_agrees_with_it(trained: Model) -> None:
-    """An answer that copies its prompt: where prompt lookup's text begins with the head's
-    first draft, the draft goes on with that text, and the output is still plain greedy's."""
+def test_prompt_lookup_drafts_where_the_answer_copies(trained: Model) -> None:
+    """An answer that copies its prompt: where the last tokens occurred before, prompt lookup
+    drafts (the head elsewhere), and the output is still plain greedy's."""
     prompt = ("Repeat this list exactly: apples, pears, plums, cherries, grapes, lemons, limes, "
               "oranges, peaches, apricots, figs, dates.\nThe list: apples,")
     plain = generate(trained, prompt, 48)

@@ -475,6 +475,8 @@ class TorchRunner(TextOnly):
         self._head = head.to(device=self.torch_device, dtype=self.compute_dtype)
         self._head_rows = rows.to(device=self.torch_device, dtype=self.compute_dtype)
         self._head_cap = softcap(self.model)
+        self._head_ids = head.vocab.numpy()  # draft row → token
+        self._head_keep = self._head_ids < self.n_vocab  # rows of padding tokens the file may have
         self.head_info = dict(head.meta)  # type: ignore[attr-defined]
 
     @on_compute_thread
@@ -488,9 +490,8 @@ class TorchRunner(TextOnly):
         if got is None:
             return None
         out = np.full(self.n_vocab, -np.inf, dtype=np.float32)
-        vocab = self._head.vocab
-        keep = vocab < self.n_vocab
-        out[vocab[keep].cpu().numpy()] = got.float()[keep].cpu().numpy()
+        keep = self._head_keep
+        out[self._head_ids[keep]] = got.float().cpu().numpy()[keep]
         return out
 
     def head_done(self, slot: int) -> None:
