@@ -394,7 +394,9 @@ class Model:
             return self._draft_model, Pace(DRAFT_K, DRAFT_K // 2)
         if mode == "head":
             self.use_head()
-            return HeadDrafter(self.runner, lookup=True), Pace(HEAD_K, HEAD_K // 2)
+            # it drafts by lookup too, whose misses cost little and whose hits come back where
+            # the answer copies again: no switching off on rejections alone (as for lookup)
+            return HeadDrafter(self.runner, lookup=True), Pace(HEAD_K, HEAD_K // 2, give_up=False)
         config = self.self_config()
         drafter = LayerSkip(self.runner, config.skip, confidence=config.confidence)
         return drafter, Pace(max(1, config.k), on=config.pays)

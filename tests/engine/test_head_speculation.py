@@ -22,6 +22,8 @@ from conftest import in_home, need
 need("torch", "pip install -e '.[dev]' (torch: pip install torch==2.13.0 first)")
 
 import torch  # noqa: E402
+from engine.test_speculative import Rounds as Logged  # noqa: E402
+from engine.test_speculative import chi2_homogeneity  # noqa: E402
 
 from localllm.backends.base import Piece  # noqa: E402
 from localllm.backends.torch.draft_head import DraftHead, features  # noqa: E402
@@ -215,20 +217,16 @@ def test_a_head_of_another_model_is_refused_in_one_line(tiny_llama: Path, tmp_pa
 # -- through the engine ------------------------------------------------------------------------
 
 
-class Rounds(Pace):
-    """Drafts `k_max` every pass while on, never gives up, and notes each round."""
+class Rounds(Logged):
+    """Drafts `k_max` every pass, never switches off, and notes each round: what is tested is
+    the drafting, not whether it pays here."""
 
     def __init__(self, k_max: int) -> None:
         super().__init__(k_max, k_max, give_up=False)
-        self.log: list[tuple[int, int]] = []
-
-    def want(self) -> int:
-        return self.k_max if self.on else 0
 
     def verified(self, drafted: int, accepted: int, seconds: float) -> None:
-        self.log.append((drafted, accepted))
         super().verified(drafted, accepted, seconds)
-        self.on = True  # what is tested is the drafting, not whether it pays here
+        self.on = True
 
 
 @pytest.fixture(scope="module")
@@ -386,22 +384,13 @@ def chi2(a: Counter, b: Counter) -> tuple[float, int]:
     """Pearson's homogeneity test over the 2 x cells table, cells seen fewer than 10 times in
     all pooled into one (the test's approximation needs expected counts of 5 or more)."""
     rare = {c for c in set(a) | set(b) if a.get(c, 0) + b.get(c, 0) < 10}
-    a, b = _pooled(a, rare), _pooled(b, rare)
-    cells = sorted(set(a) | set(b), key=str)
-    na, nb = sum(a.values()), sum(b.values())
-    stat = 0.0
-    for c in cells:
-        total = a.get(c, 0) + b.get(c, 0)
-        for got, n in ((a.get(c, 0), na), (b.get(c, 0), nb)):
-            want = total * n / (na + nb)
-            stat += (got - want) ** 2 / want
-    return stat, len(cells) - 1
+    return chi2_homogeneity(_pooled(a, rare), _pooled(b, rare))
 
 
 def _pooled(counts: Counter, rare: set) -> Counter:
     out: Counter = Counter()
     for c, n in counts.items():
-        out["rare" if c in rare else c] += n
+        out[(-1,) if c in rare else c] += n  # one cell for the rare ones (token ids are ≥ 0)
     return out
 
 
