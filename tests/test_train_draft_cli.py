@@ -62,3 +62,18 @@ def test_head_info_refuses_another_models_head(tmp_path: Path) -> None:
     assert head_info(tmp_path / "h.safetensors", "a" * 64) == {"step": 1, "tokens": 8, "seconds": 1.0, "agree": 0.5}
     assert "not a draft head of this model" in head_info(tmp_path / "h.safetensors", "b" * 64)["error"]
     assert head_info(tmp_path / "none.safetensors", "a" * 64) is None
+
+
+def test_a_runs_text_is_kept_for_its_resumption(tmp_path: Path) -> None:
+    from localllm.engine.drafts import keep_text, kept_text
+
+    path = tmp_path / "drafts" / "x.text.json"
+    assert kept_text(path, "a" * 64) is None  # nothing kept
+    keep_text(path, "a" * 64, [1, 2, 3], 12.5)
+    assert kept_text(path, "a" * 64) == ([1, 2, 3], 12.5)
+    assert kept_text(path, "b" * 64) is None  # another model's text is not this run's
+    assert not list(path.parent.glob(".*.tmp"))  # written whole, then renamed
+    path.write_text('{"digest": "' + "a" * 64 + '", "seconds": 1, "ids": [1, "x"]}')
+    assert kept_text(path, "a" * 64) is None  # a damaged file: the text is written again
+    path.write_text("{cut off")
+    assert kept_text(path, "a" * 64) is None

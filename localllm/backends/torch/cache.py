@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from localllm.backends.torch.draft_head import pick
 from localllm.backends.torch.kvquant import RESIDUAL, Kivi, Plain, Scaled
 from localllm.errors import OutOfBlocks
 
@@ -347,11 +348,8 @@ class Prefix:
         cuts = [sp.split(k) for sp in self.spans]
         heads: list[tuple[Any, ...] | None] = [None, None]
         if self.head is not None:
-            pos, keys, values = self.head
-            for i, part in enumerate((pos < self.start + k, pos >= self.start + k)):
-                if bool(part.any()):
-                    idx = part.nonzero().flatten().to(keys.device)
-                    heads[i] = (pos[part], keys[:, :, idx], values[:, :, idx])
+            left = self.head[0] < self.start + k
+            heads = [pick(self.head, left), pick(self.head, ~left)]
         return Prefix([a for a, _ in cuts], heads[0]), Prefix([b for _, b in cuts], heads[1])
 
     def release(self) -> None:

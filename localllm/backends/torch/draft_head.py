@@ -209,6 +209,16 @@ def losses(head: DraftHead, emb_next: torch.Tensor, feats: torch.Tensor,
             "kl": kl, "agree": torch.stack(agree)}  # fmt: skip
 
 
+def pick(entries: tuple[torch.Tensor, ...], keep: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """Head cache entries (positions (n,), keys, values (1, KV, n, hd)) where `keep` (n,) is
+    True; None where none is."""
+    if not bool(keep.any()):
+        return None
+    pos, k, v = entries
+    idx = keep.nonzero().flatten().to(k.device)
+    return pos[keep], k[:, :, idx], v[:, :, idx]
+
+
 class HeadState:
     """One sequence's drafting with a head, beside a runner's slot.
 
@@ -263,9 +273,8 @@ class HeadState:
     def _keep(self, keep: torch.Tensor) -> None:
         """Keep the cached entries where `keep` (n,) is True."""
         if self.cache is not None and not bool(keep.all()):
-            k, v = self.cache
-            idx = keep.nonzero().flatten().to(k.device)
-            self.cache, self.pos = (k[:, :, idx], v[:, :, idx]), self.pos[keep]
+            got = pick((self.pos, *self.cache), keep)
+            self.cache, self.pos = (None, self.pos[:0]) if got is None else (got[1:], got[0])
 
     def trim(self, held: int) -> None:
         """The slot now holds positions .. held - 1 only."""
@@ -282,11 +291,7 @@ class HeadState:
         """The cached entries of positions [start, end): (positions, keys, values); None: none."""
         if self.cache is None:
             return None
-        keep = (self.pos >= start) & (self.pos < end)
-        if not bool(keep.any()):
-            return None
-        idx = keep.nonzero().flatten().to(self.cache[0].device)
-        return self.pos[keep], self.cache[0][:, :, idx], self.cache[1][:, :, idx]
+        return pick((self.pos, *self.cache), (self.pos >= start) & (self.pos < end))
 
     def restore(self, parts: Sequence[tuple[torch.Tensor, ...]], held: int) -> None:
         """The slot was given `held` positions from the prefix cache, and with them these
