@@ -216,8 +216,8 @@ def fixed_pace(k: int):
     from localllm.engine.speculative import Pace
 
     class Fixed(Pace):
-        def verified(self, drafted: int, accepted: int, seconds: float) -> None:
-            super().verified(drafted, accepted, seconds)  # the counts; then undo its decisions
+        def verified(self, drafted: int, accepted: int, seconds: float, tokens: int = 0) -> None:
+            super().verified(drafted, accepted, seconds, tokens)  # the counts; then undo its decisions
             self.k, self.wait, self.on, self.reason = self.k_max, 0, True, ""
 
         def want(self) -> int:

@@ -833,11 +833,16 @@ def train_draft(
     tokens: Annotated[
         int | None, typer.Option("--tokens", help="Stop after this many training tokens, in all.")
     ] = None,
+    source: Annotated[
+        str | None, typer.Option("--from", help="Take a published EAGLE head instead of training "
+                                 "one: hf.co/ORG/REPO or a folder (config.json, model.safetensors).")  # fmt: skip
+    ] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Train a draft head for `--speculative head` on this machine (EAGLE-style: one small layer
     on the model's own features), from its answers to built-in prompts and any --text files. It
-    is kept beside the model; run again to go on where a stopped run left off."""
+    is kept beside the model; run again to go on where a stopped run left off. With --from, the
+    head its authors published for this model is kept instead."""
     import time
 
     from localllm.engine import load
@@ -852,6 +857,13 @@ def train_draft(
     store = _store()
     record = ensure_local(model, store)
     head = head_path(store.home, record.digest)
+    if source is not None:
+        out = _published_head(source, record, head, store, json_out)
+        if json_out:
+            _emit_json({"model": record.name, "path": str(out), "from": source})
+        else:
+            print(f"{record.name}: draft head from {source} kept at {out}")
+        return
     saved = head.with_name(head.stem + ".text.json")  # the text of a run in progress
     kept = kept_text(saved, record.digest) if head.with_name(head.name + ".partial").exists() else None
     if kept is not None:
@@ -896,6 +908,32 @@ def train_draft(
     print(f"{llm.name}: draft head trained on {p.tokens:,} tokens in {p.seconds / 60:.1f} min (and "
           f"{writing / 60:.1f} min writing its text); held-out agreement with the model's next "
           f"token {p.agree:.0%}; kept at {out}")  # fmt: skip
+
+
+def _published_head(source: str, record: Any, out: Path, store: Any, quiet: bool) -> Path:
+    """A published EAGLE head (a folder, or a hub repo fetched and verified as pulls are) for
+    the model of `record`, checked against it and kept where `train-draft` keeps heads."""
+    from localllm.backends.torch.train_draft import load_published, read_published, save_head
+    from localllm.model_info import read_model_info
+    from localllm.models_registry.pull import fetch_files
+
+    info = read_model_info(str(record.path))
+    folder = Path(source).expanduser()
+    if folder.is_dir():
+        head = load_published(folder, info.vocab_size)
+    else:
+        with _PullProgress(quiet=quiet) as show:
+            paths = fetch_files(source, ["config.json", "model.safetensors"], store=store,
+                                on_progress=show.update)  # fmt: skip
+        try:
+            head = read_published(*paths, info.vocab_size, source)
+        finally:
+            for p in paths:
+                p.unlink(missing_ok=True)
+    if head.dim != info.n_embd:
+        raise LocalLLMError(f"{source}: a head for a model of width {head.dim}, but {record.name}'s "
+                            f"is {info.n_embd}")  # fmt: skip
+    return save_head(head, out, record.digest, source=source)
 
 
 @app.command("eval")

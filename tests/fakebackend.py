@@ -160,6 +160,18 @@ class FakeRunner(_Tokens):
         for p in pieces:
             held = self.slots[p.slot]
             start = len(held)
+            if p.parents is not None:  # a tree: each row follows the path to its token
+                assert p.logits == len(p.tokens) <= self.tree_tokens(p.slot), "a tree piece too large"
+                for j in range(len(p.tokens)):
+                    path, at = [], j
+                    while at >= 0:
+                        path.append(p.tokens[at])
+                        at = p.parents[at]
+                    row = np.zeros(N_VOCAB, np.float32)
+                    row[self.next_token([*held, *path[::-1]])] = 10.0
+                    rows.append(row)
+                held.extend(p.tokens)
+                continue
             held.extend(p.tokens)
             for i in range(len(held) - p.logits, len(held)):
                 row = np.zeros(N_VOCAB, np.float32)
@@ -185,16 +197,47 @@ class FakeRunner(_Tokens):
     # a draft head that knows the fake's rule: it drafts the token the model will choose
     def use_head(self, path: Any, digest: str) -> None:
         self.drafting: dict[int, list[int]] = {}
+        self.entries: dict[int, list[list[int]]] = {}
 
     def head_logits(self, slot: int, token: int) -> np.ndarray | None:
         seen = self.drafting.setdefault(slot, [])
         seen.append(token)
-        row = np.zeros(N_VOCAB, np.float32)
-        row[self.next_token([*self.slots[slot], *seen])] = 10.0
-        return row
+        return self._head_row([*self.slots[slot], *seen])
 
     def head_done(self, slot: int) -> None:
         self.drafting.pop(slot, None)
+        self.entries.pop(slot, None)
+
+    # draft trees: `wrong` makes the head's first choice wrong after these tokens (its second
+    # choice is the model's own), so a tree's second branch is the one kept
+    wrong: frozenset[int] = frozenset()
+    tree_size = 16
+
+    def head_expand(self, slot: int, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        paths = self.entries.setdefault(slot, [])  # each entry's path after the round's root
+        seen = self.drafting.get(slot, [])[:1]
+        out = []
+        for t, p in zip(tokens, parents):
+            path = [*(paths[p] if p >= 0 else []), t]
+            paths.append(path)
+            out.append(self._head_row([*self.slots[slot], *seen, *path]))
+        return np.stack(out)
+
+    def _head_row(self, held: Sequence[int]) -> np.ndarray:
+        row = np.full(N_VOCAB, -np.inf, np.float32)
+        right = self.next_token(held)
+        row[right] = 9.5
+        if held and held[-1] in self.wrong:
+            row[(right + 1) % N_VOCAB] = 10.0
+        return row
+
+    def tree_tokens(self, slot: int) -> int:
+        return self.tree_size
+
+    def keep(self, slot: int, start: int, path: Sequence[int]) -> None:
+        held = self.slots[slot]
+        assert path[0] == 0 and list(path) == sorted(set(path)) and path[-1] < len(held) - start
+        self.slots[slot] = [*held[:start], *(held[start + j] for j in path)]
 
     def save(self, slot: int, start: int, end: int) -> Any:
         return _Handle(self.slots[slot][start:end])

@@ -102,6 +102,9 @@ class Piece(NamedTuple):
     tokens: Sequence[int]
     logits: int = 1  # 0: none (mid-prompt), 1: the last token's, len(tokens): all (verification)
     on_device: bool = False  # with logits 1: the row stays on the device (`logits_on_device`)
+    # a draft tree (only where `tree_tokens(slot)`): token j > 0 follows token parents[j] < j
+    # (not j - 1), token 0 the slot's last; each sees its ancestors only, at its depth's position
+    parents: Sequence[int] | None = None
 
 
 @dataclass
@@ -160,6 +163,17 @@ class Runner(Protocol):
     def head_logits(self, slot: int, token: int) -> np.ndarray | None: ...
     def head_done(self, slot: int) -> None: ...
 
+    # draft trees (EAGLE-2): `head_expand` drafts from several entries of a round at once —
+    # entry i of the round reads tokens[i] after entry parents[i] (-1: the round's first call's;
+    # entries count from 0 in the order they were made) — and gives their logits (len, n_vocab).
+    # A slot verifies a tree of up to `tree_tokens` tokens (0: none) in one piece
+    # (`Piece.parents`); `keep` then keeps
+    # the path the engine accepted: of the positions from `start`, the piece's tokens at `path`
+    # (ascending, 0 first) at start, start + 1 ..., and forgets the rest
+    def head_expand(self, slot: int, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray | None: ...
+    def tree_tokens(self, slot: int) -> int: ...
+    def keep(self, slot: int, start: int, path: Sequence[int]) -> None: ...
+
     def save(self, slot: int, start: int, end: int) -> Any: ...
     def restore(self, slot: int, pieces: Sequence[tuple[Any, int]]) -> bool: ...
     def split(self, handle: Any, k: int) -> tuple[Any, Any]: ...
@@ -208,6 +222,15 @@ class NoDraftHead:
 
     def head_done(self, slot: int) -> None:
         return None
+
+    def head_expand(self, slot: int, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray | None:
+        return None
+
+    def tree_tokens(self, slot: int) -> int:
+        return 0
+
+    def keep(self, slot: int, start: int, path: Sequence[int]) -> None:
+        raise ValueError(f"the {getattr(self, 'name', 'this')} backend verifies no draft trees")
 
 
 def _members() -> frozenset[str]:

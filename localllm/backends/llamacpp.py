@@ -491,6 +491,8 @@ class LlamaCppRunner(NoDraftHead):
                 raise LocalLLMError(f"bad slot {slot} in a forward pass (slots 0..{self.n_slots - 1}, "
                                     "one piece each)")  # fmt: skip
             seen.add(slot)
+            if getattr(p, "parents", None) is not None:
+                raise LocalLLMError("the llama.cpp backend verifies no draft trees")
             if not 0 <= p.logits <= n:
                 raise LocalLLMError(f"a piece of {n} tokens cannot give {p.logits} rows of logits")
             rows += p.logits

@@ -36,13 +36,16 @@ from localllm.engine.speculative import (
     DRAFT_K,
     HEAD_K,
     LOOKUP_K,
+    TREE_COST,
+    TREE_NODES,
+    TREE_WIDTH,
     Draft,
     DraftModel,
     HeadDrafter,
     LayerSkip,
     Lookup,
     Pace,
-    accept,
+    accept_path,
     check_speculative,
 )
 from localllm.errors import ContextOverflow, LocalLLMError, OutOfBlocks, Unsupported
@@ -396,7 +399,9 @@ class Model:
             self.use_head()
             # it drafts by lookup too, whose misses cost little and whose hits come back where
             # the answer copies again: no switching off on rejections alone (as for lookup)
-            return HeadDrafter(self.runner, lookup=True), Pace(HEAD_K, HEAD_K // 2, give_up=False)
+            drafter = HeadDrafter(self.runner, lookup=True, width=TREE_WIDTH, nodes=TREE_NODES,
+                                  tree_cost=TREE_COST)  # fmt: skip
+            return drafter, Pace(HEAD_K, HEAD_K // 2, give_up=False)
         config = self.self_config()
         drafter = LayerSkip(self.runner, config.skip, confidence=config.confidence)
         return drafter, Pace(max(1, config.k), on=config.pays)
@@ -591,7 +596,8 @@ class Model:
                 marks = {lv: lv.sampler.mark() for lv, _, _ in tail}
                 choices = [self._choice(lv) if lv not in drafts else None for lv, _, _ in tail]
                 try:
-                    f = r.forward([Piece(lv.slot.sid, t, n, c is not None)
+                    f = r.forward([Piece(lv.slot.sid, t, n, c is not None,
+                                         drafts[lv].piece_parents() if lv in drafts else None)
                                    for (lv, t, n), c in zip(tail, choices)])  # fmt: skip
                     drawn = iter(self._draw_on_device(f.device_rows, choices))
                 except BaseException:  # the draws for a step that did not happen are undone
@@ -736,15 +742,23 @@ class Model:
             step = self._sample(live, rows[-1])
             pace.plain(time.perf_counter() - t0)
             return [replace(step, passes=1)]
-        tokens, n = accept(lambda i: rows[i], draft, live.sampler, live.history)
-        rejected = len(draft.tokens) - n
-        if rejected:
-            self.runner.trim(live.slot.sid, rejected)
+        tokens, path = accept_path(lambda i: rows[i], draft, live.sampler, live.history)
+        n, sid = len(path), live.slot.sid
+        if draft.parents is not None:  # a tree: its accepted path to the front, the rest forgotten
+            start = self.runner.held(sid) - 1 - len(draft.tokens)
+            self.runner.keep(sid, start, [0, *(i + 1 for i in path)])
+            if live.slot.exact:
+                del live.slot.tokens[start + 1 :]
+                live.slot.tokens += [draft.tokens[i] for i in path]
+        elif len(draft.tokens) > n:
+            rejected = len(draft.tokens) - n
+            self.runner.trim(sid, rejected)
             if live.slot.exact:
                 del live.slot.tokens[-rejected:]
-        pace.verified(len(draft.tokens), n, time.perf_counter() - t0)
+        rows = [rows[0], *(rows[i + 1] for i in path)]  # the rows the emitted tokens came from
+        pace.verified(draft.depth, n, time.perf_counter() - t0, len(draft.tokens))
         steps = [self._took(live, t, rows[i], record=False) for i, t in enumerate(tokens)]
-        steps[0] = replace(steps[0], passes=1, drafted=len(draft.tokens), accepted=n)
+        steps[0] = replace(steps[0], passes=1, drafted=draft.depth, accepted=n)
         if not pace.on:
             steps[-1] = replace(steps[-1], spec_off=pace.reason)
         return steps

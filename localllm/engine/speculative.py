@@ -37,6 +37,9 @@ __all__ = [
     "DRAFT_K",
     "HEAD_K",
     "LOOKUP_K",
+    "TREE_COST",
+    "TREE_NODES",
+    "TREE_WIDTH",
     "Draft",
     "DraftModel",
     "HeadDrafter",
@@ -44,12 +47,20 @@ __all__ = [
     "Lookup",
     "Pace",
     "accept",
+    "accept_path",
     "check_speculative",
 ]
 
 LOOKUP_K = 10  # the most tokens prompt lookup proposes in one pass
 DRAFT_K = 8  # ... and a draft model or layer skipping
 HEAD_K = 8  # ... and a draft head
+# A draft head drafts a tree of TREE_WIDTH branches per node and at most TREE_NODES tokens where
+# one more verified token costs less than TREE_COST of a plain pass (`Pace.cost`, measured): on
+# a GPU, where a pass of 16 tokens costs about what one does. On the CPU here it costs 0.15 (a
+# pass of 10 tokens 2.1 plain ones) and trees lost to the chain (bench/speculative.py, `tree`).
+TREE_WIDTH = 4
+TREE_NODES = 15
+TREE_COST = 0.05
 
 
 @dataclass
@@ -58,6 +69,26 @@ class Draft:
 
     tokens: list[int]
     q: list[Any] | None = None  # (V,) probabilities each token was drawn from; None: one-hot
+    # a tree (EAGLE-2): each token's parent's index among them (-1: the sequence's last); None:
+    # a chain (token i follows token i - 1)
+    parents: list[int] | None = None
+    # a sampled tree: each expanded node's children (-1: the sequence's last's), as drawn — one
+    # entry per draw (two draws of one token: one child, listed twice); None: in index order
+    draws: dict[int, list[int]] | None = None
+
+    @property
+    def depth(self) -> int:
+        """The most drafts a verification may accept: the chain's length, the tree's depth."""
+        if self.parents is None:
+            return len(self.tokens)
+        depth: list[int] = []
+        for p in self.parents:
+            depth.append(depth[p] + 1 if p >= 0 else 1)
+        return max(depth, default=0)
+
+    def piece_parents(self) -> list[int] | None:
+        """A tree's `Piece.parents` for the piece [last, *tokens]; None for a chain."""
+        return None if self.parents is None else [-1, *(p + 1 for p in self.parents)]
 
 
 class Pace:
@@ -134,8 +165,9 @@ class Pace:
         self.wait = max(0, self.wait - 1)
         self.passes.append((1, seconds, False))
 
-    def verified(self, drafted: int, accepted: int, seconds: float) -> None:
-        """One round: `drafted` proposed, `accepted` kept, drafting + verifying took `seconds`."""
+    def verified(self, drafted: int, accepted: int, seconds: float, tokens: int = 0) -> None:
+        """One round: `drafted` proposed (a tree's depth), `accepted` kept, drafting + verifying
+        `tokens` drafts (a tree's nodes; 0: `drafted`) took `seconds`."""
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
@@ -145,7 +177,7 @@ class Pace:
         self.passes.append((accepted + 1, seconds, True))
         self.kept = 0.85 * self.kept + accepted
         self.lost = 0.85 * self.lost + (accepted < drafted)
-        extra = max(0.0, seconds / max(self.t_plain, 1e-9) - 1) / max(drafted, 1)
+        extra = max(0.0, seconds / max(self.t_plain, 1e-9) - 1) / max(tokens or drafted, 1)
         self.cost = extra if self.rounds == 1 else 0.7 * self.cost + 0.3 * extra
         best = max(range(1, self.k_max + 1), key=self.predicted)
         self.k = best
@@ -207,47 +239,70 @@ class Drafter(Protocol):
 
 def accept(logits: Callable[[int], np.ndarray], draft: Draft, sampler: Sampler,
            history: list[int]) -> tuple[list[int], int]:  # fmt: skip
-    """The tokens one verification pass yields, and how many of them are accepted drafts.
+    """The tokens one verification pass of a chain of drafts yields, and how many of them are
+    accepted drafts (`accept_path`: tokens, and the path's length)."""
+    tokens, path = accept_path(logits, draft, sampler, history)
+    return tokens, len(path)
+
+
+def accept_path(logits: Callable[[int], np.ndarray], draft: Draft, sampler: Sampler,
+                history: list[int]) -> tuple[list[int], list[int]]:  # fmt: skip
+    """The tokens one verification pass yields, and the drafts accepted on the way (indices
+    into `draft.tokens`, each a child of the one before: a path down a tree, or a chain's first n).
+
+    At each node (first the sequence's last token) the target's row decides among its children:
+    greedy keeps the child that is the target's argmax; sampling tries the children in the order
+    they were drawn (`draft.draws`), keeping child x when u ≤ p(x)/q(x), else going on with the
+    residual p = normalize(max(0, p − q)) — for drafts drawn independently from q, the emitted
+    token is distributed as p (SpecInfer, arXiv 2305.09781; one child: arXiv 2211.17192). Where
+    no child is kept, or the node has none, the target's own token ends the round.
 
     Args:
-        logits: row i → the target's raw logits (n_vocab,) after the last token and drafts[:i].
+        logits: row i → the target's raw logits (n_vocab,) after the last token and the path to
+            draft i - 1 (row 0: after the last token alone).
         history: prompt + generated so far (for penalties); extended with what is returned.
     Returns:
-        (tokens, n): the n accepted drafts and then one token of the target's own (its choice
-        where draft n was rejected, or the bonus after all of them): 1..k+1 tokens.
+        (tokens, path): the accepted drafts' tokens and then one of the target's own (its choice
+        where the path stopped), 1..depth+1 tokens; the accepted drafts' indices.
     """
+    n = len(draft.tokens)
+    parents = draft.parents if draft.parents is not None else list(range(-1, n - 1))
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
     out: list[int] = []
-    if sampler.greedy:
-        for i, x in enumerate(draft.tokens):
-            t = int(sampler.process(logits(i), history).argmax())
-            out.append(t)
-            history.append(t)
-            if t != x:
-                return out, i
-        t = int(sampler.process(logits(len(draft.tokens)), history).argmax())
-        history.append(t)
-        return [*out, t], len(draft.tokens)
-    for i, x in enumerate(draft.tokens):
-        p = sampler.distribution(logits(i), history)
-        q = draft.q[i] if draft.q is not None else None
-        qx = float(q[x]) if q is not None else 1.0
-        if qx > 0 and sampler.uniform() * qx <= float(p[x]):  # u ≤ min(1, p(x)/q(x))
-            out.append(x)
-            history.append(x)
-            continue
-        if q is not None:
-            residual = np.maximum(p - q, 0.0)
-        else:  # max(0, p − one-hot(x)): p without x
-            residual = p.copy()
-            residual[x] = 0.0
-        total = float(residual.sum())
-        t = sampler.draw(residual / total if total > 0 else p)
+    path: list[int] = []
+    node = -1
+    while True:
+        kids = children.get(node, [])
+        kept = None
+        if sampler.greedy:
+            t = int(sampler.process(logits(node + 1), history).argmax())
+            kept = next((c for c in kids if draft.tokens[c] == t), None)
+        else:
+            p = sampler.distribution(logits(node + 1), history)
+            for c in draft.draws.get(node, kids) if draft.draws is not None else kids:
+                x = draft.tokens[c]
+                q = draft.q[c] if draft.q is not None else None
+                qx = float(q[x]) if q is not None else 1.0
+                if qx > 0 and sampler.uniform() * qx <= float(p[x]):  # u ≤ min(1, p(x)/q(x))
+                    kept, t = c, x
+                    break
+                if q is not None:
+                    residual = np.maximum(p - q, 0.0)
+                else:  # max(0, p − one-hot(x)): p without x
+                    residual = p.copy()
+                    residual[x] = 0.0
+                total = float(residual.sum())
+                p = residual / total if total > 0 else p
+            if kept is None:
+                t = sampler.draw(p)
         out.append(t)
         history.append(t)
-        return out, i
-    t = sampler.draw(sampler.distribution(logits(len(draft.tokens)), history))
-    history.append(t)
-    return [*out, t], len(draft.tokens)
+        if kept is None:
+            return out, path
+        path.append(kept)
+        node = kept
 
 
 def _choose(sampler: Sampler, logits: np.ndarray, history: list[int],
@@ -306,6 +361,16 @@ class HeadDrafter:
     trained with; tokens outside it are never drafted (probability 0), which the exact rule
     allows for.
 
+    With `width` > 1, where the runner verifies trees (`Runner.tree_tokens`) and one more
+    verified token costs less than `tree_cost` of a plain pass (the sequence's `Pace.cost`,
+    measured on its rounds; None: whatever it costs), it drafts a tree
+    (EAGLE-2, arXiv 2406.16858) of at most `nodes` tokens and k levels: each level, the `width`
+    most likely nodes of the level before (by the product of the draft probabilities along
+    their paths) are expanded in one call of the head (`Runner.head_expand`) — greedy by their
+    `width` most likely tokens, then the best `nodes` of all kept; sampling by `width` tokens
+    drawn from the node's distribution (every draw kept, as the exact rule for several drafts
+    needs them: `accept_path`). One target pass verifies the whole tree.
+
     With `lookup`, prompt lookup drafts instead where the last `COPY_N` or more tokens occurred
     earlier in prompt + answer (the answer is copying, or repeating itself: a copied draft costs
     nothing to make and is kept often), the head everywhere else.
@@ -314,11 +379,14 @@ class HeadDrafter:
 
     COPY_N = 2
 
-    def __init__(self, runner: Any, *, confidence: float = 0.0, lookup: bool = False) -> None:
+    def __init__(self, runner: Any, *, confidence: float = 0.0, lookup: bool = False,
+                 width: int = 1, nodes: int = 0, tree_cost: float | None = None) -> None:  # fmt: skip
         self.runner = runner
         self.confidence = confidence
         self.lookup = Lookup() if lookup else None
+        self.width, self.nodes, self.tree_cost = max(1, width), nodes, tree_cost
         self.copied = 0  # rounds that drafted by prompt lookup
+        self.trees = 0  # rounds that drafted a tree
 
     def propose(self, seq: Any, k: int) -> Draft:
         if self.lookup is not None:
@@ -328,24 +396,106 @@ class HeadDrafter:
                 return Draft(copy)
         if not seq.slot.exact:
             return Draft([])  # the target's cache was shifted: its features lead elsewhere
+        sid = seq.slot.sid
+        room = 0
+        pace = getattr(seq, "pace", None)
+        if self.width > 1 and (self.tree_cost is None or (
+                pace is not None and pace.rounds and pace.cost < self.tree_cost)):  # fmt: skip
+            r = self.runner
+            room = min(r.tree_tokens(sid), r.n_ctx - r.held(sid), r.max_batch) - 1
+        try:
+            if room > k:  # a tree holds more than the chain would
+                self.trees += 1
+                return self._tree(seq, k, min(room, self.nodes or room))
+            return self._chain(seq, k)
+        finally:
+            self.runner.head_done(sid)
+
+    def _chain(self, seq: Any, k: int) -> Draft:
         sampler: Sampler = seq.sampler
         history = list(seq.history)
         q: list[np.ndarray] | None = None if sampler.greedy else []
         tokens: list[int] = []
         sid, tok = seq.slot.sid, seq.last
-        try:
-            for _ in range(k):
-                logits = self.runner.head_logits(sid, tok)
-                if logits is None:
-                    break
-                tok, conf = _choose(sampler, logits, history, q)
-                tokens.append(tok)
-                history.append(tok)
-                if conf < self.confidence:
-                    break
-        finally:
-            self.runner.head_done(sid)
+        for _ in range(k):
+            logits = self.runner.head_logits(sid, tok)
+            if logits is None:
+                break
+            tok, conf = _choose(sampler, logits, history, q)
+            tokens.append(tok)
+            history.append(tok)
+            if conf < self.confidence:
+                break
         return Draft(tokens, q)
+
+    def _tree(self, seq: Any, depth: int, budget: int) -> Draft:
+        """A tree of at most `budget` drafts and `depth` levels (see the class)."""
+        sampler: Sampler = seq.sampler
+        sid, w = seq.slot.sid, self.width
+        root = self.runner.head_logits(sid, seq.last)
+        if root is None:
+            return Draft([])
+        tokens: list[int] = []
+        parents: list[int] = []
+        score: list[float] = []  # log of the draft probability of each node's path
+        q: list[Any] = []
+        draws: dict[int, list[int]] = {}
+        entry = {-1: -1}  # node -> its entry among the head's of this round
+        level = [(-1, root)]  # nodes to expand, with the head's logits after them
+        floor = np.log(self.confidence) if self.confidence > 0 else -np.inf
+        for d in range(depth):
+            new: list[int] = []
+            for node, logits in level:
+                history = [*seq.history, *self._path(tokens, parents, node)]
+                if sampler.greedy:
+                    z = sampler.process(logits, history).astype(np.float64)
+                    top = np.argpartition(-z, w - 1)[:w] if len(z) > w else np.arange(len(z))
+                    kids = [int(x) for x in top[np.argsort(-z[top], kind="stable")] if z[x] > -np.inf]
+                    logp = z - z.max() - np.log(np.exp(z - z.max()).sum())
+                    dist = None
+                else:
+                    if len(tokens) + w > budget:
+                        break  # a node's draws are all kept or none is (`accept_path`)
+                    dist = sampler.distribution(logits, history)
+                    kids = [sampler.draw(dist) for _ in range(w)]
+                    logp = np.log(np.maximum(dist, 1e-300))
+                base = score[node] if node >= 0 else 0.0
+                made: dict[int, int] = {}
+                for x in kids:
+                    if x not in made:
+                        made[x] = len(tokens)
+                        tokens.append(x)
+                        parents.append(node)
+                        score.append(base + float(logp[x]))
+                        q.append(dist)
+                        new.append(made[x])
+                    if dist is not None:
+                        draws.setdefault(node, []).append(made[x])
+            grow = [i for i in sorted(new, key=lambda i: -score[i])[:w] if score[i] >= floor]
+            if d == depth - 1 or not grow or (not sampler.greedy and len(tokens) + w > budget):
+                break
+            got = self.runner.head_expand(sid, [tokens[i] for i in grow],
+                                          [entry[parents[i]] for i in grow])  # fmt: skip
+            if got is None:
+                break
+            entry.update({i: len(entry) - 1 + j for j, i in enumerate(grow)})
+            level = list(zip(grow, got))
+        if not sampler.greedy:
+            return Draft(tokens, q, parents, draws)
+        # greedy: the `budget` most likely nodes (a parent is at least as likely as its child,
+        # and comes first among equals: what is kept is a tree)
+        keep = sorted(sorted(range(len(tokens)), key=lambda i: (-score[i], i))[:budget])
+        at = {old: i for i, old in enumerate(keep)}
+        return Draft([tokens[i] for i in keep], None, [at.get(parents[i], -1) for i in keep])
+
+    @staticmethod
+    def _path(tokens: list[int], parents: list[int], node: int) -> list[int]:
+        """The tokens from the root's first child down to `node`."""
+        out = []
+        while node >= 0:
+            out.append(tokens[node])
+            node = parents[node]
+        return out[::-1]
 
 
 class DraftModel:

@@ -224,8 +224,8 @@ class Rounds(Logged):
     def __init__(self, k_max: int) -> None:
         super().__init__(k_max, k_max, give_up=False)
 
-    def verified(self, drafted: int, accepted: int, seconds: float) -> None:
-        super().verified(drafted, accepted, seconds)
+    def verified(self, drafted: int, accepted: int, seconds: float, tokens: int = 0) -> None:
+        super().verified(drafted, accepted, seconds, tokens)
         self.on = True
 
 
@@ -273,14 +273,19 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 @pytest.mark.parametrize("which", range(len(PROMPTS)))
-def test_greedy_with_a_head_is_plain_greedy(trained: Model, which: int) -> None:
-    """fp32, 128 tokens, five prompts, k = 2..6: the tokens of plain greedy decoding, with
-    drafts both kept and rejected along the way."""
+def test_greedy_with_a_head_is_plain_greedy(trained: Model, which: int, tree: bool) -> None:
+    """fp32, 128 tokens, five prompts, k = 2..6 (a chain, or a tree that deep: 4 branches a
+    node, 15 nodes): the tokens of plain greedy decoding, with drafts both kept and rejected
+    along the way."""
     prompt, n, k = PROMPTS[which], 128, 2 + which
     plain = generate(trained, prompt, n)
     pace = Rounds(k)
-    got = generate(trained, prompt, n, pace)
+    drafter = HeadDrafter(trained.runner, width=4, nodes=15) if tree else None
+    got = generate(trained, prompt, n, pace, drafter)
+    if tree:
+        assert drafter.trees == len(pace.log)
     assert got.token_ids == plain.token_ids
     sp = got.speculative
     assert sp is not None and sp.rounds == len(pace.log) > 0
@@ -342,10 +347,12 @@ def test_a_model_without_a_head_says_how_to_train_one(default_model_path: Path) 
         assert m.complete("Hi", max_tokens=2).usage.completion_tokens == 2  # the model lives on
 
 
-def test_sampling_with_a_head_is_distributed_as_plain(trained: Model) -> None:
+@pytest.mark.parametrize("width", [1, 2], ids=["chain", "tree"])
+def test_sampling_with_a_head_is_distributed_as_plain(trained: Model, width: int) -> None:
     """Temperature 1, top-k 3: the joint distribution of the first three tokens (the second
-    and third out of a verification of two head drafts: a kept or rejected first draft, and the
-    bonus) matches plain sampling's, Pearson's homogeneity test, p > 0.001, 300 draws each."""
+    and third out of a verification of two levels of head drafts — a chain, or a tree of two
+    draws a node — a kept or rejected first draft, and the bonus) matches plain sampling's,
+    Pearson's homogeneity test, p > 0.001, 300 draws each."""
     prompt = ("Alice was beginning to get very tired of sitting by her sister on the bank, and of "
               "having nothing to do: once or twice she had peeped into the book her sister was "
               "reading, but it had no")  # text the head was trained on: it drafts well here
@@ -355,7 +362,7 @@ def test_sampling_with_a_head_is_distributed_as_plain(trained: Model) -> None:
     def head(spec: str | None, policy: ContextPolicy) -> tuple[Any, Pace]:
         pace = Rounds(2)
         pace.plain(1.0)
-        return HeadDrafter(trained.runner), pace
+        return HeadDrafter(trained.runner, width=width, nodes=6), pace
 
     trained._drafter = head  # type: ignore[method-assign]
     try:
@@ -410,3 +417,81 @@ def test_recommend_measures_head_where_a_model_has_one(default_model_path: Path)
     got = candidates([record], ["torch"])
     assert (record, Setting("torch", "f16", "head")) in got
     assert (record, Setting("torch", "f16", "lookup")) in got
+
+
+# -- draft trees: one pass verifies every branch -------------------------------------------------
+
+TREE = [-1, 0, 0, 1, 1, 2, 3, 5, 5, 7]  # a crafted tree of 10: token j follows token TREE[j]
+
+
+def branch(j: int) -> list[int]:
+    """The tree's tokens from its first down to j (indices)."""
+    path = [j]
+    while TREE[path[-1]] >= 0:
+        path.append(TREE[path[-1]])
+    return path[::-1]
+
+
+@pytest.mark.parametrize("dtype", ["f16", "f32"])
+def test_a_tree_is_verified_as_each_of_its_branches(tiny_llama: Path, dtype: str) -> None:
+    """Every node's row of one tree pass is the last row of a chain of its branch — bit for bit
+    where the projections round each row alike whatever the rows beside it (fp16 weights: the
+    CPU default's kind), to float32 rounding in f32 (MKL rounds by row count) — and keeping a
+    path leaves the cache as a chain of that path would."""
+    r = TorchRunner(tiny_llama, n_ctx=256, n_slots=2, dtype=dtype, kv_cache="f16", threads=2, compile="off")
+    try:
+        prompt = list(range(500, 570))  # past a 64-position block: the tree spans two
+        tokens = [9, *range(2000, 2009)]
+        for s in (0, 1):
+            r.forward([Piece(s, prompt, 0)])
+        assert r.tree_tokens(0) == 16
+        rows = r.forward([Piece(0, tokens, len(tokens), parents=TREE)]).logits
+        same = np.array_equal if dtype == "f16" else close
+        for j in range(len(tokens)):
+            path = branch(j)
+            want = r.forward([Piece(1, [tokens[i] for i in path], len(path))]).logits[-1]
+            r.trim(1, len(path))
+            same(rows[j], want)
+        path = branch(9)  # [0, 2, 5, 7, 9]
+        r.keep(0, len(prompt), path)
+        r.forward([Piece(1, [tokens[i] for i in path], 0)])
+        assert r.held(0) == r.held(1) == len(prompt) + len(path)
+        same(r.forward([Piece(0, [77, 78], 2)]).logits, r.forward([Piece(1, [77, 78], 2)]).logits)
+        with pytest.raises(ValueError, match="rise from its first"):
+            r.keep(0, len(prompt), [1, 2])
+        with pytest.raises(ValueError, match="cannot verify a tree"):
+            r.forward([Piece(0, list(range(17)), 17, parents=[-1, *range(16)])])  # more than 16
+    finally:
+        r.close()
+
+
+def test_a_tree_is_refused_where_caches_group_tokens(tiny_llama: Path) -> None:
+    r = TorchRunner(tiny_llama, n_ctx=128, n_slots=1, dtype="f32", kv_cache="int4", threads=2, compile="off")
+    try:
+        r.forward([Piece(0, [1, 2, 3], 1)])
+        assert r.tree_tokens(0) == 0  # KIVI's groups: chains only
+        with pytest.raises(ValueError, match="cannot verify a tree"):
+            r.forward([Piece(0, [4, 5, 6], 3, parents=[-1, 0, 0])])
+        assert r.held(0) == 3
+    finally:
+        r.close()
+
+
+def test_the_head_drafts_a_tree_as_chains_of_its_branches(runner: TorchRunner) -> None:
+    """Entries made several at a time, each on its own parent (`head_expand`), give the logits
+    a chain drafting each branch in turn gives."""
+    r, slot = runner, 0
+    r.clear(slot)
+    r.forward([Piece(slot, list(range(1000, 1030)), 1)])
+    root = r.head_logits(slot, 7)
+    a, b = (int(x) for x in np.argsort(-root)[:2])
+    level1 = r.head_expand(slot, [a, b], [-1, -1])
+    c = int(level1[1].argmax())
+    level2 = r.head_expand(slot, [c, 11], [1, 0])  # after b, and after a
+    r.head_done(slot)
+    for path, got in (([a], level1[0]), ([b], level1[1]), ([b, c], level2[0]), ([a, 11], level2[1])):
+        close(r.head_logits(slot, 7), root)
+        for t in path[:-1]:
+            r.head_logits(slot, t)
+        close(r.head_logits(slot, path[-1]), got)
+        r.head_done(slot)

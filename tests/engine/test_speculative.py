@@ -138,9 +138,9 @@ class Rounds(Pace):
     def want(self) -> int:
         return self.k_max if self.on else 0
 
-    def verified(self, drafted: int, accepted: int, seconds: float) -> None:
+    def verified(self, drafted: int, accepted: int, seconds: float, tokens: int = 0) -> None:
         self.log.append((drafted, accepted))
-        super().verified(drafted, accepted, seconds)
+        super().verified(drafted, accepted, seconds, tokens)
 
 
 def generate(llm: Model, prompt: str, n: int, *, drafter: Any = None, pace: Pace | None = None,

@@ -570,6 +570,18 @@ class Rows:
             kept[:, :m] = torch.gather(x, 1, index[..., None].expand(-1, -1, x.shape[-1]))
             part[at[:mb]] = kept.view(self.n_kv, mb, BLOCK, -1).transpose(0, 1)
 
+    def move(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        """The slot's entries at places `src` to places `dst`, every part alike, all read
+        before any is written (a draft tree's accepted path to the front: `KVCache.keep`)."""
+        if self.grouped:
+            raise ValueError("KIVI's codes span tokens: they cannot be moved one by one")
+        table, dev = self.pages.tables[slot], self.device
+        bs, ps, bd, pd = (torch.tensor(x, dtype=torch.long, device=dev) for x in (
+            [table[p // BLOCK] for p in src], [p % BLOCK for p in src],
+            [table[p // BLOCK] for p in dst], [p % BLOCK for p in dst]))  # fmt: skip
+        for part in (*self.k_parts, *self.v_parts):
+            part[bd, :, pd] = part[bs, :, ps]
+
     def read(self, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot's keys and values up to `end` as (1, n_kv, L, hd) tensors (a copy): all `end`
         of them, or under a window the last L from its first held block."""
@@ -718,6 +730,20 @@ class KVCache(PositionIndexed):
         if self.rows is not None:
             self.rows.reopen(self.slot, self.offset)
         return n
+
+    def keep(self, start: int, path: Sequence[int]) -> None:
+        """Of the positions from `start` on, keep those at start + path[i] (ascending) at
+        start + i, and forget the rest (a verified draft tree's accepted path)."""
+        moves = [(start + j, start + i) for i, j in enumerate(path) if i != j]
+        if moves:
+            src, dst = zip(*moves)
+            if self.rows is not None:
+                self.rows.move(self.slot, src, dst)
+            else:
+                for buf in (self._k, self._v):
+                    assert buf is not None
+                    buf[:, :, list(dst)] = buf[:, :, list(src)]
+        self.trim(self.offset - start - len(path))
 
     def bytes_per_token(self) -> float:
         """What one more cached token costs, K and V."""

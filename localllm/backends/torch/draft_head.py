@@ -92,12 +92,19 @@ class DraftHead(nn.Module):
         cache: keys and values of the positions before, (B, KV, S, head_dim) each (all of them,
         or a run ending at start - 1: RoPE makes attention depend on distances alone).
         Returns g (B, T, dim), the predicted features f_{t+1}, and the cache with these positions."""
-        t = emb.shape[1]
-        x, q, k, v = self._project(emb, feats, torch.arange(start, start + t, device=emb.device))
+        t, dev = emb.shape[1], emb.device
+        held = 0 if cache is None else cache[0].shape[2]  # causal over the cache's entries and then these
+        seen = torch.arange(held + t, device=dev) <= torch.arange(held, held + t, device=dev).unsqueeze(-1)
+        return self.step(emb, feats, torch.arange(start, start + t, device=dev), cache, seen)
+
+    def step(self, emb: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor,
+             cache: tuple[torch.Tensor, torch.Tensor] | None, seen: torch.Tensor,
+             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+        """`forward` with each entry's position (T,) and what it sees, (T, S + T) over the
+        cache's entries and then these (a draft tree's entries see their ancestors only)."""
+        x, q, k, v = self._project(emb, feats, pos)
         if cache is not None:
             k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
-        held = k.shape[2] - t  # causal over the cache's entries and then these
-        seen = torch.arange(k.shape[2], device=x.device) <= torch.arange(held, held + t, device=x.device).unsqueeze(-1)
         return self._finish(x, q, k, v, seen), (k, v)
 
     def unrolled(self, emb_next: torch.Tensor, feats: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -231,6 +238,9 @@ class HeadState:
     `done` drops those draft entries again. Features wait only until the next round, at most
     `PENDING` positions of them (a sequence that does not draft keeps no more).
 
+    A round may draft a tree (`expand`, EAGLE-2): each draft entry reads its parent's g at the
+    position after its parent's and sees its own ancestors among the round's entries only.
+
     Each entry keeps its position (its keys are rotated by it), so entries may be missing —
     positions restored from the prefix cache without the head's entries of them, one whose
     feature was forgotten — and attention reads the others. The prefix cache keeps the head's
@@ -250,7 +260,10 @@ class HeadState:
         self.pos = torch.zeros(0, dtype=torch.long)  # each cached entry's position
         self.end = 0  # drafts go at end, end + 1 ... (the last committed entry's position + 1)
         self.drafts = 0
-        self.g: torch.Tensor | None = None  # the last predicted feature of this round (1, 1, dim)
+        self.g: torch.Tensor | None = None  # the round's first predicted feature (1, 1, dim)
+        self.gs: list[torch.Tensor] = []  # each draft entry's, (1, 1, dim)
+        self.up: list[list[int]] = []  # each draft entry's ancestors among them, and itself
+        self.depth: list[int] = []  # each draft entry's depth (1: after the first call's)
         self.last: tuple[int, torch.Tensor] | None = None  # token and g of entry end - 1
 
     @property
@@ -287,6 +300,18 @@ class HeadState:
             self._keep(self.pos < held - 1)
             self.end, self.last = min(self.end, held), None
 
+    def keep(self, start: int, path: Sequence[int], t: int) -> None:
+        """The target evaluated a tree of t tokens at places start ..; it keeps those at
+        `path` at start, start + 1 ...: so do the features waiting for the next round."""
+        if self.tokens and self.at <= start and self.at + len(self.tokens) == start + t:
+            i0 = start - self.at
+            idx = [*range(i0), *(i0 + j for j in path)]
+            whole = torch.cat(self.feats)
+            self.feats = [whole[torch.tensor(idx, device=whole.device)]]
+            self.tokens = [self.tokens[i] for i in idx]
+        else:  # what waited does not line up: the tree's features are left out
+            self.trim(start)
+
     def entries(self, start: int, end: int) -> tuple[torch.Tensor, ...] | None:
         """The cached entries of positions [start, end): (positions, keys, values); None: none."""
         if self.cache is None:
@@ -311,7 +336,6 @@ class HeadState:
         the sequence's last token on the round's first call, then each drafted one. None where
         the head has nothing to read (no features, and no entry to go on from)."""
         dev = rows.device
-        x = torch.tensor([[token]], dtype=torch.long, device=dev)
         if self.g is None:  # the round's first call: catch up
             if self.tokens:
                 feats = torch.cat(self.feats) if len(self.feats) > 1 else self.feats[0]
@@ -329,16 +353,39 @@ class HeadState:
                 self.g = self.last[1]  # nothing new since the last round: its last entry holds
             else:
                 return None
-        else:
-            assert self.cache is not None
-            self.g, self.cache = head(embed(x).to(rows.dtype), self.g,
-                                      self.end + self.drafts, self.cache)  # fmt: skip
-            self.drafts += 1
-        return head.logits(self.g[0, 0], rows, cap)
+            return head.logits(self.g[0, 0], rows, cap)
+        return self.expand(head, embed, rows, [token], [self.drafts - 1], cap)[0]
+
+    @torch.inference_mode()
+    def expand(self, head: DraftHead, embed: Callable[[torch.Tensor], torch.Tensor],
+               rows: torch.Tensor, tokens: Sequence[int], parents: Sequence[int],
+               cap: float = 0.0) -> torch.Tensor:  # fmt: skip
+        """Draft entries reading tokens[i] after the round's entry parents[i] (-1: the first
+        call's), all in one pass of the head: their logits (len(tokens), len(vocab))."""
+        assert self.g is not None and self.cache is not None, "a round starts with `draft`"
+        dev, n = rows.device, len(tokens)
+        if any(not -1 <= p < self.drafts for p in parents):
+            raise ValueError(f"a draft entry's parent must be one of the round's {self.drafts}")
+        x = embed(torch.tensor([list(tokens)], dtype=torch.long, device=dev)).to(rows.dtype)
+        feats = torch.cat([self.g if p < 0 else self.gs[p] for p in parents], dim=1)
+        depth = [self.depth[p] if p >= 0 else 0 for p in parents]
+        pos = torch.tensor([self.end + d for d in depth], device=dev)
+        held = self.cache[0].shape[2] - self.drafts
+        seen = torch.zeros(n, held + self.drafts + n, dtype=torch.bool, device=dev)
+        seen[:, :held] = True
+        for i, p in enumerate(parents):
+            up = (self.up[p] if p >= 0 else []) + [self.drafts + i]
+            seen[i, [held + a for a in up]] = True
+            self.up.append(up)
+        g, self.cache = head.step(x, feats, pos, self.cache, seen)
+        self.gs += [g[:, i : i + 1] for i in range(n)]
+        self.depth += [d + 1 for d in depth]
+        self.drafts += n
+        return head.logits(g[0], rows, cap)
 
     def done(self) -> None:
         """The round is over: its draft entries go."""
         if self.drafts and self.cache is not None:
             k, v = self.cache
             self.cache = (k[:, :, : -self.drafts], v[:, :, : -self.drafts])
-        self.drafts, self.g = 0, None
+        self.drafts, self.g, self.gs, self.up, self.depth = 0, None, [], [], []

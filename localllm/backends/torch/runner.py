@@ -33,7 +33,7 @@ from localllm.backends.torch.cache import BLOCK, KVCache, Pages, Prefix, Rows
 from localllm.backends.torch.compiled import CompiledStep, cache_dir, prepare, wanted
 from localllm.backends.torch.draft_head import HeadState, softcap
 from localllm.backends.torch.kvquant import GROUPED, POOLED, RESIDUAL, codec, pooled
-from localllm.backends.torch.models.base import QUERIES_AS_ROWS
+from localllm.backends.torch.models.base import QUERIES_AS_ROWS, Tree
 from localllm.backends.torch.policies import PagedStreaming
 from localllm.chat import template_for
 from localllm.errors import ContextOverflow, LocalLLMError, OutOfBlocks
@@ -489,10 +489,45 @@ class TorchRunner(TextOnly):
                                       self._head_cap)  # fmt: skip
         if got is None:
             return None
-        out = np.full(self.n_vocab, -np.inf, dtype=np.float32)
+        return self._full_vocab(got[None])[0]
+
+    @on_compute_thread
+    def head_expand(self, slot: int, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        """Draft entries of this round (`Runner.head_expand`, `draft_head.HeadState.expand`):
+        their logits (len(tokens), n_vocab), -inf outside the draft vocabulary."""
+        assert self._head is not None and self._head_rows is not None, "use_head first"
+        got = self._heads[slot].expand(self._head, self.model.embed, self._head_rows, tokens,
+                                       parents, self._head_cap)  # fmt: skip
+        return self._full_vocab(got)
+
+    def _full_vocab(self, got: torch.Tensor) -> np.ndarray:
+        """The head's rows (n, len(vocab)) as logits over the whole vocabulary (n, n_vocab)."""
+        out = np.full((len(got), self.n_vocab), -np.inf, dtype=np.float32)
         keep = self._head_keep
-        out[self._head_ids[keep]] = got.float().cpu().numpy()[keep]
+        out[:, self._head_ids[keep]] = got.float().cpu().numpy()[:, keep]
         return out
+
+    def tree_tokens(self, slot: int) -> int:
+        """Tokens of a draft tree the slot verifies in one piece (`Piece.parents`; 0: none):
+        as many as attend query by query (`QUERIES_AS_ROWS`), over plain caches in the paged
+        pool (floats or codes; not KIVI's groups, H2O or StreamingLLM)."""
+        if self.budget or self._policies[slot].enabled or not self._plain(slot):
+            return 0
+        return 0 if self._caches[slot][0].rows.grouped else min(QUERIES_AS_ROWS, self.max_batch)
+
+    @on_compute_thread
+    @torch.inference_mode()
+    def keep(self, slot: int, start: int, path: Sequence[int]) -> None:
+        """After a tree piece at positions start ..: its tokens at `path` (ascending, 0
+        first) at start, start + 1 ..., the rest forgotten, in every layer and the head's."""
+        t = self.held(slot) - start
+        if not path or path[0] != 0 or path[-1] >= t or any(b <= a for a, b in zip(path, path[1:])):
+            raise ValueError(f"a path through a tree of {t} tokens must rise from its first: {path}")
+        for c in self._caches[slot]:
+            c.keep(start, path)
+        for pages in self._pages:
+            pages.shrink(slot, max(c.at for c in self._caches[slot]))
+        self._heads[slot].keep(start, path, t)
 
     def head_done(self, slot: int) -> None:
         """A round of drafting is over: what it drafted leaves the head's cache."""
@@ -530,6 +565,12 @@ class TorchRunner(TextOnly):
                 raise ValueError(f"a piece of {len(p.tokens)} tokens cannot give {p.logits} logits")
             if p.on_device and p.logits != 1:
                 raise ValueError("a piece whose row stays on the device gives one row of logits")
+            if p.parents is not None and (
+                len(p.parents) != len(p.tokens) or len(p.tokens) > self.tree_tokens(p.slot) or skip
+                or p.logits != len(p.tokens)):  # fmt: skip
+                raise ValueError(f"slot {p.slot} cannot verify a tree of {len(p.tokens)} tokens "
+                                 f"here (at most {QUERIES_AS_ROWS}, every row's logits, plain "
+                                 "caches)")  # fmt: skip
             caches = self._slot(p.slot)
             if not self._policies[p.slot].enabled:
                 end = max(caches[i].offset for i in kept) + len(p.tokens)
@@ -593,7 +634,8 @@ class TorchRunner(TextOnly):
                 singles.append(i)
                 continue
             caches, tokens = self._caches[p.slot], list(p.tokens)
-            if compiled and len(tokens) <= QUERIES_AS_ROWS and self._compilable([p.slot]):
+            tree = Tree(p.parents) if p.parents is not None else None  # one chunk (checked)
+            if compiled and tree is None and len(tokens) <= QUERIES_AS_ROWS and self._compilable([p.slot]):
                 got = self._run_compiled([p.slot], [tokens])  # a verification of a few drafts
                 if p.logits:
                     out[i] = got[len(tokens) - p.logits :]
@@ -603,7 +645,7 @@ class TorchRunner(TextOnly):
                 chunk = tokens[s : s + size]
                 x = torch.tensor([chunk], dtype=torch.long, device=dev)  # (1, T)
                 at = caches[0].offset
-                h = model(x, [caches], skip=skip)[0]  # (T, dim)
+                h = model(x, [caches], skip=skip, tree=tree)[0]  # (T, dim)
                 if fresh is not None:
                     fresh.append((p.slot, at, h, chunk))
                 first = n - p.logits - s  # the chunk's first position that wants logits

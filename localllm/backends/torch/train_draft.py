@@ -40,7 +40,7 @@ from localllm.backends.torch.draft_head import (
 )
 from localllm.errors import LocalLLMError
 
-__all__ = ["Progress", "head_rows", "load_head", "load_published", "save_head", "train"]
+__all__ = ["Progress", "head_rows", "load_head", "load_published", "read_published", "save_head", "train"]
 
 # The layout of the file `train` writes. 2: features after the target's final norm (format 1's
 # were read before it, and are refused: train the head again).
@@ -281,16 +281,25 @@ def load_published(folder: Path, n_vocab: int) -> DraftHead:
             never loaded; convert it to safetensors), an EAGLE-3 head, a tensor missing or of
             the wrong shape.
     """
-    name = folder.name
-    try:
-        c = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise LocalLLMError(f"{name}: no readable config.json ({type(e).__name__})") from None
     weights = folder / "model.safetensors"
     if not weights.exists():
         why = ("pytorch_model.bin is a pickle, which localllm never loads: convert it to "
                "model.safetensors") if (folder / "pytorch_model.bin").exists() else "no model.safetensors"  # fmt: skip
-        raise LocalLLMError(f"{name}: {why}")
+        raise LocalLLMError(f"{folder.name}: {why}")
+    return read_published(folder / "config.json", weights, n_vocab, folder.name)
+
+
+def read_published(config: Path, weights: Path, n_vocab: int, name: str) -> DraftHead:
+    """`load_published` of a head whose two files are these (a download's, named otherwise)."""
+    try:
+        c = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise LocalLLMError(f"{name}: no readable config.json ({type(e).__name__})") from None
+    if not isinstance(c, dict):
+        raise LocalLLMError(f"{name}: config.json is not a Llama config")
+    vocab = c.get("vocab_size")
+    if isinstance(vocab, int) and vocab != n_vocab:
+        raise LocalLLMError(f"{name}: a head for a model of {vocab:,} tokens, not {n_vocab:,}")
     try:
         with safe_open(str(weights), "pt") as f:
             tensors = {k.removeprefix("model."): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118

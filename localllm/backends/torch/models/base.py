@@ -223,13 +223,49 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # -- attention over the caller's caches -------------------------------------------------------
 
 
+class Tree:
+    """One row's T new tokens as a tree (a speculative draft tree, verified in one pass): token
+    j > 0 follows token parents[j] < j, token 0 the row's cache. Token j sits at place
+    offset + j of the cache but at position offset + depth[j] (RoPE, windows), and attends to
+    the cache and to its own ancestors (and itself) among the new tokens only."""
+
+    def __init__(self, parents: Sequence[int]) -> None:
+        t = len(parents)
+        if not t or parents[0] != -1 or any(not 0 <= parents[j] < j for j in range(1, t)):
+            raise ValueError("a tree's first token follows the cache and every other one an "
+                             "earlier token of it")  # fmt: skip
+        self.parents = list(parents)
+        self.depth = [0] * t
+        seen = torch.eye(t, dtype=torch.bool)
+        for j in range(1, t):
+            self.depth[j] = self.depth[parents[j]] + 1
+            seen[j] |= seen[parents[j]]
+        self.seen = seen  # (T, T): token j sees token a
+
+    def order(self, offset: int, first: int, n: int, device: torch.device) -> torch.Tensor:
+        """For each token, the order its n keys are read in (T, n), as indices into keys that
+        begin at place `first` (the new tokens at `offset` ..): its ancestors, then
+        itself, right after the cache's keys — where a chain of its path would hold them —
+        and the other new keys after those (hidden). Read so, each token's attention is
+        bit for bit a chain's (`_RowsPlan`)."""
+        t, at = len(self.depth), offset - first
+        rows = []
+        for j in range(t):
+            up = self.seen[j].nonzero().flatten().tolist()  # ascending: by depth along the path
+            rest = [a for a in range(t) if not self.seen[j, a]]
+            rows.append([*range(at), *(at + a for a in up + rest), *range(at + t, n)])
+        return torch.tensor(rows, device=device)
+
+
 class Masks:
     """The attention masks of one forward pass, built on first use and shared by every layer
     with the same window. Row b's queries sit at starts[b] + arange(T); the L keys its cache
-    returns are the last L positions up to its newest token."""
+    returns are the last L positions up to its newest token. A `tree` (one row): its tokens
+    see their ancestors only (`Tree`)."""
 
-    def __init__(self, starts: Sequence[int], n_new: int, device: torch.device) -> None:
-        self.starts, self.n_new, self.device = starts, n_new, device
+    def __init__(self, starts: Sequence[int], n_new: int, device: torch.device,
+                 tree: Tree | None = None) -> None:  # fmt: skip
+        self.starts, self.n_new, self.device, self.tree = starts, n_new, device, tree
         self._memo: dict[tuple[int, int, int], tuple[torch.Tensor | None, bool]] = {}
         self.memo: dict[tuple, _RowsPlan] = {}  # `_attend_rows`' plans, one per rows and window
 
@@ -243,6 +279,8 @@ class Masks:
 
     def _build(self, start: int, n_keys: int, window: int) -> tuple[torch.Tensor | None, bool]:
         t = self.n_new
+        if self.tree is not None:
+            raise ValueError("a tree is verified over one row of a plain pool")
         if not window or n_keys <= window:
             if t == 1:
                 return None, False  # one query sees every key
@@ -285,7 +323,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[A
         for group in _row_groups(caches):
             kin = k_raw if k_raw is not None and caches[group[0]].pre_rope else k
             if len(group) == len(caches):  # the common case: every row, in order
-                return _attend_rows(q, kin, v, caches, window=window, scale=scale, memo=masks.memo)
+                return _attend_rows(q, kin, v, caches, window=window, scale=scale, memo=masks.memo,
+                                    tree=masks.tree)  # fmt: skip
             at = torch.tensor(group, device=q.device)
             out = _attend_rows(q[at], kin[at], v[at], [caches[i] for i in group], window=window,
                                scale=scale, memo=masks.memo)  # fmt: skip
@@ -370,9 +409,11 @@ class _RowsPlan:
 
     def __init__(self, pages: Any, slots: list[int], offsets: Sequence[int], t: int, window: int,
                  device: torch.device, *, rows: int = 0, blocks: int = 1,
-                 streams: tuple[Sequence[tuple[int, int] | None], Any] | None = None) -> None:  # fmt: skip
+                 streams: tuple[Sequence[tuple[int, int] | None], Any] | None = None,
+                 tree: Tree | None = None) -> None:  # fmt: skip
         self.rot: tuple[torch.Tensor, torch.Tensor] | None = None
         self.raw: torch.Tensor | None = None
+        self.order: torch.Tensor | None = None  # a tree (one row): each entry's order of keys
         if streams is not None:
             self._streams(pages, slots, offsets, t, device, *streams, rows=rows, blocks=blocks)
             return
@@ -400,6 +441,9 @@ class _RowsPlan:
         self.gather = torch.tensor(gather, device=device).view(len(where), self.nb)
         key = torch.arange(lo * ROW_BLOCK, (lo + self.nb) * ROW_BLOCK, device=device)
         key = key.view(self.nb, 1, 1, ROW_BLOCK)
+        if tree is not None:  # entry j reads its keys as its path's chain would, at its depth
+            self.order = tree.order(offsets[0], lo * ROW_BLOCK, self.nb * ROW_BLOCK, device)
+            positions = [offsets[0] + d for d in tree.depth]
         length = torch.tensor(positions, device=device).add_(1).view(-1, 1, 1, 1, 1)
         hidden = key >= length  # (E, nb, 1, 1, ROW_BLOCK)
         if window:
@@ -552,17 +596,23 @@ class Step:
 
 
 def step_inputs(caches: Sequence[Sequence[Any]], live: Sequence[int], n_new: int,
-                device: torch.device, step: Step | None = None) -> tuple[torch.Tensor, Masks | Step]:  # fmt: skip
+                device: torch.device, step: Step | None = None,
+                tree: Tree | None = None) -> tuple[torch.Tensor, Masks | Step]:  # fmt: skip
     """(positions (B, T), masks) of a forward pass over the rows' caches of layers `live`; with
-    a `step`, what it planned."""
+    a `step`, what it planned; with a `tree` (one row), its tokens at their depths."""
     if step is not None:
         return step.positions, step
     pos = positions([[row[i] for i in live] for row in caches], n_new, device)
-    return pos, Masks([row[live[0]].offset for row in caches], n_new, device)
+    if tree is not None:
+        if pos.shape != (1, len(tree.depth)):
+            raise ValueError("a tree is one row's tokens")
+        pos = pos[:, :1] + torch.tensor(tree.depth, device=device)
+    return pos, Masks([row[live[0]].offset for row in caches], n_new, device, tree)
 
 
 def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[Any], *,
-                 window: int, scale: float | None, memo: dict | None = None) -> torch.Tensor:  # fmt: skip
+                 window: int, scale: float | None, memo: dict | None = None,
+                 tree: Tree | None = None) -> torch.Tensor:  # fmt: skip
     """One decode step of rows whose caches are slots of one shared `cache.Rows`: their new keys
     and values go in with one indexed copy each into their pages' blocks, then attention is
     written out over those blocks of `ROW_BLOCK` keys (gathered through each row's block table,
@@ -604,16 +654,19 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequ
     if caches[0].pre_rope:
         streams = (tuple((c.n_sinks, c.gap) for c in caches), caches[0].rope)
     key = (id(rows.pages), tuple(slots), tuple(ats), t, window,
-           streams and (streams[0], id(streams[1])))  # fmt: skip
+           streams and (streams[0], id(streams[1])), id(tree))  # fmt: skip
     plan = memo.get(key) if memo is not None else None
     if plan is None:
-        plan = _RowsPlan(rows.pages, slots, ats, t, window, q.device, streams=streams)
+        if tree is not None and (streams is not None or rows.grouped or len(slots) != 1):
+            raise ValueError("a tree is verified over one row of a plain pool")
+        plan = _RowsPlan(rows.pages, slots, ats, t, window, q.device, streams=streams, tree=tree)
         if memo is not None:
             memo[key] = plan
     for c in caches:
         c.advance(t)
     if not caches[0].observes:
-        return rows_attention(q, k, v, *rows.parts, *plan.tensors, scale=scale, single=plan.single)
+        return rows_attention(q, k, v, *rows.parts, *plan.tensors, scale=scale, single=plan.single,
+                              order=plan.order)  # fmt: skip
     seen: list[torch.Tensor] = []  # H2O: each entry's probabilities, (E, KV, nb·ROW_BLOCK)
     out = rows_attention(q, k, v, *rows.parts, *plan.tensors, scale=scale, single=plan.single,
                          observed=seen)  # fmt: skip
@@ -629,7 +682,8 @@ def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    bias: torch.Tensor, cos: torch.Tensor | None = None,
                    sin: torch.Tensor | None = None, *, scale: float | None,
                    single: tuple[int, int] | None = None,
-                   observed: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+                   observed: list[torch.Tensor] | None = None,
+                   order: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`_attend_rows`' tensor work, with no Python number that changes between steps (what a
     compiled step captures): the new k, v (B, T, KV, hd) into the pools' (n_blocks, KV, BLOCK,
     width) parts (`cache.Rows.parts`: a float pool, or codes and their scales; KIVI's codes,
@@ -641,7 +695,8 @@ def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     stored before RoPE, rotated where each entry reads them. `single`: (block, place) of one
     entry, a plain copy. `observed` (H2O) gets each entry's attention probabilities on its
     keys, summed over the query heads of a KV head: (E, KV, nb·ROW_BLOCK), in the order of its
-    blocks. Returns (B, T, H * hd)."""
+    blocks. `order` (E, nb·BLOCK): the order each entry reads its keys in (a draft tree's,
+    `Tree.order`). Returns (B, T, H * hd)."""
     b0, t, h, hd = q.shape
     kv = k.shape[2]
     g, b, nb = h // kv, b0 * t, gather.shape[1]
@@ -671,6 +726,11 @@ def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kk, vv = (read(pool, c, gather) for pool, c in zip((k_parts, v_parts), codecs))
     if cos is not None and sin is not None:
         kk = apply_rope(kk, cos, sin)
+    if order is not None:  # (E, nb, KV, BLOCK, hd) read in each entry's order, as contiguous
+        at = order.view(b, 1, -1, 1)
+        kk, vv = (torch.gather(x.transpose(1, 2).reshape(b, kv, nb * x.shape[3], -1), 2,
+                               at.expand(-1, kv, -1, x.shape[-1]))
+                  .view(b, kv, nb, x.shape[3], -1).transpose(1, 2).contiguous() for x in (kk, vv))  # fmt: skip
     qs = q.reshape(b, 1, kv, g, hd).float() * (scale if scale is not None else hd**-0.5)
     s = torch.matmul(qs.expand(b, nb, kv, g, hd).contiguous(), kk.transpose(-1, -2))
     s = s + bias  # (E, nb, KV, G, ROW_BLOCK), -inf where a key is hidden

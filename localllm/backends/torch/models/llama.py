@@ -27,6 +27,7 @@ from localllm.backends.torch.models.base import (
     RMSNorm,
     RoPE,
     Step,
+    Tree,
     apply_rope,
     attend,
     embedding,
@@ -125,14 +126,16 @@ class Model(nn.Module):
         return t.reshape(heads, -1, 2, *rest).transpose(1, 2).reshape(t.shape).contiguous()
 
     def forward(self, tokens: torch.Tensor, caches: Sequence[Sequence[KVCache]],
-                skip: Collection[int] = (), step: Step | None = None) -> torch.Tensor:  # fmt: skip
+                skip: Collection[int] = (), step: Step | None = None,
+                tree: Tree | None = None) -> torch.Tensor:  # fmt: skip
         """tokens (B, T); caches[b]: row b's per-layer caches. Returns (B, T, dim), normed.
 
         `skip`: layers left out (a self-speculative draft); their caches are not touched.
-        `step`: planned beforehand (`base.Step`; caches is then one row of the layers' pools)."""
+        `step`: planned beforehand (`base.Step`; caches is then one row of the layers' pools).
+        `tree`: one row's tokens as a tree (`base.Tree`: a draft tree's verification)."""
         h = self.embed(tokens)
         live = [i for i in range(len(self.layers)) if i not in skip]
-        pos, masks = step_inputs(caches, live, tokens.shape[1], h.device, step)
+        pos, masks = step_inputs(caches, live, tokens.shape[1], h.device, step, tree)
         rope = self.rope(pos, h.dtype)
         for i in live:
             h = self.layers[i](h, rope, [row[i] for row in caches], masks)
