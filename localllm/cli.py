@@ -301,6 +301,8 @@ def _head_text(head: dict[str, Any] | None) -> str:
         return "none (`localllm train-draft` trains one)"
     if "error" in head:
         return str(head["error"])
+    if head.get("source"):
+        return f"published, from {head['source']}"
     return (f"trained on {head['tokens'] or 0:,} tokens in {(head['seconds'] or 0) / 60:.1f} min, "
             f"held-out agreement {head['agree'] or 0:.0%}")  # fmt: skip
 
@@ -914,25 +916,32 @@ def _published_head(source: str, record: Any, out: Path, store: Any, quiet: bool
     """A published EAGLE head (a folder, or a hub repo fetched and verified as pulls are) for
     the model of `record`, checked against it and kept where `train-draft` keeps heads."""
     from localllm.backends.torch.train_draft import load_published, read_published, save_head
-    from localllm.model_info import read_model_info
     from localllm.models_registry.pull import fetch_files
 
-    info = read_model_info(str(record.path))
+    info = record.info
     folder = Path(source).expanduser()
     if folder.is_dir():
         head = load_published(folder, info.vocab_size)
-    else:
+    else:  # its config first: a head for another model is refused before its weights come
         with _PullProgress(quiet=quiet) as show:
-            paths = fetch_files(source, ["config.json", "model.safetensors"], store=store,
-                                on_progress=show.update)  # fmt: skip
+            (config,) = fetch_files(source, ["config.json"], store=store, on_progress=show.update)
         try:
-            head = read_published(*paths, info.vocab_size, source)
+            width = json.loads(config.read_text(encoding="utf-8")).get("hidden_size")
+        except (OSError, ValueError, AttributeError):
+            width = None  # read_published says what is wrong with it
+        try:
+            if isinstance(width, int) and width != info.n_embd:
+                raise LocalLLMError(f"{source}: a head for a model of width {width}, but "
+                                    f"{record.name}'s is {info.n_embd}")  # fmt: skip
+            with _PullProgress(quiet=quiet) as show:
+                (weights,) = fetch_files(source, ["model.safetensors"], store=store,
+                                         on_progress=show.update)  # fmt: skip
+            try:
+                head = read_published(config, weights, info.vocab_size, source)
+            finally:
+                weights.unlink(missing_ok=True)
         finally:
-            for p in paths:
-                p.unlink(missing_ok=True)
-    if head.dim != info.n_embd:
-        raise LocalLLMError(f"{source}: a head for a model of width {head.dim}, but {record.name}'s "
-                            f"is {info.n_embd}")  # fmt: skip
+            config.unlink(missing_ok=True)
     return save_head(head, out, record.digest, source=source)
 
 

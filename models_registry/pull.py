@@ -172,14 +172,14 @@ def _repo_info(repo: str, revision: str | None) -> Any:
         raise
 
 
-def _remote_files(info: Any, repo: str) -> dict[str, RemoteFile]:
+def _remote_files(info: Any, repo: str, suffixes: tuple[str, ...] = (".gguf",)) -> dict[str, RemoteFile]:
     commit = str(info.sha or "")
     if not _GIT_OID.fullmatch(commit):
         raise LocalLLMError(f"the hub gave no commit for {repo} (got {commit!r})")
     files = {}
     for s in info.siblings or []:
         path = s.rfilename
-        if not isinstance(path, str) or not path.endswith(".gguf") or not _safe_remote_path(path):
+        if not isinstance(path, str) or not path.endswith(suffixes) or not _safe_remote_path(path):
             continue  # a hostile listing cannot name `../x` or `/etc/x`: such entries do not exist
         lfs = s.lfs
         sha = lfs.sha256 if lfs is not None else None
@@ -357,6 +357,28 @@ def _remote_plan(key: str, chosen: list[RemoteFile], projector: RemoteFile | Non
     )
 
 
+def fetch_files(text: str, wanted: list[str], *, store: Store | None = None,
+                revision: str | None = None, on_progress: Progress | None = None,
+                cancel: Any = None) -> list[Path]:  # fmt: skip
+    """Files of a Hugging Face repo beside its models (a published draft head's `config.json`
+    and `model.safetensors`), fetched, resumed and verified as a model's are, in `wanted`'s
+    order: partial files of the store's that the caller reads and then deletes (nothing is
+    registered)."""
+    store = store or Store()
+    name = parse_name(text)
+    if not name.is_hf or len(name.name[len(HF_PREFIX) :].split("/")) != 2:
+        raise InvalidName(f"{text!r}: name a Hugging Face repo as hf.co/ORG/REPO")
+    repo = name.name[len(HF_PREFIX) :]
+    if _offline():
+        raise LocalLLMError(f"HF_HUB_OFFLINE is set: cannot download {text}")
+    files = _remote_files(_repo_info(repo, revision), repo, tuple(sorted({"." + w.rsplit(".", 1)[-1] for w in wanted})))
+    missing = [w for w in wanted if w not in files]
+    if missing:
+        raise ModelNotFound(f"{repo} has no {', '.join(missing)}")
+    p = _remote_plan(repo, [files[w] for w in wanted])
+    return _Puller(store, p, on_progress or (lambda e: None), cancel).fetch_only()
+
+
 # -- pulling -----------------------------------------------------------------------------------
 
 
@@ -452,6 +474,21 @@ class _Puller:
             for fd in self.locks:
                 os.close(fd)  # closing releases the flock
 
+    def fetch_only(self) -> list[Path]:
+        """The plan's files, fetched and verified, not registered (`fetch_files`)."""
+        self.store.blobs.mkdir(parents=True, exist_ok=True)
+        (self.store.home / "locks").mkdir(parents=True, exist_ok=True)
+        try:
+            for f in self.plan.files:
+                self._lock(f)
+            self._check_space(join=False)
+            paths = [self._fetch(f)[0] for f in self.plan.files]
+            self.emit(PullEvent(self.plan.name, "done", done=self.plan.total, total=self.plan.total))
+            return paths
+        finally:
+            for fd in self.locks:
+                os.close(fd)
+
     def _with_projector(self, record: ModelRecord) -> ModelRecord:
         """The model's vision projector, pulled with it (it then reads images)."""
         f = self.plan.projector
@@ -497,14 +534,14 @@ class _Puller:
             except BlockingIOError:
                 time.sleep(0.2)
 
-    def _check_space(self) -> None:
+    def _check_space(self, join: bool = True) -> None:
         on_disk = sum(
             x.stat().st_size
             for f in self.plan.files
             for x in self.store.blobs.glob(f".partial-{f.key}-*")
         )
         need = self.plan.total - on_disk
-        if len(self.plan.files) > 1:
+        if join and len(self.plan.files) > 1:
             need += self.plan.total  # the joined file is written beside the parts
         ensure_free_space(self.store.blobs, need, self.plan.name)
 

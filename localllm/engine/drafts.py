@@ -120,7 +120,8 @@ def training_text(llm: Any, files: Sequence[Path], budget: int,
 
 
 def head_info(path: Path, digest: str) -> dict[str, Any] | None:
-    """What a stored draft head says of itself (steps, tokens, seconds, held-out agreement),
+    """What a stored draft head says of itself (steps, tokens, seconds, held-out agreement; or
+    where a published one came from),
     read from its safetensors header alone (no torch): None where there is none, {"error": why}
     where the file is not a head of this model."""
     try:
@@ -136,7 +137,7 @@ def head_info(path: Path, digest: str) -> dict[str, Any] | None:
         return {"error": f"{path.name}: not a draft head ({type(e).__name__})"}
     if not isinstance(meta, dict) or meta.get("digest") != digest:
         return {"error": f"{path.name}: not a draft head of this model"}
-    return {k: meta.get(k) for k in ("step", "tokens", "seconds", "agree")}
+    return {k: meta.get(k) for k in ("step", "tokens", "seconds", "agree", "source")}
 
 
 def keep_text(path: Path, digest: str, ids: Sequence[int], seconds: float) -> None:
