@@ -913,7 +913,7 @@ def train_draft(
 
 
 def _published_head(source: str, record: Any, out: Path, store: Any, quiet: bool) -> Path:
-    """A published EAGLE head (a folder, or a hub repo fetched and verified as pulls are) for
+    """A published EAGLE-1 or EAGLE-3 head (a folder, or a hub repo fetched and verified as pulls are) for
     the model of `record`, checked against it and kept where `train-draft` keeps heads."""
     from localllm.backends.torch.train_draft import load_published, read_published, save_head
     from localllm.models_registry.pull import fetch_files
@@ -921,12 +921,13 @@ def _published_head(source: str, record: Any, out: Path, store: Any, quiet: bool
     info = record.info
     folder = Path(source).expanduser()
     if folder.is_dir():
-        head = load_published(folder, info.vocab_size)
+        head = load_published(folder, info.vocab_size, info.n_layers)
     else:  # its config first: a head for another model is refused before its weights come
         with _PullProgress(quiet=quiet) as show:
             (config,) = fetch_files(source, ["config.json"], store=store, on_progress=show.update)
         try:
-            width = json.loads(config.read_text(encoding="utf-8")).get("hidden_size")
+            c = json.loads(config.read_text(encoding="utf-8"))
+            width = c.get("target_hidden_size") or c.get("hidden_size")
         except (OSError, ValueError, AttributeError):
             width = None  # read_published says what is wrong with it
         try:
@@ -937,11 +938,15 @@ def _published_head(source: str, record: Any, out: Path, store: Any, quiet: bool
                 (weights,) = fetch_files(source, ["model.safetensors"], store=store,
                                          on_progress=show.update)  # fmt: skip
             try:
-                head = read_published(config, weights, info.vocab_size, source)
+                head = read_published(config, weights, info.vocab_size, source, info.n_layers)
             finally:
                 weights.unlink(missing_ok=True)
         finally:
             config.unlink(missing_ok=True)
+    width = head.config.get("target_dim", head.dim)
+    if width != info.n_embd:
+        raise LocalLLMError(f"{source}: a head for a model of width {width}, but {record.name}'s "
+                            f"is {info.n_embd}")  # fmt: skip
     return save_head(head, out, record.digest, source=source)
 
 

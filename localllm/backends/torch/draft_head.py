@@ -20,13 +20,15 @@ target's features as they arrive, and the draft entries of one round on top of i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["FEATURE_WEIGHT", "STEP_DECAY", "DraftHead", "HeadState", "features", "frequent", "losses",
+__all__ = ["FEATURE_WEIGHT", "STEP_DECAY", "DraftHead", "Eagle3Head", "HeadState", "features", "frequent", "losses",
            "soft_labels", "softcap"]
 
 FEATURE_WEIGHT = 0.1  # the feature loss's weight beside the token loss's (1.0)
@@ -143,6 +145,77 @@ class DraftHead(nn.Module):
         `vocab` (and its final logit softcap `cap`, if it has one), float32."""
         out = F.linear(g.to(rows.dtype), rows).float()
         return torch.tanh(out / cap) * cap if cap else out
+
+
+class Eagle3Head(DraftHead):
+    """EAGLE-3's published draft (arXiv 2503.01840; SafeAILab/EAGLE, as vLLM and SGLang run
+    it): the target's features are its hidden states going into three of its layers (`taps`;
+    low, middle, high), joined by `fc` (3·target width → width, no bias); the layer's attention
+    reads [norm(e(x)); norm(feature)] (2·width), the feature is the residual stream, and the
+    head has its own final norm and output rows over a draft vocabulary (`vocab`: draft row →
+    target token, its `d2t` offsets applied). Drafting feeds the layer's output before the final
+    norm back as the next feature (not through `fc`). Read only (`train_draft.read_published`):
+    `train-draft` trains EAGLE-1 heads (`DraftHead`)."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, vocab: torch.Tensor,
+                 *, taps: Sequence[int], target_dim: int | None = None, head_dim: int | None = None,
+                 rope_base: float = 10000.0, eps: float = 1e-6,
+                 rope_scaling: dict[str, Any] | None = None,
+                 norm_before_residual: bool = False) -> None:  # fmt: skip
+        super().__init__(dim, n_heads, n_kv_heads, ffn_dim, vocab, head_dim=head_dim,
+                         rope_base=rope_base, eps=eps)  # fmt: skip
+        hd, tdim = self.head_dim, target_dim or dim
+        self.taps = tuple(int(t) for t in taps)
+        self.config.update(kind="eagle3", taps=list(self.taps), target_dim=tdim,
+                           rope_scaling=rope_scaling, norm_before_residual=norm_before_residual)  # fmt: skip
+        if rope_scaling:  # Llama 3's per-frequency scaling (EAGLE-3 heads of Llama 3.1 models)
+            self.inv_freq = self.inv_freq / llama3_factors(rope_scaling, self.inv_freq)
+        self.norm_before_residual = norm_before_residual
+        self.fc = nn.Linear(len(self.taps) * tdim, dim, bias=False)
+        self.wqkv = nn.Linear(2 * dim, (n_heads + 2 * n_kv_heads) * hd, bias=False)
+        self.embed_norm = nn.RMSNorm(dim, eps=eps)
+        self.hidden_norm = nn.RMSNorm(dim, eps=eps)
+        self.out_norm = nn.RMSNorm(dim, eps=eps)  # before its own output rows
+        self.lm_head = nn.Linear(dim, len(vocab), bias=False)
+
+    def _project(self, emb: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor
+                 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        """The residual stream (B, T, dim) and the attention's q, k, v: the target's features
+        (wider than the head) go through `fc` first, the head's own do not."""
+        if feats.shape[-1] != self.dim:
+            feats = self.fc(feats)
+        normed = self.hidden_norm(feats)
+        x = normed if self.norm_before_residual else feats
+        b, t, _ = x.shape
+        hd, h, kv = self.head_dim, self.n_heads, self.n_kv_heads
+        q, k, v = self.wqkv(torch.cat((self.embed_norm(emb), normed), dim=-1)).split(
+            (h * hd, kv * hd, kv * hd), dim=-1)  # fmt: skip
+        q = self._rope(q.view(b, t, h, hd).transpose(1, 2), pos)
+        k = self._rope(k.view(b, t, kv, hd).transpose(1, 2), pos)
+        return x, q, k, v.view(b, t, kv, hd).transpose(1, 2)
+
+    def logits(self, g: torch.Tensor, rows: torch.Tensor, cap: float = 0.0) -> torch.Tensor:  # type: ignore[override]
+        """g (..., dim) → (..., len(vocab)) float32 through the head's own norm and rows (the
+        target's `rows` and softcap are not used)."""
+        return self.lm_head(self.out_norm(g.to(self.lm_head.weight.dtype))).float()
+
+
+def llama3_factors(scaling: dict[str, Any], inv_freq: torch.Tensor) -> torch.Tensor:
+    """Llama 3's RoPE scaling as a divisor per frequency (what llama.cpp stores as
+    `rope_freqs.weight`): long wavelengths slowed by `factor`, short ones kept, a smooth blend
+    between; one line for another kind of scaling."""
+    from localllm.errors import LocalLLMError
+
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind != "llama3":
+        raise LocalLLMError(f"a draft head with {kind!r} RoPE scaling, which localllm does not read")
+    factor, lo, hi = (float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    old = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old / wavelen - lo) / (hi - lo)).clamp(0, 1)
+    blend = 1 / ((1 - smooth) / factor + smooth)
+    return torch.where(wavelen < old / hi, torch.ones_like(blend),
+                       torch.where(wavelen > old / lo, torch.full_like(blend, factor), blend))  # fmt: skip
 
 
 def softcap(model: nn.Module) -> float:

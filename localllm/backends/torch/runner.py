@@ -263,6 +263,7 @@ class TorchRunner(TextOnly):
         self._prepared = prepare(self.torch_device) if self.compiled else None
         self._head: Any = None  # a draft head (`use_head`), its rows of the output head, softcap
         self._head_rows: torch.Tensor | None = None
+        self._taps: tuple[int, ...] = ()  # the layers whose inputs are the head's features
         self._head_cap = 0.0
         self._heads = [HeadState() for _ in range(self.n_slots)]
 
@@ -471,7 +472,13 @@ class TorchRunner(TextOnly):
         if self._head is not None:
             return
         head = load_head(path, digest)
-        rows = head_rows(self.model, head.vocab)
+        taps = getattr(head, "taps", ())  # EAGLE-3: the hidden states going into these layers
+        if any(not 0 <= t < self.n_layers for t in taps):
+            raise LocalLLMError(f"{path.name}: a head reading layers {list(taps)} of a model of "
+                                f"{self.n_layers}")  # fmt: skip
+        # its own output rows (EAGLE-3), or the target's rows of its vocabulary
+        rows = torch.zeros(0, self.model.args.dim) if taps else head_rows(self.model, head.vocab)
+        self._taps = tuple(taps)
         self._head = head.to(device=self.torch_device, dtype=self.compute_dtype)
         self._head_rows = rows.to(device=self.torch_device, dtype=self.compute_dtype)
         self._head_cap = softcap(self.model)
@@ -645,9 +652,10 @@ class TorchRunner(TextOnly):
                 chunk = tokens[s : s + size]
                 x = torch.tensor([chunk], dtype=torch.long, device=dev)  # (1, T)
                 at = caches[0].offset
-                h = model(x, [caches], skip=skip, tree=tree)[0]  # (T, dim)
+                taps = dict.fromkeys(self._taps) if fresh is not None and self._taps else None
+                h = model(x, [caches], skip=skip, tree=tree, taps=taps)[0]  # (T, dim)
                 if fresh is not None:
-                    fresh.append((p.slot, at, h, chunk))
+                    fresh.append((p.slot, at, self._features(h, taps, 0), chunk))
                 first = n - p.logits - s  # the chunk's first position that wants logits
                 if first < len(chunk):
                     rows.append(model.logits(h[max(0, first) :]))
@@ -662,9 +670,10 @@ class TorchRunner(TextOnly):
         elif singles:
             x = torch.tensor([[pieces[i].tokens[0]] for i in singles], dtype=torch.long, device=dev)
             ats = [self._caches[pieces[i].slot][0].offset for i in singles]
-            h = model(x, [self._caches[pieces[i].slot] for i in singles], skip=skip)  # (B, 1, dim)
+            taps = dict.fromkeys(self._taps) if fresh is not None and self._taps else None
+            h = model(x, [self._caches[pieces[i].slot] for i in singles], skip=skip, taps=taps)  # (B, 1, dim)
             if fresh is not None:
-                fresh += [(pieces[i].slot, at, h[j], [pieces[i].tokens[0]])
+                fresh += [(pieces[i].slot, at, self._features(h, taps, j), [pieces[i].tokens[0]])
                           for j, (i, at) in enumerate(zip(singles, ats))]  # fmt: skip
             want = [j for j, i in enumerate(singles) if pieces[i].logits]
             if want:
@@ -673,6 +682,13 @@ class TorchRunner(TextOnly):
                 for row, j in enumerate(want):
                     out[singles[j]] = logits[row : row + 1]
         return [out[i] for i in range(len(pieces)) if i in out]
+
+    def _features(self, h: torch.Tensor, taps: dict[int, Any] | None, row: int) -> torch.Tensor:
+        """Row `row`'s features for the draft head, (T, width): the model's last hidden states
+        (EAGLE-1), or the hidden states going into its `taps` layers side by side (EAGLE-3)."""
+        if taps is None:
+            return h if h.dim() == 2 else h[row]
+        return torch.cat([taps[t][row] for t in self._taps], dim=-1)
 
     def _plain(self, slot: int) -> bool:
         """Whether the slot's caches are plain ones in the paged pool (floats or codes)."""
@@ -850,6 +866,7 @@ class TorchRunner(TextOnly):
         self._rows = None
         self._heads = [HeadState() for _ in range(self.n_slots)]
         self._head = self._head_rows = None
+        self._taps = ()
         self.model = None  # type: ignore[assignment]
 
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from localllm.backends.torch.draft_head import (
     DraftHead,
+    Eagle3Head,
     features,
     frequent,
     losses,
@@ -250,8 +251,15 @@ def load_head(path: Path, digest: str) -> DraftHead:
     """The trained head in `path` for the model whose digest is `digest`."""
     meta, tensors = _load(path, digest)
     c = meta["config"]
-    head = DraftHead(c["dim"], c["n_heads"], c["n_kv_heads"], c["ffn_dim"], tensors["head.vocab"],
-                     head_dim=c["head_dim"], rope_base=c["rope_base"], eps=c["eps"])  # fmt: skip
+    kind = c.get("kind", "eagle")
+    if kind not in ("eagle", "eagle3"):
+        raise LocalLLMError(f"{path.name}: a draft head of a kind this version does not read ({kind})")
+    args = (c["dim"], c["n_heads"], c["n_kv_heads"], c["ffn_dim"], tensors["head.vocab"])
+    kw = {"head_dim": c["head_dim"], "rope_base": c["rope_base"], "eps": c["eps"]}
+    head = (DraftHead(*args, **kw) if kind == "eagle" else
+            Eagle3Head(*args, **kw, taps=c["taps"], target_dim=c["target_dim"],
+                       rope_scaling=c.get("rope_scaling"),
+                       norm_before_residual=c["norm_before_residual"]))  # fmt: skip
     head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")})
     head.meta = meta  # type: ignore[assignment]  # what the file says: steps, tokens, agreement
     return head.eval()
@@ -272,25 +280,27 @@ _FUSED = {
 }  # fmt: skip
 
 
-def load_published(folder: Path, n_vocab: int) -> DraftHead:
+def load_published(folder: Path, n_vocab: int, n_layers: int = 0) -> DraftHead:
     """An EAGLE head as its authors publish it: `config.json` (a Llama config of one layer) and
-    `model.safetensors`, for a target with `n_vocab` tokens (the head drafts over all of them).
+    `model.safetensors`, for a target with `n_vocab` tokens (and `n_layers`): EAGLE-1's (fc and
+    one decoder layer; it drafts over the whole vocabulary) or EAGLE-3's (`Eagle3Head`).
 
     Raises:
         LocalLLMError: one line for a missing or unreadable file, a pickle (`pytorch_model.bin`:
-            never loaded; convert it to safetensors), an EAGLE-3 head, a tensor missing or of
-            the wrong shape.
+            never loaded; convert it to safetensors), a tensor missing or of the wrong shape.
     """
     weights = folder / "model.safetensors"
     if not weights.exists():
         why = ("pytorch_model.bin is a pickle, which localllm never loads: convert it to "
                "model.safetensors") if (folder / "pytorch_model.bin").exists() else "no model.safetensors"  # fmt: skip
         raise LocalLLMError(f"{folder.name}: {why}")
-    return read_published(folder / "config.json", weights, n_vocab, folder.name)
+    return read_published(folder / "config.json", weights, n_vocab, folder.name, n_layers)
 
 
-def read_published(config: Path, weights: Path, n_vocab: int, name: str) -> DraftHead:
-    """`load_published` of a head whose two files are these (a download's, named otherwise)."""
+def read_published(config: Path, weights: Path, n_vocab: int, name: str,
+                   n_layers: int = 0) -> DraftHead:  # fmt: skip
+    """`load_published` of a head whose two files are these (a download's, named otherwise);
+    `n_layers`: the target's (where an EAGLE-3 head's config names no layers to read)."""
     try:
         c = json.loads(config.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -306,8 +316,7 @@ def read_published(config: Path, weights: Path, n_vocab: int, name: str) -> Draf
     except Exception as e:  # noqa: BLE001 - a broken file is one line
         raise LocalLLMError(f"{name}: model.safetensors cannot be read ({type(e).__name__})") from None
     if any(k.startswith("midlayer.") or k in ("d2t", "t2d") for k in tensors):
-        raise LocalLLMError(f"{name}: an EAGLE-3 head, which localllm does not read yet (EAGLE-1 "
-                            "heads: fc and one decoder layer)")  # fmt: skip
+        return _eagle3(c, tensors, n_vocab, name, n_layers)
     try:
         dim, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
         head = DraftHead(dim, heads, int(c.get("num_key_value_heads") or heads),
@@ -327,6 +336,67 @@ def read_published(config: Path, weights: Path, n_vocab: int, name: str) -> Draf
     for k, t in want.items():
         if k not in state:
             raise LocalLLMError(f"{name}: model.safetensors has no tensor for {k} (EAGLE-1 layout)")
+        if state[k].shape != t.shape:
+            raise LocalLLMError(f"{name}: {k} has shape {list(state[k].shape)}, the config says "
+                                f"{list(t.shape)}")  # fmt: skip
+    head.load_state_dict({k: state[k].float() for k in want})
+    return head.eval()
+
+
+# EAGLE-3's published layout (SafeAILab/EAGLE, as vLLM loads it): `midlayer` is the one decoder
+# layer, `d2t` the draft vocabulary's offsets to target ids, `t2d` its inverse (not needed here)
+_EAGLE3 = {
+    "fc.weight": "fc.weight",
+    "midlayer.input_layernorm.weight": "embed_norm.weight",
+    "midlayer.hidden_norm.weight": "hidden_norm.weight",
+    "midlayer.self_attn.o_proj.weight": "wo.weight",
+    "midlayer.post_attention_layernorm.weight": "norm.weight",
+    "midlayer.mlp.down_proj.weight": "w2.weight",
+    "norm.weight": "out_norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}  # fmt: skip
+_FUSED3 = {ours: tuple(p.replace("layers.0.", "midlayer.") for p in parts) for ours, parts in _FUSED.items()}
+
+
+def _eagle3(c: dict[str, Any], tensors: dict[str, torch.Tensor], n_vocab: int, name: str,
+            n_layers: int) -> Eagle3Head:  # fmt: skip
+    """An EAGLE-3 head from its config and tensors (`read_published`)."""
+    eagle = c.get("eagle_config") if isinstance(c.get("eagle_config"), dict) else {}
+    taps = eagle.get("eagle_aux_hidden_state_layer_ids")
+    if taps is None:  # EAGLE-3's own choice: going into layers 2, L/2 and L - 3
+        if n_layers < 6:
+            raise LocalLLMError(f"{name}: an EAGLE-3 head reads three layers of a deeper model "
+                                f"than one of {n_layers}")  # fmt: skip
+        taps = [2, n_layers // 2, n_layers - 3]
+    try:
+        dim, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+        draft = int(c.get("draft_vocab_size") or n_vocab)
+        d2t = tensors.get("d2t", torch.zeros(draft, dtype=torch.long)).long()
+        vocab = torch.arange(draft) + d2t
+        if len(vocab) != draft or int(vocab.min()) < 0 or int(vocab.max()) >= n_vocab:
+            raise ValueError("d2t maps draft tokens outside the model's vocabulary")
+        taps = [int(t) for t in taps]
+        if len(taps) != 3 or (n_layers and not all(0 <= t < n_layers for t in taps)):
+            raise ValueError(f"layers {taps} to read of {n_layers}")
+        head = Eagle3Head(dim, heads, int(c.get("num_key_value_heads") or heads),
+                          int(c["intermediate_size"]), vocab, taps=taps,
+                          target_dim=int(c.get("target_hidden_size") or dim),
+                          head_dim=int(c.get("head_dim") or dim // heads),
+                          rope_base=float(c.get("rope_theta", 10000.0)),
+                          eps=float(c.get("rms_norm_eps", 1e-6)),
+                          rope_scaling=c.get("rope_scaling") or None,
+                          norm_before_residual=bool(c.get("norm_before_residual", False)))  # fmt: skip
+    except (KeyError, TypeError, ValueError) as e:
+        raise LocalLLMError(f"{name}: not an EAGLE-3 config ({type(e).__name__}: {e})") from None
+    state = {ours: tensors[theirs] for theirs, ours in _EAGLE3.items() if theirs in tensors}
+    for ours, parts in _FUSED3.items():
+        if all(p in tensors for p in parts):
+            state[ours] = torch.cat([tensors[p] for p in parts])
+    state["vocab"] = head.vocab
+    want = head.state_dict()
+    for k, t in want.items():
+        if k not in state:
+            raise LocalLLMError(f"{name}: model.safetensors has no tensor for {k} (EAGLE-3 layout)")
         if state[k].shape != t.shape:
             raise LocalLLMError(f"{name}: {k} has shape {list(state[k].shape)}, the config says "
                                 f"{list(t.shape)}")  # fmt: skip

@@ -9,6 +9,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import need
@@ -349,9 +350,143 @@ def test_published_heads_it_cannot_read_are_one_line(tmp_path: Path) -> None:
         load_published(folder, 384)
     eagle_folder(tmp_path / "eagle3")
     save_file({"midlayer.x": torch.zeros(1)}, str(tmp_path / "eagle3" / "model.safetensors"))
-    with pytest.raises(LocalLLMError, match="EAGLE-3 head"):
-        load_published(tmp_path / "eagle3", 384)
+    with pytest.raises(LocalLLMError, match=r"no tensor for .* \(EAGLE-3 layout\)"):
+        load_published(tmp_path / "eagle3", 384, 8)
     eagle_folder(tmp_path / "short")
     save_file({"fc.weight": torch.zeros(64, 128)}, str(tmp_path / "short" / "model.safetensors"))
     with pytest.raises(LocalLLMError, match="no tensor for wqkv.weight"):
         load_published(tmp_path / "short", 384)
+
+
+# -- EAGLE-3's published heads ------------------------------------------------------------------
+
+
+def eagle3_folder(folder: Path, d2t: torch.Tensor, *, dim: int = 64, ffn: int = 128) -> None:
+    """A random EAGLE-3 head as its authors publish one (SafeAILab/EAGLE's names: `fc` over three
+    layers' features, `midlayer` reading [norm(embedding); norm(feature)], its own `norm` and
+    `lm_head` over a draft vocabulary mapped to target ids by `d2t`), for the tiny Llama."""
+    import json
+
+    from safetensors.torch import save_file
+
+    torch.manual_seed(11)
+    heads, kv, hd, draft = 4, 2, dim // 4, len(d2t)
+    shapes = {
+        "fc.weight": (dim, 3 * dim),
+        "midlayer.self_attn.q_proj.weight": (heads * hd, 2 * dim),
+        "midlayer.self_attn.k_proj.weight": (kv * hd, 2 * dim),
+        "midlayer.self_attn.v_proj.weight": (kv * hd, 2 * dim),
+        "midlayer.self_attn.o_proj.weight": (dim, heads * hd),
+        "midlayer.mlp.gate_proj.weight": (ffn, dim), "midlayer.mlp.up_proj.weight": (ffn, dim),
+        "midlayer.mlp.down_proj.weight": (dim, ffn), "lm_head.weight": (draft, dim),
+    }  # fmt: skip
+    tensors = {k: torch.randn(s) / s[-1] ** 0.5 for k, s in shapes.items()}
+    for name in ("midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm", "norm"):
+        tensors[f"{name}.weight"] = 1 + 0.2 * torch.randn(dim)
+    tensors["d2t"] = d2t
+    tensors["t2d"] = torch.zeros(384, dtype=torch.bool)
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": dim, "intermediate_size": ffn,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "num_hidden_layers": 1,
+        "vocab_size": 384, "draft_vocab_size": draft, "rope_theta": 10000.0, "rms_norm_eps": 1e-6}))  # fmt: skip
+
+
+def eagle3_reference(t: dict[str, torch.Tensor], feats: list[torch.Tensor], emb: torch.Tensor,
+                     eps: float = 1e-6) -> torch.Tensor:  # fmt: skip
+    """EAGLE-3's draft layer over entries 0 .. n-1 (positions), written out from its authors'
+    description as vLLM runs it: entry i reads emb[i] and feats[i] — three layers' hidden states
+    (3·dim: through fc) or the previous entry's output (dim: as is) — and attends causally.
+    Returns each entry's output before the final norm, (n, dim)."""
+
+    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    m = "midlayer."
+    g = torch.stack([t["fc.weight"] @ f if f.shape[-1] != emb.shape[-1] else f for f in feats])
+    x = torch.cat((rms(emb, t[m + "input_layernorm.weight"]), rms(g, t[m + "hidden_norm.weight"])), -1)
+    n, hd = len(x), 16
+    q = (x @ t[m + "self_attn.q_proj.weight"].T).view(n, 4, hd).transpose(0, 1)
+    k = (x @ t[m + "self_attn.k_proj.weight"].T).view(n, 2, hd).transpose(0, 1)
+    v = (x @ t[m + "self_attn.v_proj.weight"].T).view(n, 2, hd).transpose(0, 1)
+    inv = 1.0 / 10000.0 ** (torch.arange(0, hd, 2).float() / hd)
+    ang = torch.arange(n).float()[:, None] * inv
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1), torch.cat((ang.sin(), ang.sin()), -1)
+
+    def rope(z: torch.Tensor) -> torch.Tensor:  # transformers' rotate_half
+        return z * cos + torch.cat((-z[..., hd // 2 :], z[..., : hd // 2]), -1) * sin
+
+    q, k = rope(q), rope(k).repeat_interleave(2, 0)
+    scores = (q @ k.transpose(-1, -2)) / hd**0.5 + torch.full((n, n), float("-inf")).triu(1)
+    a = (scores.softmax(-1) @ v.repeat_interleave(2, 0)).transpose(0, 1).reshape(n, -1)
+    r = g + a @ t[m + "self_attn.o_proj.weight"].T
+    h = rms(r, t[m + "post_attention_layernorm.weight"])
+    up = torch.nn.functional.silu(h @ t[m + "mlp.gate_proj.weight"].T) * (h @ t[m + "mlp.up_proj.weight"].T)
+    return r + up @ t[m + "mlp.down_proj.weight"].T
+
+
+def test_a_published_eagle3_head_drafts_from_three_layers(tmp_path: Path) -> None:
+    """A random EAGLE-3 head in its published layout, on an 8-layer tiny Llama: its drafts over a
+    prompt and then over its own first draft are what EAGLE-3's layer computes from the hidden
+    states going into layers 2, 4 and 5 (transformers' own `output_hidden_states` of the same
+    model: the oracle for which states those are), through its own rows, mapped by d2t."""
+    from backends.torch.test_models import hf_model, write_gguf
+    from safetensors.torch import load_file
+
+    from localllm.backends.base import Piece
+    from localllm.backends.torch.runner import TorchRunner
+    from localllm.backends.torch.train_draft import load_published, save_head
+
+    hf = hf_model("llama", num_hidden_layers=8)
+    gguf = write_gguf(hf, tmp_path / "llama8.gguf")
+    d2t = torch.sort(torch.randperm(380)[:100]).values - torch.arange(100)  # draft row i → i + d2t[i]
+    eagle3_folder(tmp_path / "eagle3", d2t)
+    head = load_published(tmp_path / "eagle3", 384, 8)
+    assert head.taps == (2, 4, 5) and head.vocab.tolist() == (torch.arange(100) + d2t).tolist()
+    path = save_head(head, tmp_path / "head.safetensors", "f" * 64)
+    r = TorchRunner(gguf, n_ctx=128, n_slots=1, dtype="f32", kv_cache="f32", threads=2, compile="off")
+    try:
+        r.use_head(path, "f" * 64)
+        ids = [int(x) for x in torch.randint(3, 384, (20,), generator=torch.Generator().manual_seed(3))]
+        last = 77
+        r.forward([Piece(0, ids, 1)])
+        first = r.head_logits(0, last)
+        draft = int(first.argmax())
+        second = r.head_logits(0, draft)
+        r.head_done(0)
+    finally:
+        r.close()
+    t = load_file(str(tmp_path / "eagle3" / "model.safetensors"))
+    with torch.no_grad():
+        states = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        feats = [torch.cat([states[i][0, p] for i in (2, 4, 5)]) for p in range(len(ids))]
+        emb = hf.model.embed_tokens(torch.tensor([*ids[1:], last, draft]))
+        out = eagle3_reference(t, feats, emb[:-1])
+        out = eagle3_reference(t, [*feats, out[-1]], emb)  # the draft reads the first's output
+        target = head.vocab.numpy()
+        for got, g in ((first, out[-2]), (second, out[-1])):
+            z = g * torch.rsqrt(g.pow(2).mean() + 1e-6) * t["norm.weight"]
+            want = (t["lm_head.weight"] @ z).numpy()
+            assert np.isinf(np.delete(got, target)).all()
+            np.testing.assert_allclose(got[target], want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_broken_eagle3_head_is_one_line(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from localllm.backends.torch.train_draft import load_published
+
+    eagle3_folder(tmp_path / "e", torch.zeros(50, dtype=torch.long))
+    with pytest.raises(LocalLLMError, match="reads three layers of a deeper model than one of 2"):
+        load_published(tmp_path / "e", 384, 2)
+    t = load_file(str(tmp_path / "e" / "model.safetensors"))
+    del t["lm_head.weight"]
+    save_file(t, str(tmp_path / "e" / "model.safetensors"))
+    with pytest.raises(LocalLLMError, match=r"no tensor for lm_head.weight \(EAGLE-3 layout\)"):
+        load_published(tmp_path / "e", 384, 8)
+    t["lm_head.weight"] = torch.zeros(50, 64)
+    t["d2t"] = torch.full((50,), 400)
+    save_file(t, str(tmp_path / "e" / "model.safetensors"))
+    with pytest.raises(LocalLLMError, match="d2t maps draft tokens outside"):
+        load_published(tmp_path / "e", 384, 8)

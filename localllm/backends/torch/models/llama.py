@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -127,17 +128,21 @@ class Model(nn.Module):
 
     def forward(self, tokens: torch.Tensor, caches: Sequence[Sequence[KVCache]],
                 skip: Collection[int] = (), step: Step | None = None,
-                tree: Tree | None = None) -> torch.Tensor:  # fmt: skip
+                tree: Tree | None = None, taps: dict[int, Any] | None = None) -> torch.Tensor:  # fmt: skip
         """tokens (B, T); caches[b]: row b's per-layer caches. Returns (B, T, dim), normed.
 
         `skip`: layers left out (a self-speculative draft); their caches are not touched.
         `step`: planned beforehand (`base.Step`; caches is then one row of the layers' pools).
-        `tree`: one row's tokens as a tree (`base.Tree`: a draft tree's verification)."""
+        `tree`: one row's tokens as a tree (`base.Tree`: a draft tree's verification).
+        `taps`: layer i → set to the hidden states (B, T, dim) going into layer i (EAGLE-3's
+        features)."""
         h = self.embed(tokens)
         live = [i for i in range(len(self.layers)) if i not in skip]
         pos, masks = step_inputs(caches, live, tokens.shape[1], h.device, step, tree)
         rope = self.rope(pos, h.dtype)
         for i in live:
+            if taps is not None and i in taps:
+                taps[i] = h
             h = self.layers[i](h, rope, [row[i] for row in caches], masks)
         return self.norm(h)
 
