@@ -796,20 +796,26 @@ def tune(
     json_out: JsonFlag = False,
 ) -> None:
     """Search the layers `--speculative self` skips and how far it drafts, by measured tokens/s on
-    this machine; print the table searched and keep the choice for this model and device."""
+    this machine; print the table searched and keep the choice for this model and device. Where
+    the model has a draft head, measure too whether it drafts trees or a chain here."""
     from localllm.engine import load
     from localllm.engine import tune as tuning
 
     say = None if json_out else (lambda line: print(line, flush=True))
+    head = None
     with load(model, backend="torch", device=device, dtype=dtype, ctx=512, parallel=1) as llm:
         config = tuning.tune(llm, report=say)
-        if llm.tuned_path is not None:
-            tuning.save(llm.tuned_path, tuning.device_key(llm), config)
         key = tuning.device_key(llm)
+        if llm.tuned_path is not None:
+            tuning.save(llm.tuned_path, key, config)
+        if llm.resolve("auto") == "head":
+            head = tuning.tune_head(llm, report=say)
+            if llm.tuned_path is not None:
+                tuning.save(llm.tuned_path, key + "/head", head)
     if json_out:
         from dataclasses import asdict
 
-        _emit_json({"model": llm.name, "device": key, **asdict(config)})
+        _emit_json({"model": llm.name, "device": key, **asdict(config), "head": head})
         return
     if config.pays:
         print(f"chosen: skip {len(config.skip)} layers {list(config.skip)}, draft {config.k} tokens: "

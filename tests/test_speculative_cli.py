@@ -250,3 +250,39 @@ def test_the_python_api_takes_a_default_and_a_per_call_mode() -> None:
     assert off.speculative is None and off.text == default.text
     assert chunks[-1].result.speculative.mode == "lookup"
     assert "".join(c.text for c in chunks) == default.text
+
+
+def test_tune_measures_whether_a_head_drafts_trees(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Where the model has a draft head, `localllm tune` also measures a chain against a tree of
+    drafts beside plain decoding, keeps the choice under the device's key, and `head` drafts
+    that way from then on."""
+    need("torch", "pip install -e '.[dev]'")
+    import torch
+
+    from localllm.backends.torch.draft_head import DraftHead
+    from localllm.backends.torch.train_draft import save_head
+    from localllm.engine import load
+    from localllm.engine.core import head_path
+    from localllm.engine.speculative import TREE_WIDTH
+    from localllm.types import ContextPolicy
+
+    store = Store()
+    record = store.add_file(tiny_llama, "tiny", source="file:x")
+    torch.manual_seed(0)
+    save_head(DraftHead(64, 4, 2, 128, torch.arange(0, 384, 2)), head_path(store.home, record.digest),
+              record.digest)  # fmt: skip
+    rc, out, err = run(["tune", "tiny", "--json"], capsys)
+    assert rc == 0, err
+    r = json.loads(out)
+    head = r["head"]
+    assert isinstance(head["tree"], bool) and head["tree"] == (head["tree_speedup"] > head["chain_speedup"])
+    assert len(head["runs"]["chain"]) == len(head["runs"]["tree"]) == 3
+    (key_file,) = (store.home / "tuned").glob("*.json")
+    kept = json.loads(key_file.read_text())
+    assert kept[r["device"] + "/head"] == head
+    for tree in (True, False):
+        kept[r["device"] + "/head"]["tree"] = tree
+        key_file.write_text(json.dumps(kept))
+        with load("tiny", backend="torch", ctx=128) as m:
+            drafter, _pace = m._drafter("head", ContextPolicy())
+        assert drafter.width == (TREE_WIDTH if tree else 1) and drafter.tree_cost is None

@@ -399,8 +399,14 @@ class Model:
             self.use_head()
             # it drafts by lookup too, whose misses cost little and whose hits come back where
             # the answer copies again: no switching off on rejections alone (as for lookup)
-            drafter = HeadDrafter(self.runner, lookup=True, width=TREE_WIDTH, nodes=TREE_NODES,
-                                  tree_cost=TREE_COST)  # fmt: skip
+            # trees or a chain as `localllm tune` measured here; else by the measured cost of
+            # a verified token
+            from localllm.engine.tune import stored_head
+
+            tuned = stored_head(self)
+            width = TREE_WIDTH if tuned is None or tuned["tree"] else 1
+            drafter = HeadDrafter(self.runner, lookup=True, width=width, nodes=TREE_NODES,
+                                  tree_cost=TREE_COST if tuned is None else None)  # fmt: skip
             return drafter, Pace(HEAD_K, HEAD_K // 2, give_up=False)
         config = self.self_config()
         drafter = LayerSkip(self.runner, config.skip, confidence=config.confidence)

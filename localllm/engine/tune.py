@@ -18,6 +18,10 @@ short text; so does this, in three stages, each cheaper than the next:
    `PAYS` the result says so (`pays` False) and `self` decodes plainly on this model and device.
 
 The result is kept per model file (its digest) and device in the store (`tuned/`), so it runs once.
+
+`tune_head` measures the same way whether a model's draft head (`--speculative head`) should
+draft trees or a chain on this device (`localllm tune` runs it where the model has a head); until
+it has, the engine decides by the measured cost of a verified token (`speculative.TREE_COST`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SelfConfig", "cached_or_tuned", "tune"]
+__all__ = ["SelfConfig", "cached_or_tuned", "stored_head", "tune", "tune_head"]
 
 # A public-domain opening (Jane Austen, Pride and Prejudice) for the model to continue.
 CALIBRATION_PROMPT = (
@@ -91,10 +95,11 @@ def _read(path: Path | None) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def save(path: Path, key: str, config: SelfConfig) -> None:
-    """Written whole to a temporary file, then renamed: a kill leaves the old file or the new."""
+def save(path: Path, key: str, config: SelfConfig | dict[str, Any]) -> None:
+    """Written whole to a temporary file, then renamed: a kill leaves the old file or the new.
+    A dict (`tune_head`'s) is kept as it is."""
     data = _read(path)
-    data[key] = {"version": VERSION, **asdict(config)}
+    data[key] = config if isinstance(config, dict) else {"version": VERSION, **asdict(config)}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -222,6 +227,43 @@ def _tune(b: Any, say: Callable[[str], None], gen_tokens: int, max_skip: float, 
         return plain
     return SelfConfig(skip=skip, k=k, pays=True, speedup=speedup, acceptance=row["agreement"], table=table,
                       grown=grown)  # fmt: skip
+
+
+HEAD_VERSION = 1  # of `tune_head`'s measurement
+
+
+def stored_head(llm: Any) -> dict[str, Any] | None:
+    """What `tune_head` measured for this model and device, if it has."""
+    path: Path | None = llm.tuned_path
+    got = _read(path).get(device_key(llm) + "/head") if path else None
+    return got if isinstance(got, dict) and got.get("version") == HEAD_VERSION else None
+
+
+def tune_head(b: Any, *, report: Callable[[str], None] | None = None, gen_tokens: int = 96,
+              repeats: int = 3) -> dict[str, Any]:  # fmt: skip
+    """Whether the model's draft head drafts trees (`speculative.TREE_WIDTH` branches a node,
+    `TREE_NODES` tokens) or a chain here: plain decoding, the chain and the tree generate the
+    calibration continuation side by side `repeats` times; the tree when its median speed-up
+    beats the chain's. Kept under the device's key + "/head" (`stored_head`)."""
+    from localllm.engine.speculative import HEAD_K, TREE_NODES, TREE_WIDTH, HeadDrafter, Pace
+
+    say = report or (lambda _line: None)
+    b.use_head()
+    prompt = b.tokenize(CALIBRATION_PROMPT)
+    ratios: dict[str, list[float]] = {"chain": [], "tree": []}
+    for _ in range(repeats):
+        plain, plain_s = _generate(b, prompt, gen_tokens)
+        for name, width in (("chain", 1), ("tree", TREE_WIDTH)):
+            drafter = HeadDrafter(b.runner, lookup=True, width=width, nodes=TREE_NODES)
+            ids, secs = _generate(b, prompt, gen_tokens, drafter=drafter,
+                                  pace=Pace(HEAD_K, HEAD_K // 2, give_up=False))  # fmt: skip
+            ratios[name].append(round(len(ids) / secs / (len(plain) / plain_s), 3))
+    median = {k: sorted(v)[len(v) // 2] for k, v in ratios.items()}
+    tree = median["tree"] > median["chain"]
+    say(f"head: a chain {median['chain']:.2f}x, a tree of {TREE_NODES} ({TREE_WIDTH} a node) "
+        f"{median['tree']:.2f}x of plain decoding: it drafts {'trees' if tree else 'a chain'}")  # fmt: skip
+    return {"version": HEAD_VERSION, "tree": tree, "chain_speedup": median["chain"],
+            "tree_speedup": median["tree"], "runs": ratios}  # fmt: skip
 
 
 def _generate(b: Any, prompt: Sequence[int], n: int, *, drafter: Any = None,
