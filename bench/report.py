@@ -220,6 +220,28 @@ def rows_speculative(d: dict) -> list[Row]:
     if isinstance(t, dict):
         out.append((f"draft head: held-out agreement with the model's next token ({fmt(t.get('tokens'))} training "
                     f"tokens, {fmt(t.get('seconds'))} s in all)", t.get("agreement", t.get("agree")), None, None, True))  # fmt: skip
+    for mode in ("head:chain", "head:tree"):
+        r, m = g(d, f"tree/grounded/{mode}"), g(d, f"tree/chat/{mode}")
+        if isinstance(r, dict):
+            out.append((f"torch {mode} (EAGLE-2 trees against a chain) on an input-grounded answer: tokens/s "
+                        f"({fmt(r.get('tokens_per_pass'))} tokens a pass, same greedy text: {fmt(r.get('same_greedy_text'))})",
+                        r.get("tokens_per_s"), "plain decoding", g(d, "tree/grounded/off/tokens_per_s"), True))  # fmt: skip
+        if isinstance(m, dict):
+            out.append((f"torch {mode} on chat prompts: mean speedup (slowest {fmt(m.get('speedup_min'))})",
+                        m.get("speedup_mean"), "plain decoding", 1.0, True))  # fmt: skip
+    for mode in ("lookup", "head"):
+        r, m = g(d, f"gemma_head/grounded/{mode}"), g(d, f"gemma_head/chat/{mode}")
+        if isinstance(r, dict):
+            out.append((f"Gemma 3 {mode} on an input-grounded answer: tokens/s (same greedy text: "
+                        f"{fmt(r.get('same_greedy_text'))})", r.get("tokens_per_s"), "plain decoding",
+                        g(d, "gemma_head/grounded/off/tokens_per_s"), True, "≥ 2.5x" if mode == "head" else None))  # fmt: skip
+        if isinstance(m, dict):
+            out.append((f"Gemma 3 {mode} on chat prompts: mean speedup (slowest {fmt(m.get('speedup_min'))})",
+                        m.get("speedup_mean"), "plain decoding", 1.0, True, "≥ 1.5x" if mode == "head" else None))  # fmt: skip
+    t = g(d, "head_gemma/training") or g(d, "head_gemma/stored")
+    if isinstance(t, dict):
+        out.append((f"Gemma 3 draft head: held-out agreement ({fmt(t.get('tokens'))} training tokens, "
+                    f"{fmt(t.get('seconds'))} s in all)", t.get("agreement", t.get("agree")), None, None, True))  # fmt: skip
     for key, model in (("self", "SmolLM2"), ("self_gemma", "Gemma 3")):
         t = g(d, f"{key}/tuned")
         if isinstance(t, dict):

