@@ -189,3 +189,30 @@ def test_the_engine_keeps_the_branch_a_chain_would_miss(temperature: float) -> N
     assert tree.trees > 0 and r.trees and max(r.trees) <= 13
     # after a vowel the head's first choice is wrong: only the tree's second branch goes on
     assert any(len(p) > 2 and p != list(range(len(p))) for p in r.kept), r.kept
+
+
+def test_trees_of_several_sequences_share_a_step() -> None:
+    """Continuous batching: four sequences draft trees at once; each tree is one piece of the
+    step (the scheduler counts its tokens), and every answer is plain greedy's."""
+    r = _Wrong()
+    from localllm.backends import Capabilities
+
+    r.capabilities = Capabilities(kv_cache_types=("f16",), streaming=False, speculative=("off", "head"),
+                                  batching=True, embeddings=False, grammar=False)  # fmt: skip
+    prompts = [f"q{i} say:{'tree ' * (i + 2)}of drafts, all at once" for i in range(4)]
+    greedy = SamplingParams(temperature=0)
+    with Model(r, "fake") as m:
+        want = [m.submit(Request(prompt=p, sampling=greedy)).wait().token_ids for p in prompts]
+
+        def forced(spec: str | None, policy: ContextPolicy) -> tuple[HeadDrafter, Pace]:
+            pace = Pace(4, 4, give_up=False)
+            pace.plain(1.0)
+            return HeadDrafter(r, width=2, nodes=8), pace
+
+        m._drafter = forced  # type: ignore[method-assign]
+        streams = [m.submit(Request(prompt=p, speculative="head", sampling=greedy)) for p in prompts]
+        got = [s.wait().token_ids for s in streams]
+    assert got == want
+    steps = [sum(1 for p in plan.values() if p == 0) for plan in r.plans]
+    assert max(steps) > 1  # decoding pieces (trees among them) of several sequences in one forward
+    assert len(r.kept) > 4
