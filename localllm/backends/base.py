@@ -167,9 +167,9 @@ class Runner(Protocol):
     # entry i of the round reads tokens[i] after entry parents[i] (-1: the round's first call's;
     # entries count from 0 in the order they were made) — and gives their logits (len, n_vocab).
     # A slot verifies a tree of up to `tree_tokens` tokens (0: none) in one piece
-    # (`Piece.parents`); `keep` then keeps
-    # the path the engine accepted: of the positions from `start`, the piece's tokens at `path`
-    # (ascending, 0 first) at start, start + 1 ..., and forgets the rest
+    # (`Piece.parents`); `keep` then keeps the path the engine accepted: of the positions from
+    # `start`, the piece's tokens at `path` (ascending, 0 first) at start, start + 1 ..., and
+    # forgets the rest
     def head_expand(self, slot: int, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray | None: ...
     def tree_tokens(self, slot: int) -> int: ...
     def keep(self, slot: int, start: int, path: Sequence[int]) -> None: ...
