@@ -59,7 +59,8 @@ def test_head_info_refuses_another_models_head(tmp_path: Path) -> None:
 
     _save(tmp_path / "h.safetensors", *_state(DraftHead(64, 4, 2, 128, torch.arange(3)), "a" * 64,
                                               step=1, tokens=8, seconds=1.0, agree=0.5))  # fmt: skip
-    assert head_info(tmp_path / "h.safetensors", "a" * 64) == {"step": 1, "tokens": 8, "seconds": 1.0, "agree": 0.5}
+    assert head_info(tmp_path / "h.safetensors", "a" * 64) == {"step": 1, "tokens": 8, "seconds": 1.0, "agree": 0.5,
+                                                             "source": None}
     assert "not a draft head of this model" in head_info(tmp_path / "h.safetensors", "b" * 64)["error"]
     assert head_info(tmp_path / "none.safetensors", "a" * 64) is None
 

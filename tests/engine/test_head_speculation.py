@@ -273,12 +273,16 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-@pytest.mark.parametrize("which", range(len(PROMPTS)))
+@pytest.mark.parametrize(
+    ("which", "tree"),
+    [*((w, False) for w in range(len(PROMPTS))), (0, True), (1, True),
+     *(pytest.param(w, True, marks=pytest.mark.slow) for w in range(2, len(PROMPTS)))],
+    ids=lambda v: {False: "chain", True: "tree"}.get(v, str(v)) if isinstance(v, bool) else str(v),
+)  # fmt: skip
 def test_greedy_with_a_head_is_plain_greedy(trained: Model, which: int, tree: bool) -> None:
-    """fp32, 128 tokens, five prompts, k = 2..6 (a chain, or a tree that deep: 4 branches a
-    node, 15 nodes): the tokens of plain greedy decoding, with drafts both kept and rejected
-    along the way."""
+    """fp32, 128 tokens, five prompts, k = 2..6 (a chain; or a tree that deep, 4 branches a
+    node, 15 nodes: two prompts here, all five under -m slow): the tokens of plain greedy
+    decoding, with drafts both kept and rejected along the way."""
     prompt, n, k = PROMPTS[which], 128, 2 + which
     plain = generate(trained, prompt, n)
     pace = Rounds(k)
@@ -347,12 +351,13 @@ def test_a_model_without_a_head_says_how_to_train_one(default_model_path: Path) 
         assert m.complete("Hi", max_tokens=2).usage.completion_tokens == 2  # the model lives on
 
 
-@pytest.mark.parametrize("width", [1, 2], ids=["chain", "tree"])
+@pytest.mark.parametrize("width", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["chain", "tree"])
 def test_sampling_with_a_head_is_distributed_as_plain(trained: Model, width: int) -> None:
     """Temperature 1, top-k 3: the joint distribution of the first three tokens (the second
-    and third out of a verification of two levels of head drafts — a chain, or a tree of two
-    draws a node — a kept or rejected first draft, and the bonus) matches plain sampling's,
-    Pearson's homogeneity test, p > 0.001, 300 draws each."""
+    and third out of a verification of two levels of head drafts — a chain, or (-m slow; the
+    tree's rule is checked over 20,000 draws in test_draft_trees.py) a tree of two draws a
+    node — a kept or rejected first draft, and the bonus) matches plain sampling's, Pearson's
+    homogeneity test, p > 0.001, 300 draws each."""
     prompt = ("Alice was beginning to get very tired of sitting by her sister on the bank, and of "
               "having nothing to do: once or twice she had peeped into the book her sister was "
               "reading, but it had no")  # text the head was trained on: it drafts well here
