@@ -326,16 +326,23 @@ def read_published(config: Path, weights: Path, n_vocab: int, name: str,
                          eps=float(c.get("rms_norm_eps", 1e-6)))  # fmt: skip
     except (KeyError, TypeError, ValueError) as e:
         raise LocalLLMError(f"{name}: config.json is not a Llama config ({type(e).__name__}: {e})") from None
-    state = {ours: tensors[theirs] for theirs, ours in _EAGLE.items() if theirs in tensors}
-    state.setdefault("fc.bias", torch.zeros(dim))  # some heads were trained without one
-    for ours, parts in _FUSED.items():
+    tensors.setdefault("fc.bias", torch.zeros(dim))  # some heads were trained without one
+    return _filled(head, tensors, _EAGLE, _FUSED, name, "EAGLE-1")
+
+
+def _filled(head: DraftHead, tensors: dict[str, torch.Tensor], names: dict[str, str],
+            fused: dict[str, tuple[str, ...]], name: str, layout: str) -> DraftHead:  # fmt: skip
+    """`head` with the published `tensors` loaded, by their `names` and `fused` parts; one line
+    for a tensor missing or of another shape."""
+    state = {ours: tensors[theirs] for theirs, ours in names.items() if theirs in tensors}
+    for ours, parts in fused.items():
         if all(p in tensors for p in parts):
             state[ours] = torch.cat([tensors[p] for p in parts])
     state["vocab"] = head.vocab
     want = head.state_dict()
     for k, t in want.items():
         if k not in state:
-            raise LocalLLMError(f"{name}: model.safetensors has no tensor for {k} (EAGLE-1 layout)")
+            raise LocalLLMError(f"{name}: model.safetensors has no tensor for {k} ({layout} layout)")
         if state[k].shape != t.shape:
             raise LocalLLMError(f"{name}: {k} has shape {list(state[k].shape)}, the config says "
                                 f"{list(t.shape)}")  # fmt: skip
@@ -388,17 +395,4 @@ def _eagle3(c: dict[str, Any], tensors: dict[str, torch.Tensor], n_vocab: int, n
                           norm_before_residual=bool(c.get("norm_before_residual", False)))  # fmt: skip
     except (KeyError, TypeError, ValueError) as e:
         raise LocalLLMError(f"{name}: not an EAGLE-3 config ({type(e).__name__}: {e})") from None
-    state = {ours: tensors[theirs] for theirs, ours in _EAGLE3.items() if theirs in tensors}
-    for ours, parts in _FUSED3.items():
-        if all(p in tensors for p in parts):
-            state[ours] = torch.cat([tensors[p] for p in parts])
-    state["vocab"] = head.vocab
-    want = head.state_dict()
-    for k, t in want.items():
-        if k not in state:
-            raise LocalLLMError(f"{name}: model.safetensors has no tensor for {k} (EAGLE-3 layout)")
-        if state[k].shape != t.shape:
-            raise LocalLLMError(f"{name}: {k} has shape {list(state[k].shape)}, the config says "
-                                f"{list(t.shape)}")  # fmt: skip
-    head.load_state_dict({k: state[k].float() for k in want})
-    return head.eval()
+    return _filled(head, tensors, _EAGLE3, _FUSED3, name, "EAGLE-3")  # type: ignore[return-value]
