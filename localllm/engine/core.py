@@ -257,6 +257,7 @@ class Model:
         self.head_path = head  # where `train-draft` keeps this model's draft head
         self.digest = digest  # the model file's (the store's key)
         self._self_config: Any = None
+        self._head_tuning: tuple[dict[str, Any] | None] | None = None  # (`head_tuning`,), read once
         self._head_on = False  # the runner drafts with the head at `head_path` (`use_head`)
         spec = self.resolve(self.options.speculative)
         self.speculative = spec if speculative_mode(spec) != "off" else None
@@ -364,6 +365,15 @@ class Model:
             self._self_config = tune.cached_or_tuned(self)
         return self._self_config
 
+    def head_tuning(self) -> dict[str, Any] | None:
+        """What `localllm tune` measured of this model's head here (trees or a chain), read
+        once; None where it has not."""
+        if self._head_tuning is None:
+            from localllm.engine.tune import stored_head
+
+            self._head_tuning = (stored_head(self),)
+        return self._head_tuning[0]
+
     def resolve(self, spec: str | None) -> str | None:
         """`auto`: the model's draft head where it has one (`train-draft`) and its backend
         drafts with heads, else prompt lookup. Other modes as they are."""
@@ -401,9 +411,7 @@ class Model:
             # the answer copies again: no switching off on rejections alone (as for lookup)
             # trees or a chain as `localllm tune` measured here; else by the measured cost of
             # a verified token
-            from localllm.engine.tune import stored_head
-
-            tuned = stored_head(self)
+            tuned = self.head_tuning()
             width = TREE_WIDTH if tuned is None or tuned["tree"] else 1
             drafter = HeadDrafter(self.runner, lookup=True, width=width, nodes=TREE_NODES,
                                   tree_cost=TREE_COST if tuned is None else None)  # fmt: skip

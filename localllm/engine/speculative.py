@@ -2,10 +2,12 @@
 
     drafter.propose(seq, k) -> Draft       up to k tokens after the sequence's last sampled one,
                                            with the drafter's distributions q (None: one-hot)
-    accept(logits, draft, sampler, hist)   the exact rule (arXiv 2211.17192): greedy keeps drafts
-                                           while each is the target's argmax; sampling keeps draft x
-                                           when u ≤ p(x)/q(x), else draws from normalize(max(0, p − q))
-                                           and stops; all kept → one bonus token from p
+    accept_path(logits, draft, sampler, hist)
+                                           the exact rule (arXiv 2211.17192), down a chain or a
+                                           tree: greedy keeps drafts while each is the target's
+                                           argmax; sampling keeps draft x when u ≤ p(x)/q(x), else
+                                           goes on with normalize(max(0, p − q)) (a sibling drawn
+                                           next, or a draw from it); all kept → one bonus token
     Pace                                   the draft length from recent acceptance, and whether
                                            speculation still pays (else it switches itself off)
 

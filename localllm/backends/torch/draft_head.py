@@ -332,12 +332,16 @@ class HeadState:
         self.cache: tuple[torch.Tensor, torch.Tensor] | None = None  # (1, KV, n, hd) each
         self.pos = torch.zeros(0, dtype=torch.long)  # each cached entry's position
         self.end = 0  # drafts go at end, end + 1 ... (the last committed entry's position + 1)
-        self.drafts = 0
         self.g: torch.Tensor | None = None  # the round's first predicted feature (1, 1, dim)
         self.gs: list[torch.Tensor] = []  # each draft entry's, (1, 1, dim)
         self.up: list[list[int]] = []  # each draft entry's ancestors among them, and itself
         self.depth: list[int] = []  # each draft entry's depth (1: after the first call's)
         self.last: tuple[int, torch.Tensor] | None = None  # token and g of entry end - 1
+
+    @property
+    def drafts(self) -> int:
+        """Draft entries this round has made (on top of the cache's committed ones)."""
+        return len(self.gs)
 
     @property
     def waiting(self) -> int:
@@ -453,7 +457,6 @@ class HeadState:
         g, self.cache = head.step(x, feats, pos, self.cache, seen)
         self.gs += [g[:, i : i + 1] for i in range(n)]
         self.depth += [d + 1 for d in depth]
-        self.drafts += n
         return head.logits(g[0], rows, cap)
 
     def done(self) -> None:
@@ -461,4 +464,4 @@ class HeadState:
         if self.drafts and self.cache is not None:
             k, v = self.cache
             self.cache = (k[:, :, : -self.drafts], v[:, :, : -self.drafts])
-        self.drafts, self.g, self.gs, self.up, self.depth = 0, None, [], [], []
+        self.g, self.gs, self.up, self.depth = None, [], [], []
