@@ -466,6 +466,24 @@ def rows_cuda(d: dict) -> list[Row]:
     return out
 
 
+def rows_llamacpp_gpu(d: dict) -> list[Row]:
+    """Each model: the CUDA build at all layers and at half against the CPU build; the planner's
+    expected decode rate against the measured one."""
+    out: list[Row] = []
+    rows = d.get("rows") or []
+    for r in rows:
+        cpu = next((c for c in rows if c["model"] == r["model"] and c["n_gpu_layers"] == 0), None)
+        if r is cpu or "decode_tps" not in r:
+            continue
+        for what in ("decode", "prompt"):
+            out.append((f"{r['model']}, {r['setting']}: {what} tokens/s", r.get(f"{what}_tps"), "cpu build",
+                        (cpu or {}).get(f"{what}_tps"), True))  # fmt: skip
+        if r.get("predicted_decode_tps"):
+            out.append((f"{r['model']}, {r['setting']}: decode tokens/s measured against the planner's ({r['plan']})",
+                        r.get("decode_tps"), "predicted", r["predicted_decode_tps"], True))  # fmt: skip
+    return out
+
+
 def rows_ceiling(d: dict) -> list[Row]:
     out: list[Row] = []
     pct = lambda x: f"{1000 * x['p50']:.0f} / {1000 * x['p95']:.0f} / {1000 * x['p99']:.0f}"  # noqa: E731
@@ -528,6 +546,8 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict], list[Row]], Callable[[dict,
     ("llamacpp_build", "llama.cpp build", "the portable build costs little", rows_build, None),
     ("torch_gemv", "Matrix-vector kernels", "fp16 weights vs fp32", rows_gemv, None),
     ("torch_cuda", "CUDA", "the torch engine on a GPU", rows_cuda, None),
+    ("llamacpp_gpu", "llama.cpp on a GPU", "a CUDA build for this GPU only; partial offload at the planner's rate",
+     rows_llamacpp_gpu, None),
 ]  # fmt: skip
 
 
@@ -566,7 +586,8 @@ def render(results: Path, out: Path, quick: bool = False) -> Path:
         path = results / f"{file}.json"
         lines += [f"## {title}", "", f"Claim: {claim}.", ""]
         if not path.is_file():
-            why = " (it needs a CUDA device; none was lent to the sessions that ran the suite)" if file == "torch_cuda" else ""
+            why = (" (it needs a CUDA device; none was lent to the sessions that ran the suite)"
+                   if file in ("torch_cuda", "llamacpp_gpu") else "")  # fmt: skip
             lines += [f"_No result yet: run `python bench/{file}.py`{why}._", ""]
             continue
         d = json.loads(path.read_text())

@@ -25,7 +25,7 @@ SCRIPTS = [
     "startup", "gguf_parse", "llamacpp_overhead", "engine_batching", "ceiling", "torch_engine",
     "llamacpp_agreement", "torch_gemv", "kv_cache", "speculative", "server", "quantize",
     "pull_throughput", "app_latency", "llamacpp_build", "torch_cuda", "run_shared", "streaming_eval",
-    "kv_pool", "torch_compile",
+    "kv_pool", "torch_compile", "llamacpp_gpu",
 ]  # fmt: skip
 
 

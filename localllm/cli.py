@@ -7,6 +7,7 @@ commands that need them, never at module level: `localllm --help` must start fas
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -40,6 +41,19 @@ WattsOption = Annotated[float | None, typer.Option("--watts", help="Power drawn 
 KwhPriceOption = Annotated[float | None, typer.Option("--kwh-price", help="USD per kWh.")]
 # every --backend flag names what the registry knows (importing it imports no backend)
 BACKEND_HELP = f"Backend: {', '.join(backends.names())} (auto: the first that runs here)."
+# llama.cpp's placement over GPUs (memory.plan; `show` prints the plan)
+GpuLayersOption = Annotated[
+    str, typer.Option("--gpu-layers", help="llama.cpp: layers on the GPU: auto (the planner's: the "
+                      "most that fit with a margin), all, or a number (0: CPU only).")  # fmt: skip
+]
+TensorSplitOption = Annotated[
+    str | None, typer.Option("--tensor-split", help="llama.cpp with several GPUs: each one's share "
+                             "of the layers, e.g. 3,1 (default: by free memory).")  # fmt: skip
+]
+CpuMoeOption = Annotated[
+    int | None, typer.Option("--cpu-moe", help="llama.cpp, MoE models: keep the experts of the "
+                             "first N layers in RAM (default: the planner's).")  # fmt: skip
+]
 CompileFlag = Annotated[
     bool | None,
     typer.Option("--compile/--no-compile", help="torch engine: run decode steps as one compiled "
@@ -187,10 +201,21 @@ def show(
             "--kv-cache", help="KV cache type: f16, q8_0, q4_0, int8, fp8, int4, int2 or k=..,v=.."
         ),
     ] = "f16",
+    devices_file: Annotated[
+        Path | None,
+        typer.Option("--devices", help="Plan for the machine a JSON file describes (a list of "
+                     "devices: kind, name, total, free, bandwidth), not this one; as "
+                     "LOCALLLM_DEVICES."),  # fmt: skip
+    ] = None,
+    gpu_layers: GpuLayersOption = "auto",
+    tensor_split: TensorSplitOption = None,
+    cpu_moe: CpuMoeOption = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """Show a model's metadata, chat template, memory estimate and whether it fits."""
+    """Show a model's metadata, chat template, memory estimate, where its layers go and whether
+    it fits."""
     from localllm.chat import template_for
+    from localllm.devices import inventory
     from localllm.engine import sampling_defaults
     from localllm.gguf_file import GGUFFile
     from localllm.memory import estimate
@@ -205,14 +230,17 @@ def show(
         info = model_info(gf)
         template = gf.get("tokenizer.chat_template")
         used = template_for(gf)  # what `run` renders with: the file's own, a family's, or plain
-    options = LoadOptions(ctx=ctx, kv_cache=kv_cache, parallel=1)  # checks both, in run's words
+    options = LoadOptions(ctx=ctx, kv_cache=kv_cache, parallel=1, gpu_layers=gpu_layers,
+                          tensor_split=tensor_split, cpu_moe=cpu_moe)  # checks all, in run's words
+    machine = inventory(devices_file)
     backend = _backend_status("auto", path, options)  # e.g. an int4 cache: the torch engine
     try:
         spec = (backends.get(backend["name"]) if backend["available"]
                 else backends.describe("auto", options))  # fmt: skip
-        est, estimator = spec.estimate(info, options), spec.name
+        est, estimator = spec.estimate(info, options, devices=machine), spec.name
     except LocalLLMError:  # no backend to ask: llama.cpp's arithmetic
-        est, estimator = estimate(info, ctx=ctx, kv_cache=kv_cache), "llama.cpp"
+        est, estimator = estimate(info, ctx=ctx, kv_cache=kv_cache, devices=machine,
+                                  placement=options.placement), "llama.cpp"  # fmt: skip
     sampling, sampling_source = sampling_defaults(path, sampling_for(record))
     from localllm.quant.report import load_report, report_table
 
@@ -232,6 +260,7 @@ def show(
                 "template": {"origin": used.origin, "note": used.note or None},
                 "sampling_defaults": {"values": sampling, "source": sampling_source},
                 "memory": est.to_dict(),
+                "devices": machine.to_dict(),
                 "backend": backend,
                 "draft_head": head,
             }  # fmt: skip
@@ -280,9 +309,13 @@ def show(
                      ("compute", est.compute_bytes)):  # fmt: skip
         print(f"  {label:<15} {human_bytes(n):>11}")
     verdict = "fits" if est.fits else "does NOT fit"
-    print(f"  {'total':<15} {human_bytes(est.total_bytes):>11}   "
-          f"{human_bytes(est.available_bytes)} available on {est.device}: {verdict}")  # fmt: skip
+    if est.plan is None:
+        print(f"  {'total':<15} {human_bytes(est.total_bytes):>11}   "
+              f"{human_bytes(est.available_bytes)} available on {est.device}: {verdict}")  # fmt: skip
+    else:
+        print(f"  {'total':<15} {human_bytes(est.total_bytes):>11}   {verdict}")
     print()
+    _print_placement(est, machine, info, options, estimator)
     if quality is not None:
         print(f"Quality ({quality.get('file_type') or 'quantized'}, measured {quality['when']}):")
         for label, value in report_table(quality):
@@ -293,6 +326,45 @@ def show(
         print(used.source.rstrip())
     else:
         print(f"Chat template: {used.origin} — {used.note}")
+
+
+def _print_placement(est: Any, machine: Any, info: Any, options: Any, estimator: str) -> None:
+    """`show`'s devices and, for llama.cpp, where the layers go (`memory.plan`)."""
+    from localllm.memory import plan as place
+    from localllm.model_info import human_bytes
+
+    where = "described in " + machine.source if machine.source != "detected" else "this machine"
+    print(f"Devices ({where}):")
+    for d in machine.devices:
+        bw = f", {d.bandwidth / 1e9:.0f} GB/s" if d.bandwidth else ""
+        shared = ", shared with the GPU" if not d.gpu and any(g.unified for g in machine.gpus) else ""
+        print(f"  {d.label:<15} {d.name}: {human_bytes(d.free_bytes)} free of "
+              f"{human_bytes(d.total_bytes)}{bw}{shared}")  # fmt: skip
+    plan = est.plan
+    if plan is None and estimator == "llama.cpp":  # no GPU, or --device cpu: all in RAM
+        plan = place(info, dataclasses.replace(machine, devices=(machine.cpu,)), ctx=options.ctx,
+                     kv_cache=options.kv_cache, parallel=options.parallel)  # fmt: skip
+    if plan is None:
+        print()
+        return
+    print(f"Placement (llama.cpp, --gpu-layers {plan.request if plan.gpu_shares else 0}): "
+          f"{plan.text()}")
+    for s in plan.shares:
+        room = f", {human_bytes(s.margin_bytes)} kept free" if s.margin_bytes else ""
+        print(f"  {s.label:<15} {human_bytes(s.total_bytes):>11} of {human_bytes(s.free_bytes)} "
+              f"free{room}: weights {human_bytes(s.weights_bytes)}, KV {human_bytes(s.kv_bytes)}, "
+              f"compute {human_bytes(s.compute_bytes)}{'' if s.fits else '  DOES NOT FIT'}")  # fmt: skip
+    flags = f"--gpu-layers {plan.gpu_layers}" if plan.gpu_shares else "--device cpu"
+    if plan.cpu_moe:
+        flags += f" --cpu-moe {plan.cpu_moe}"
+    if len(plan.tensor_split) > 1:
+        flags += " --tensor-split " + ",".join(f"{p:.2f}" for p in plan.tensor_split)
+    rate = plan.decode_rate
+    speed = (f"expected decode at most {rate:.0f} tokens/s (each weight read once per token at "
+             f"each device's bandwidth)" if rate else "no expected rate: a device's bandwidth is "
+             "unknown (give it in --devices)")  # fmt: skip
+    print(f"  as llama.cpp flags: {flags}; {speed}")
+    print()
 
 
 def _head_text(head: dict[str, Any] | None) -> str:
@@ -699,6 +771,9 @@ def run(
         str | None, typer.Option("--speculative", help="off, lookup, self or draft:MODEL.")
     ] = None,
     compile_step: CompileFlag = None,
+    gpu_layers: GpuLayersOption = "auto",
+    tensor_split: TensorSplitOption = None,
+    cpu_moe: CpuMoeOption = None,
     json_schema: Annotated[
         Path | None, typer.Option("--json-schema", help="Constrain output to a JSON schema.")
     ] = None,
@@ -740,7 +815,8 @@ def run(
     # by load() in the backend's words, before anything loads.
     options = LoadOptions(backend=backend, device=device, dtype=dtype, ctx=ctx, kv_cache=kv_cache,
                           streaming=streaming, evict=evict, speculative=speculative, parallel=1,
-                          compile=compile_mode(compile_step))  # fmt: skip
+                          compile=compile_mode(compile_step), gpu_layers=gpu_layers,
+                          tensor_split=tensor_split, cpu_moe=cpu_moe)  # fmt: skip
     given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
              "seed": seed, "max_tokens": max_tokens}  # fmt: skip
     SamplingParams.from_kwargs(**given)  # a bad value is one line before the model loads
@@ -1441,6 +1517,9 @@ def serve(
     ] = None,
     parallel: Annotated[int, typer.Option("--parallel", help="Sequences decoded together per model.")] = 4,
     compile_step: CompileFlag = None,
+    gpu_layers: GpuLayersOption = "auto",
+    tensor_split: TensorSplitOption = None,
+    cpu_moe: CpuMoeOption = None,
     queue: Annotated[int, typer.Option("--queue", help="Requests that may wait for a slot before 503.")] = 16,
     cors: Annotated[
         list[str] | None, typer.Option("--cors", help="Origin allowed to call from a browser (repeatable).")
@@ -1460,7 +1539,8 @@ def serve(
         raise missing
     options = LoadOptions(backend=backend, device=device, dtype=dtype, ctx=ctx, kv_cache=kv_cache,
                           speculative=speculative, parallel=parallel,
-                          compile=compile_mode(compile_step))  # fmt: skip
+                          compile=compile_mode(compile_step), gpu_layers=gpu_layers,
+                          tensor_split=tensor_split, cpu_moe=cpu_moe)  # fmt: skip
     config = ServerConfig(host=host, port=port, models=tuple(model or ()), cors=tuple(cors or ()),
                           api_key=read_api_key(api_key, api_key_file), options=options,
                           queue=queue, max_body=max_body,

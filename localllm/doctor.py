@@ -6,8 +6,11 @@ failed. Checks in order, by name, with the keys of their `data`:
 
     python           Python, OS, machine and the CPU's instruction sets that matter to llama.cpp
                      version, implementation, os, os_release, machine, cpu_isa
-    llama_cpp        llama-cpp-python: version, build, llama.cpp's system info and GPU offload
-                     version, build, system_info, backends, blas, gpu_offload
+    llama_cpp        llama-cpp-python: version, build, llama.cpp's system info, GPU offload and
+                     ggml's devices; fails, with the one command that rebuilds it, when a GPU is
+                     here and the build has no GPU backend
+                     version, build, system_info, backends, blas, gpu_offload, devices ([{name,
+                     description, backend, type, total_bytes, free_bytes}])
     llama_cpp_probe  llama.cpp evaluates a tiny model in a child (cached; --deep runs it again)
                      ok, reason, cached
     backends         every --backend name in the registry: runs here or why not, and what it can
@@ -16,8 +19,10 @@ failed. Checks in order, by name, with the keys of their `data`:
                      reason, capabilities (null for a name this build cannot describe)}])
     torch            torch version and devices (cuda, mps, cpu); ok None when not installed
                      version, cuda_version, cuda (device names), mps
-    memory           free RAM (below 512 MiB fails), and free GPU memory when nvidia-smi sees one
-                     free_bytes, total_bytes, gpu (null or {device, free_bytes, total_bytes})
+    memory           free RAM (below 512 MiB fails), and each GPU's free memory (the device
+                     inventory: nvidia-smi, Apple's unified memory, or LOCALLLM_DEVICES)
+                     free_bytes, total_bytes, gpu (null or the first of gpus), gpus ([{device,
+                     name, free_bytes, total_bytes}])
     disk             free disk space where the store lives (below 1 GiB fails)
                      path, free_bytes, total_bytes
     store            every index entry has its file with the recorded size (--deep: and sha256)
@@ -242,7 +247,8 @@ def check_llama_cpp() -> Check:
             f"llama-cpp-python {info.get('version')} is installed but {info['error']}",
             fix=llamacpp_guard.REBUILD_FIX,
             data={"version": info.get("version"), "build": info.get("build"),
-                  "system_info": None, "backends": {}, "blas": None, "gpu_offload": None},
+                  "system_info": None, "backends": {}, "blas": None, "gpu_offload": None,
+                  "devices": []},
         )  # fmt: skip
     system_info = str(info.get("system_info") or "")
     backends = parse_system_info(system_info)
@@ -254,9 +260,13 @@ def check_llama_cpp() -> Check:
         "BLAS" in name.upper() or "BLAS" in " ".join(f).upper() for name, f in backends.items()
     )
     gpu_text = "yes" if gpu else "no" if gpu is not None else "unknown"
+    ggml = [d for d in info.get("devices") or () if isinstance(d, dict)]
+    listed = ", ".join(f"{d.get('name')} ({d.get('backend')}: {d.get('description')}, "
+                       f"{human_bytes(int(d.get('total_bytes') or 0))})" for d in ggml)  # fmt: skip
     detail = (
         f"{info.get('version') or 'unknown version'} ({info.get('build') or 'unknown'} build); "
         f"{features or 'no system info'}; BLAS: {'yes' if blas else 'no'}; GPU offload: {gpu_text}"
+        + (f"; devices: {listed}" if ggml else "")
     )
     data = {
         "version": info.get("version"),
@@ -265,8 +275,37 @@ def check_llama_cpp() -> Check:
         "backends": backends,
         "blas": blas,
         "gpu_offload": gpu,
+        "devices": ggml,
     }
+    missing = _unused_gpus(gpu)
+    if missing is not None:  # a GPU is here and the build cannot use it: the one command
+        seen, fix = missing
+        return Check("llama_cpp", False, f"{detail}; but this machine has {seen}, which this "
+                     "build cannot use", fix=fix, data=data)  # fmt: skip
     return Check("llama_cpp", True, detail, data=data)
+
+
+def _unused_gpus(gpu_offload: bool | None) -> tuple[str, str] | None:
+    """(the GPUs, the command that rebuilds llama.cpp for them) when the device inventory sees a
+    GPU and the build has no GPU backend; else None."""
+    from localllm import llamacpp_build
+    from localllm.devices import inventory
+
+    if gpu_offload is not False:
+        return None
+    try:
+        gpus = inventory().gpus
+    except LocalLLMError:
+        return None
+    if not gpus:
+        return None
+    seen = ", ".join(f"{g.name} ({g.kind})" for g in gpus)
+    flavour = gpus[0].kind  # the build flavours are named as the device kinds
+    try:
+        _, why = llamacpp_build.choose(flavour, llamacpp_build.probe())
+    except ValueError as e:  # its toolkit is what is missing: what to install
+        return seen, str(e)
+    return seen, f"{llamacpp_build.rebuild_command(flavour)} ({why})"
 
 
 def check_llama_cpp_probe(home: Path, *, refresh: bool) -> Check:
@@ -415,15 +454,18 @@ def check_torch() -> Check:
 
 
 def check_memory() -> Check:
+    from localllm.devices import inventory
     from localllm.memory import available_memory
 
     ram = available_memory("cpu")
-    data: dict[str, Any] = {"free_bytes": ram.bytes, "total_bytes": ram.total, "gpu": None}
+    data: dict[str, Any] = {"free_bytes": ram.bytes, "total_bytes": ram.total, "gpu": None,
+                            "gpus": []}  # fmt: skip
     detail = f"RAM {human_bytes(ram.bytes)} free of {human_bytes(ram.total)}"
-    gpu = available_memory("auto")  # nvidia-smi; no torch import here
-    if gpu.device != "cpu":
-        data["gpu"] = {"device": gpu.device, "free_bytes": gpu.bytes, "total_bytes": gpu.total}
-        detail += f"; {gpu.device} {human_bytes(gpu.bytes)} free of {human_bytes(gpu.total)}"
+    for g in inventory().gpus:  # nvidia-smi, Apple's unified memory; no torch import here
+        entry = {"device": g.id, "name": g.name, "free_bytes": g.free_bytes, "total_bytes": g.total_bytes}
+        data["gpus"].append(entry)
+        data["gpu"] = data["gpu"] or entry
+        detail += f"; {g.id} ({g.name}) {human_bytes(g.free_bytes)} free of {human_bytes(g.total_bytes)}"
     if ram.bytes < MIN_FREE_MEMORY:
         return Check(
             "memory",

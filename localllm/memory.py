@@ -10,10 +10,7 @@ tests/test_memory.py): KV bytes match exactly, compute within a few percent.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from localllm.errors import LocalLLMError
@@ -136,41 +133,19 @@ class Available:
 
 
 def available_memory(device: str = "auto") -> Available:
-    """Free memory on `device`: RAM for cpu/mps, the GPU's free memory for cuda.
+    """Free memory on `device`: RAM for cpu/mps, the first NVIDIA GPU's for cuda (and for auto
+    where there is one), from the device inventory (`localllm.devices`: nvidia-smi, not torch,
+    unless torch is imported already, so `show` stays fast)."""
+    from localllm.devices import inventory
 
-    Reads nvidia-smi rather than importing torch, so `show` stays fast.
-    """
+    inv = inventory()
     if device in ("auto", "cuda"):
-        gpu = _nvidia_free()
+        gpu = next((d for d in inv.gpus if d.kind == "cuda"), None)
         if gpu is not None:
-            return gpu
+            return Available(gpu.id, gpu.free_bytes, gpu.total_bytes)
         if device == "cuda":
             raise LocalLLMError("no CUDA GPU found (nvidia-smi reports none)")
-    import psutil
-
-    vm = psutil.virtual_memory()
-    return Available("cpu" if device != "mps" else "mps", int(vm.available), int(vm.total))
-
-
-def _nvidia_free() -> Available | None:
-    if "torch" in sys.modules:  # already paid for: ask torch directly
-        torch = sys.modules["torch"]
-        if torch.cuda.is_available():
-            free, total = torch.cuda.mem_get_info(0)
-            return Available("cuda:0", int(free), int(total))
-        return None
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        out = subprocess.run(
-            [smi, "--query-gpu=memory.free,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=5, check=True,
-        ).stdout.splitlines()  # fmt: skip
-        free, total = (int(x) * 1024 * 1024 for x in out[0].split(","))
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
-    return Available("cuda:0", free, total)
+    return Available("cpu" if device != "mps" else "mps", inv.cpu.free_bytes, inv.cpu.total_bytes)
 
 
 @dataclass(frozen=True)
@@ -183,6 +158,7 @@ class MemoryEstimate:
     compute_bytes: int
     device: str
     available_bytes: int
+    plan: Plan | None = None  # llama.cpp on a machine with GPUs: where each layer goes
 
     @property
     def total_bytes(self) -> int:
@@ -190,10 +166,15 @@ class MemoryEstimate:
 
     @property
     def fits(self) -> bool:
+        if self.plan is not None:
+            return self.plan.fits
         return self.total_bytes <= self.available_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"total_bytes": self.total_bytes, "fits": self.fits}
+        d = {f: getattr(self, f) for f in ("ctx", "type_k", "type_v", "weights_bytes", "kv_bytes",
+                                            "compute_bytes", "device", "available_bytes")}  # fmt: skip
+        return d | {"total_bytes": self.total_bytes, "fits": self.fits,
+                    "plan": self.plan.to_dict() if self.plan is not None else None}  # fmt: skip
 
 
 def resolve_ctx(info: ModelInfo, ctx: int | None) -> int:
@@ -213,15 +194,32 @@ def estimate(
     device: str = "auto",
     available: Available | None = None,
     parallel: int = 1,
+    devices: Any = None,
+    placement: dict[str, Any] | None = None,
 ) -> MemoryEstimate:
     """Estimate what loading `info` with the llama.cpp backend needs, and what is free.
 
     `parallel` sequences each get a cache of `ctx` positions (llama.cpp's per-sequence cache).
+    Where the device inventory (`devices`, else the detected or described one) has GPUs and
+    `device` is not cpu, the estimate carries the offload plan (`placement`: plan's gpu_layers,
+    tensor_split, cpu_moe) and fits when the plan does; `available` pins one device instead.
     """
     n = resolve_ctx(info, ctx)
     padded = -(-n // LLAMACPP_CTX_PAD) * LLAMACPP_CTX_PAD
     type_k, type_v = parse_kv_cache(kv_cache)
-    avail = available or available_memory(device)
+    layout = None
+    if available is None and device != "cpu":
+        from localllm.devices import inventory
+
+        inv = devices or inventory()
+        if inv.gpus:
+            layout = plan(info, inv, ctx=n, kv_cache=kv_cache, parallel=parallel,
+                          **(placement or {}))  # fmt: skip
+            gpu = inv.gpus[0]
+            available = Available(gpu.id, gpu.free_bytes, gpu.total_bytes)
+        elif devices is not None:
+            available = Available("cpu", inv.cpu.free_bytes, inv.cpu.total_bytes)
+    avail = available or available_memory("cpu" if device == "cpu" else "auto")
     return MemoryEstimate(
         ctx=n,
         type_k=type_k,
@@ -231,4 +229,286 @@ def estimate(
         compute_bytes=compute_buffer_bytes(info),
         device=avail.device,
         available_bytes=avail.bytes,
+        plan=layout,
     )
+
+
+# -- placement over devices: the offload planner ---------------------------------------------
+# llama.cpp numbers the repeating layers 0..L-1 and the output layer L; `n_gpu_layers` = n puts
+# the last n of those on the GPUs (n = L+1: every layer and the output), the token embedding stays
+# on the CPU, and each layer's KV cache lives beside it. `--n-cpu-moe N` keeps the experts of
+# layers 0..N-1 in RAM while their attention runs on the GPU. Several GPUs share the offloaded
+# layers in the proportions of `tensor_split`, in order.
+
+MARGIN_MIN = 1 << 30  # per GPU: the driver's context, fragmentation, other programs
+MARGIN_SHARE = 20  # ... or a twentieth of the card, whichever is larger
+
+
+def margin_bytes(device: Any) -> int:
+    """What the planner leaves free on a GPU (stated in `show`)."""
+    return max(MARGIN_MIN, device.total_bytes // MARGIN_SHARE)
+
+
+def layer_weights(info: ModelInfo) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
+    """(bytes per layer, their experts' bytes per layer, output layer's own bytes, input
+    embedding's bytes). From the GGUF's tensor index; an index entry made before it was kept
+    spreads the weights over the layers evenly, the embedding and output sized by the vocabulary."""
+    n = info.n_layers
+    if len(info.layer_bytes) == n and n:
+        experts = info.expert_bytes if len(info.expert_bytes) == n else (0,) * n
+        return info.layer_bytes, experts, info.output_bytes, info.embed_bytes
+    per_param = info.weights_bytes / info.parameters if info.parameters else 0.5
+    embed = min(int(info.vocab_size * info.n_embd * per_param), info.weights_bytes // 2)
+    layers = max(0, info.weights_bytes - 2 * embed) // max(1, n)
+    return (layers,) * n, (0,) * n, embed, embed
+
+
+def kv_layer_bytes(info: ModelInfo, ctx: int, type_k: str = "f16", type_v: str = "f16") -> list[int]:
+    """KV cache bytes of each layer for `ctx` positions."""
+    k, v = KV_TYPES[type_k], KV_TYPES[type_v]
+    return [int((k.row_bytes(h * info.head_dim_k, h) + v.row_bytes(h * info.head_dim_v, h)) * ctx)
+            for h in info.kv_heads]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Share:
+    """What a plan puts on one device."""
+
+    device: str  # "cuda:0", "cpu"
+    label: str  # "GPU 0", "CPU"
+    layers: int  # repeating layers evaluated there
+    output: bool  # the output layer is there
+    weights_bytes: int
+    kv_bytes: int
+    compute_bytes: int
+    free_bytes: int
+    margin_bytes: int  # left free on purpose (0 on the CPU)
+    read_bytes: int  # weight bytes one decoded token reads there (active experts only)
+    bandwidth: float | None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.compute_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.free_bytes - self.margin_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"total_bytes": self.total_bytes, "fits": self.fits}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where a llama.cpp load puts a model: `gpu_layers` (llama.cpp's n_gpu_layers, 0..L+1),
+    `cpu_moe` (layers whose experts stay in RAM), `tensor_split` (per GPU), and each device's
+    share of the bytes."""
+
+    n_layers: int
+    gpu_layers: int
+    cpu_moe: int
+    tensor_split: tuple[float, ...]
+    shares: tuple[Share, ...]  # GPUs in order, then the CPU
+    ctx: int
+    type_k: str
+    type_v: str
+    request: str  # what was asked: "auto", "all" or a number
+
+    @property
+    def fits(self) -> bool:
+        return all(s.fits for s in self.shares)
+
+    @property
+    def gpu_shares(self) -> tuple[Share, ...]:
+        return self.shares[:-1]
+
+    @property
+    def cpu(self) -> Share:
+        return self.shares[-1]
+
+    @property
+    def offloaded(self) -> int:
+        """Repeating layers on GPUs."""
+        return min(self.gpu_layers, self.n_layers)
+
+    @property
+    def decode_rate(self) -> float | None:
+        """Tokens per second if decoding is bound by reading the weights once per token on each
+        device (an upper bound; None where a device's bandwidth is unknown)."""
+        seconds = 0.0
+        for s in self.shares:
+            if s.read_bytes:
+                if not s.bandwidth:
+                    return None
+                seconds += s.read_bytes / s.bandwidth
+        return 1 / seconds if seconds else None
+
+    def text(self) -> str:
+        """"28/32 layers on GPU 0, 4 on CPU, KV on GPU: 1.1 GiB"."""
+        from localllm.model_info import human_bytes
+
+        L = self.n_layers
+        if not self.offloaded and not any(s.output for s in self.gpu_shares):
+            kv = f", KV on CPU: {human_bytes(self.cpu.kv_bytes)}" if self.gpu_shares else ""
+            return f"all {L} layers on CPU" + (kv if self.gpu_shares else " (no GPU)")
+        parts = [f"{s.layers}/{L} layers{' and output' if s.output else ''} on {s.label}"
+                 for s in self.gpu_shares if s.layers or s.output]  # fmt: skip
+        if self.cpu.layers:
+            parts.append(f"{self.cpu.layers} on CPU")
+        if self.cpu_moe:
+            parts.append(f"experts of {min(self.cpu_moe, self.offloaded)} of them on CPU")
+        gpu_kv = sum(s.kv_bytes for s in self.gpu_shares)
+        kv = []
+        if gpu_kv:
+            kv.append(f"on GPU: {human_bytes(gpu_kv)}")
+        if self.cpu.kv_bytes:
+            kv.append(f"on CPU: {human_bytes(self.cpu.kv_bytes)}")
+        return ", ".join(parts) + (f", KV {', '.join(kv)}" if kv else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gpu_layers": self.gpu_layers, "cpu_moe": self.cpu_moe,
+                "tensor_split": list(self.tensor_split), "n_layers": self.n_layers,
+                "request": self.request, "fits": self.fits, "text": self.text(),
+                "decode_rate": self.decode_rate, "ctx": self.ctx,
+                "shares": [s.to_dict() for s in self.shares]}  # fmt: skip
+
+
+def parse_gpu_layers(value: str | int | None) -> str:
+    """`--gpu-layers auto|all|N` → "auto", "all" or the number as text; one line if wrong."""
+    text = "auto" if value is None else str(value).strip().lower()
+    if text in ("auto", "all") or (text.isdigit() and int(text) <= _MAX_LAYERS_ASKED):
+        return text if not text.isdigit() else str(int(text))
+    raise LocalLLMError(f"--gpu-layers must be auto, all or a number of layers, not {value!r}")
+
+
+_MAX_LAYERS_ASKED = 1 << 16
+
+
+def parse_tensor_split(value: str | None) -> tuple[float, ...]:
+    """`--tensor-split 3,1` → (0.75, 0.25); empty: split by free memory."""
+    if not value:
+        return ()
+    try:
+        parts = tuple(float(p) for p in value.replace("/", ",").split(","))
+    except ValueError:
+        raise LocalLLMError(f"--tensor-split takes proportions per GPU, e.g. 3,1; not {value!r}") from None
+    if not all(p >= 0 and p == p for p in parts) or not sum(parts) > 0 or len(parts) > 16:
+        raise LocalLLMError(f"--tensor-split takes up to 16 non-negative proportions, not {value!r}")
+    total = sum(parts)
+    return tuple(p / total for p in parts)
+
+
+def plan(
+    info: ModelInfo,
+    devices: Any,
+    *,
+    ctx: int | None = None,
+    kv_cache: str = "f16",
+    parallel: int = 1,
+    gpu_layers: str | int = "auto",
+    tensor_split: tuple[float, ...] = (),
+    cpu_moe: int | None = None,
+    margin_scale: int = 1,
+) -> Plan:
+    """Place `info` on `devices` (a `devices.Inventory`) for llama.cpp.
+
+    auto: the most layers the GPUs hold with their margins left free; for MoE models the experts
+    of the first layers move to RAM first (their attention stays on the GPU), and layers leave
+    the GPU only when every layer's experts are in RAM. all / N: that many, whether it fits or
+    not (the plan says). `margin_scale` multiplies the margins (a retry after a failed load).
+    """
+    n = resolve_ctx(info, ctx)
+    padded = -(-n // LLAMACPP_CTX_PAD) * LLAMACPP_CTX_PAD
+    type_k, type_v = parse_kv_cache(kv_cache)
+    request = parse_gpu_layers(gpu_layers)
+    gpus = devices.gpus
+    L = info.n_layers
+    layers, experts, output, embed = layer_weights(info)
+    kv = [b * max(1, parallel) for b in kv_layer_bytes(info, padded, type_k, type_v)]
+    margins = [margin_bytes(g) * margin_scale for g in gpus]
+    if tensor_split and len(tensor_split) != len(gpus):
+        raise LocalLLMError(f"--tensor-split has {len(tensor_split)} parts for {len(gpus)} GPUs")
+    if not tensor_split and gpus:
+        room = [max(0, (min(g.free_bytes, g.total_bytes * 3 // 4) if g.unified else g.free_bytes) - m)
+                for g, m in zip(gpus, margins, strict=True)]  # fmt: skip
+        tensor_split = tuple(r / sum(room) for r in room) if sum(room) else (1 / len(gpus),) * len(gpus)
+    active = info.n_experts_used / info.n_experts if info.n_experts and info.n_experts_used else 1.0
+    wide = DEFAULT_UBATCH * max(info.n_ff, 4 * info.n_embd) * 4  # a device without the logits
+    full = compute_buffer_bytes(info)
+
+    def place(ngl: int, moe: int) -> Plan:
+        ngl = min(ngl, L + 1) if gpus else 0
+        start = L - min(ngl, L)  # first offloaded layer; the output (L) too when ngl > L
+        w = [0] * (len(gpus) + 1)
+        k = [0] * (len(gpus) + 1)
+        read = [0.0] * (len(gpus) + 1)
+        count = [0] * (len(gpus) + 1)
+        holder = len(gpus)  # the output layer's device
+        cum = [sum(tensor_split[: j + 1]) for j in range(len(gpus))]
+        for il in range(L + 1):
+            d = len(gpus)
+            if gpus and il >= start and il - start < ngl:
+                x = (il - start) / ngl
+                d = next((j for j, c in enumerate(cum) if x < c - 1e-9), len(gpus) - 1)
+            if il == L:
+                holder = d
+                w[d] += output + (embed if info.output_tied and d < len(gpus) else 0)
+                read[d] += output + (embed if info.output_tied else 0)
+                break
+            off = experts[il] if il < moe and d < len(gpus) else 0
+            w[d] += layers[il] - off
+            w[-1] += off
+            read[d] += layers[il] - off - (experts[il] - off) * (1 - active)
+            read[-1] += off * active
+            k[d] += kv[il]
+            count[d] += 1
+        w[-1] += embed  # the input embedding: always in RAM, one row read per token
+        shares = []
+        for j, dev in enumerate((*gpus, devices.cpu)):
+            used = j == holder or count[j] or (j == len(gpus))
+            compute = full if j == holder else wide if used else 0
+            if j == len(gpus) and holder != j and not count[j]:
+                compute = DEFAULT_UBATCH * info.n_embd * 4  # a micro-batch's input embeddings
+            free = dev.free_bytes
+            if dev.unified and j < len(gpus):  # Apple: the GPU's share comes out of the same RAM,
+                free = min(free, devices.cpu.free_bytes, dev.total_bytes * 3 // 4)  # ¾ at most
+            shares.append(Share(dev.id, dev.label, count[j], j == holder and j < len(gpus), w[j],
+                                k[j], compute, free, margins[j] if j < len(gpus) else 0,
+                                int(read[j]), dev.bandwidth))  # fmt: skip
+        unified = sum(s.total_bytes for s, d in zip(shares, (*gpus, devices.cpu), strict=True)
+                      if d.unified)  # fmt: skip
+        if unified:  # the RAM holds the CPU's share and a unified GPU's
+            cpu = shares[-1]
+            shares[-1] = replace(cpu, free_bytes=max(0, cpu.free_bytes - unified))
+        moe = min(moe, L) if any(experts) and ngl else 0  # with no layer on a GPU, moot
+        return Plan(L, ngl, moe, tuple(tensor_split) if gpus else (),
+                    tuple(shares), n, type_k, type_v, request)  # fmt: skip
+
+    moe_fixed = cpu_moe
+    if request != "auto":
+        ngl = L + 1 if request == "all" else int(request)
+        return place(ngl, moe_fixed or 0)
+    if not gpus:
+        return place(0, 0)
+    candidates: list[tuple[int, int]] = []
+    if any(experts) and moe_fixed is None:
+        candidates += [(L + 1, m) for m in range(L + 1)]
+        candidates += [(g, L) for g in range(L, -1, -1)]
+    else:
+        candidates += [(g, moe_fixed or 0) for g in range(L + 1, -1, -1)]
+    for ngl, moe in candidates:
+        p = place(ngl, moe)
+        if all(s.fits for s in p.gpu_shares):
+            return p
+    return place(0, 0)
+
+
+def smaller_plan(info: ModelInfo, devices: Any, last: Plan, **kw: Any) -> Plan | None:
+    """After a load that ran out of GPU memory with `last`: the plan with twice the margins, or
+    else one layer fewer; None when nothing was on a GPU."""
+    if last.gpu_layers == 0:
+        return None
+    p = plan(info, devices, **kw, margin_scale=2)
+    if (p.gpu_layers, -p.cpu_moe) >= (last.gpu_layers, -last.cpu_moe):
+        p = plan(info, devices, **(kw | {"gpu_layers": str(last.gpu_layers - 1)}))
+    return p

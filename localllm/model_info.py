@@ -5,6 +5,7 @@ Kept as plain data so the store's index can cache it and `localllm list` never r
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -35,6 +36,15 @@ class ModelInfo:
     sliding_window: int = 0  # 0 when every layer attends to the whole context
     has_chat_template: bool = False
     license: str = ""
+    # where the weight bytes lie, for the offload planner (empty in index entries written before
+    # they were kept: `memory.layer_weights` then spreads the weights evenly)
+    layer_bytes: tuple[int, ...] = ()  # per block (`blk.N.*`)
+    expert_bytes: tuple[int, ...] = ()  # per block, its MoE experts' share (empty: not MoE)
+    output_bytes: int = 0  # the output layer's own tensors (its matrix and norm)
+    embed_bytes: int = 0  # the token embedding (the input layer, always on the CPU in llama.cpp)
+    output_tied: bool = False  # no output matrix: a GPU output layer holds a copy of the embedding
+    n_experts: int = 0
+    n_experts_used: int = 0
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -43,15 +53,38 @@ class ModelInfo:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["kv_heads"] = list(self.kv_heads)
+        for k in _TUPLES:
+            d[k] = list(d[k])
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelInfo:
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in d.items() if k in known}
-        kw["kv_heads"] = tuple(kw.get("kv_heads", ()))
+        for k in _TUPLES:
+            kw[k] = tuple(kw.get(k, ()))
         return cls(**kw)
+
+
+_TUPLES = ("kv_heads", "layer_bytes", "expert_bytes")
+_EXPERTS = re.compile(r"blk\.\d+\.ffn_(up|down|gate|gate_up)_exps\.")
+
+
+def _placement(gf: GGUFFile, n_layers: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(bytes per block, their MoE experts' bytes per block, the output layer's own bytes)."""
+    layers = [0] * n_layers
+    experts = [0] * n_layers
+    output = 0
+    for name, t in gf.tensors.items():
+        if name.startswith("blk."):
+            i = name.split(".", 2)[1]
+            if i.isdigit() and int(i) < n_layers:
+                layers[int(i)] += t.nbytes
+                if _EXPERTS.match(name):
+                    experts[int(i)] += t.nbytes
+        elif name.startswith("output"):
+            output += t.nbytes
+    return tuple(layers), tuple(experts) if any(experts) else (), output
 
 
 def _int(gf: GGUFFile, key: str, default: int | None = None, cap: int = 1 << 40) -> int:
@@ -106,6 +139,8 @@ def model_info(gf: GGUFFile) -> ModelInfo:
     name = gf.get("general.name")
     lic = gf.get("general.license")
     weights = sum(t.nbytes for t in gf.tensors.values())
+    layer_bytes, expert_bytes, output_bytes = _placement(gf, n_layers)
+    embed = gf.tensors.get("token_embd.weight")
     return ModelInfo(
         architecture=arch,
         name=name if isinstance(name, str) else "",
@@ -125,6 +160,13 @@ def model_info(gf: GGUFFile) -> ModelInfo:
         sliding_window=_int(gf, f"{arch}.attention.sliding_window", 0),
         has_chat_template=isinstance(gf.get("tokenizer.chat_template"), str),
         license=lic if isinstance(lic, str) else "",
+        layer_bytes=layer_bytes,
+        expert_bytes=expert_bytes,
+        output_bytes=output_bytes,
+        embed_bytes=embed.nbytes if embed is not None else 0,
+        output_tied="output.weight" not in gf.tensors,
+        n_experts=_int(gf, f"{arch}.expert_count", 0, cap=1 << 16),
+        n_experts_used=_int(gf, f"{arch}.expert_used_count", 0, cap=1 << 16),
     )
 
 

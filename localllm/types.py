@@ -161,6 +161,11 @@ class LoadOptions:
     threads: int | None = None
     parallel: int = DEFAULT_PARALLEL  # sequences decoded together (continuous batching)
     compile: str = "auto"  # the torch engine's compiled step: COMPILE_MODES
+    # llama.cpp's placement over GPUs (`memory.plan`): how many layers (auto: the planner's),
+    # the split between GPUs (empty: by free memory), the layers whose MoE experts stay in RAM
+    gpu_layers: str = "auto"
+    tensor_split: str | None = None
+    cpu_moe: int | None = None
 
     def __post_init__(self) -> None:
         from localllm import backends
@@ -191,6 +196,14 @@ class LoadOptions:
             raise LocalLLMError(f"--threads must be between 1 and 1024, got {self.threads!r}")
         if self.compile not in COMPILE_MODES:
             raise LocalLLMError(f"--compile must be {', '.join(COMPILE_MODES)}, got {self.compile!r}")
+        from localllm.memory import parse_gpu_layers, parse_tensor_split
+
+        object.__setattr__(self, "gpu_layers", parse_gpu_layers(self.gpu_layers))
+        split = parse_tensor_split(self.tensor_split)
+        object.__setattr__(self, "tensor_split", ",".join(f"{p:g}" for p in split) or None)
+        if self.cpu_moe is not None and (isinstance(self.cpu_moe, bool) or not isinstance(self.cpu_moe, int)
+                                         or not 0 <= self.cpu_moe <= 1 << 16):  # fmt: skip
+            raise LocalLLMError(f"--cpu-moe takes a number of layers, got {self.cpu_moe!r}")
         if isinstance(self.parallel, bool) or not isinstance(self.parallel, int) or not 1 <= self.parallel <= 64:
             raise LocalLLMError(f"--parallel must be between 1 and 64, got {self.parallel!r}")
 
@@ -203,6 +216,14 @@ class LoadOptions:
         """off, lookup, self, head, auto or draft (`Capabilities.speculative` lists all but
         auto, which a loaded model resolves: head where it has one, else lookup)."""
         return speculative_mode(self.speculative)
+
+    @property
+    def placement(self) -> dict[str, Any]:
+        """`memory.plan`'s arguments for these options."""
+        from localllm.memory import parse_tensor_split
+
+        return {"gpu_layers": self.gpu_layers, "tensor_split": parse_tensor_split(self.tensor_split),
+                "cpu_moe": self.cpu_moe}  # fmt: skip
 
     def replace(self, **kw: Any) -> LoadOptions:
         return replace(self, **kw)

@@ -48,6 +48,11 @@ def in_home(home: Path) -> Iterator[None]:
         mp.undo()
 
 
+# The tests see this machine's RAM and no GPU, whatever the machine (a GPU would change the plans
+# llama.cpp loads with and what the screens print); tests that plan for GPUs describe them.
+os.environ["LOCALLLM_DEVICES"] = '[{"kind": "cpu"}]'
+
+
 @pytest.fixture(autouse=True)
 def localllm_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Every test gets its own empty store."""

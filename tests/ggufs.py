@@ -339,3 +339,79 @@ def write_scripted_qwen3(path: Path, chain: list[str], template: str, *, n_embd:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_header_only(
+    path: Path,
+    *,
+    arch: str = "llama",
+    n_layer: int,
+    n_embd: int,
+    n_head: int,
+    n_kv_head: int,
+    n_ff: int,
+    n_vocab: int,
+    n_expert: int = 0,
+    n_expert_used: int = 0,
+    n_ctx: int = 32768,
+) -> Path:
+    """A full-size model's GGUF whose tensor data is a hole (a sparse file: no disk used): its
+    header and tensor index are real (`gguf`'s writer), so a planner sees a 7B's or a 32B's bytes
+    per layer. Projections are Q4_K (144 bytes per 256 weights), norms f32, the embedding Q6_K
+    and the output matrix Q6_K (210 bytes per 256), as llama.cpp's Q4_K_M mostly makes them."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    w = gguf.GGUFWriter(str(path), arch=arch)
+    w.add_name(f"header-only-{arch}-{n_layer}L")
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv_head)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_file_type(15)  # MOSTLY_Q4_K_M
+    w.add_vocab_size(n_vocab)
+    if n_expert:
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(n_expert_used)
+        w.add_expert_feed_forward_length(n_ff)
+    head_dim = n_embd // n_head
+    size = 0
+
+    def tensor(name: str, shape: tuple[int, ...], qtype: Any) -> None:
+        nonlocal size
+        block, per = gguf.GGML_QUANT_SIZES[qtype]
+        nbytes = int(np.prod(shape[:-1])) * shape[-1] // block * per
+        w.add_tensor_info(name, (*shape[:-1], shape[-1] // block * per), np.dtype(np.uint8),
+                          nbytes, raw_dtype=qtype)  # fmt: skip
+        size += -(-nbytes // 32) * 32
+
+    tensor("token_embd.weight", (n_vocab, n_embd), Q.Q6_K)
+    for i in range(n_layer):
+        tensor(f"blk.{i}.attn_norm.weight", (n_embd,), Q.F32)
+        tensor(f"blk.{i}.attn_q.weight", (n_head * head_dim, n_embd), Q.Q4_K)
+        tensor(f"blk.{i}.attn_k.weight", (n_kv_head * head_dim, n_embd), Q.Q4_K)
+        tensor(f"blk.{i}.attn_v.weight", (n_kv_head * head_dim, n_embd), Q.Q6_K)
+        tensor(f"blk.{i}.attn_output.weight", (n_embd, n_head * head_dim), Q.Q4_K)
+        tensor(f"blk.{i}.ffn_norm.weight", (n_embd,), Q.F32)
+        if n_expert:
+            tensor(f"blk.{i}.ffn_gate_inp.weight", (n_expert, n_embd), Q.F32)
+            tensor(f"blk.{i}.ffn_gate_exps.weight", (n_expert, n_ff, n_embd), Q.Q4_K)
+            tensor(f"blk.{i}.ffn_up_exps.weight", (n_expert, n_ff, n_embd), Q.Q4_K)
+            tensor(f"blk.{i}.ffn_down_exps.weight", (n_expert, n_embd, n_ff), Q.Q6_K)
+        else:
+            tensor(f"blk.{i}.ffn_gate.weight", (n_ff, n_embd), Q.Q4_K)
+            tensor(f"blk.{i}.ffn_up.weight", (n_ff, n_embd), Q.Q4_K)
+            tensor(f"blk.{i}.ffn_down.weight", (n_embd, n_ff), Q.Q6_K)
+    tensor("output_norm.weight", (n_embd,), Q.F32)
+    tensor("output.weight", (n_vocab, n_embd), Q.Q6_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    with open(path, "r+b") as f:  # the data section: a hole of the tensors' size
+        header = f.seek(0, 2)
+        f.truncate(-(-header // 32) * 32 + size)
+    return path

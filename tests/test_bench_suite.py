@@ -86,4 +86,4 @@ def test_every_bench_script_runs_quick_and_the_report_has_each(tmp_path: Path, d
     assert "No result yet" not in report and "No plot" not in report
     for _, title, *_ in sections:
         assert f"## {title}" in report
-    assert report.count("| figure | value | anchor | anchor value | ratio | target |") >= len(sections) - 3  # torch_cuda, llamacpp_build: skipped
+    assert report.count("| figure | value | anchor | anchor value | ratio | target |") >= len(sections) - 4  # torch_cuda, llamacpp_build, llamacpp_gpu: skipped

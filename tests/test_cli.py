@@ -134,6 +134,41 @@ def test_show_default_model_offline(
     assert "does NOT fit" in out
 
 
+def test_show_plans_for_a_described_machine(
+    capsys: pytest.CaptureFixture[str], default_model_path: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """`show --devices FILE.json`: "will it fit on this card?", with the plan llama.cpp would load."""
+    card = tmp_path / "card.json"
+    card.write_text(json.dumps([{"kind": "cuda", "name": "NVIDIA GeForce RTX 4090", "total": "24 GiB",
+                                 "free": "23 GiB"}, {"kind": "cpu", "total": "32 GiB", "bandwidth": "50 GB/s"}]))
+    rc, out, err = run(["show", "smollm2", "--devices", str(card)], capsys)
+    assert rc == 0, err
+    assert f"Devices (described in {card}):" in out
+    assert "GPU 0           NVIDIA GeForce RTX 4090: 23.0 GiB free of 24.0 GiB, 1008 GB/s" in out
+    assert "Placement (llama.cpp, --gpu-layers auto): 30/30 layers and output on GPU 0, KV on GPU: 90.0 MiB" in out
+    assert "as llama.cpp flags: --gpu-layers 31; expected decode at most" in out
+    # a card with room for part of it: 1 GiB kept free, so 1.15 GiB leaves 150 MiB for layers
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps([{"kind": "cuda", "name": "a small card", "total": "1.15 GiB"}]))
+    data = json.loads(run(["show", "smollm2", "--devices", str(small), "--json"], capsys)[1])
+    plan = data["memory"]["plan"]
+    assert 0 < plan["gpu_layers"] < 30 and plan["fits"] and data["memory"]["fits"]
+    assert plan["text"].startswith(f"{plan['gpu_layers']}/30 layers on GPU 0, {30 - plan['gpu_layers']} on CPU")
+    assert plan["decode_rate"] is None  # an unknown card's bandwidth: no rate rather than a guess
+    assert data["devices"]["source"] == str(small) and data["devices"]["devices"][0]["name"] == "a small card"
+    gpu = plan["shares"][0]
+    assert gpu["total_bytes"] <= gpu["free_bytes"] - gpu["margin_bytes"]
+    # forced past what fits: said, and the same through LOCALLLM_DEVICES
+    monkeypatch.setenv("LOCALLLM_DEVICES", small.read_text())
+    rc, out, _ = run(["show", "smollm2", "--gpu-layers", "all"], capsys)
+    assert "Devices (described in LOCALLLM_DEVICES):" in out and "DOES NOT FIT" in out and "does NOT fit" in out
+    rc, out, err = run(["show", "smollm2", "--gpu-layers", "most"], capsys)
+    assert_one_line_error(rc, out, err, "--gpu-layers must be auto, all or a number")
+    rc, out, err = run(["show", "smollm2", "--devices", str(tmp_path / "none.json")], capsys)
+    assert_one_line_error(rc, out, err, "cannot read the device description")
+
+
 @pytest.mark.parametrize(
     ("args", "text"),
     [

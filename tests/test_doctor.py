@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from localllm import doctor
+from localllm import devices, doctor
 from localllm.cli import main
 from localllm.models_registry.store import Store
 
@@ -26,11 +26,11 @@ NAMES = ["python", "llama_cpp", "llama_cpp_probe", "backends", "torch", "memory"
 HEAVY = ("torch", "llama_cpp", "textual")
 DATA_KEYS = {  # documented in localllm/doctor.py: the same keys whether a check passes or fails
     "python": {"version", "implementation", "os", "os_release", "machine", "cpu_isa"},
-    "llama_cpp": {"version", "build", "system_info", "backends", "blas", "gpu_offload"},
+    "llama_cpp": {"version", "build", "system_info", "backends", "blas", "gpu_offload", "devices"},
     "llama_cpp_probe": {"ok", "reason", "cached"},
     "backends": {"auto", "backends"},
     "torch": {"version", "cuda_version", "cuda", "mps", "kernels", "compiler"},
-    "memory": {"free_bytes", "total_bytes", "gpu"},
+    "memory": {"free_bytes", "total_bytes", "gpu", "gpus"},
     "disk": {"path", "free_bytes", "total_bytes"},
     "store": {"path", "models", "blobs", "references", "hashed", "damaged"},
     "huggingface": {"token", "token_source", "endpoint", "offline"},
@@ -137,7 +137,9 @@ def test_json_shape(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert checks["store"]["data"] == {"path": str(Store().home), "models": 1, "blobs": 1,
                                        "references": 0, "hashed": False, "damaged": {}}  # fmt: skip
     assert set(checks["llama_cpp"]["data"]) == {"version", "build", "system_info", "backends",
-                                                "blas", "gpu_offload"}  # fmt: skip
+                                                "blas", "gpu_offload", "devices"}  # fmt: skip
+    # ggml's own device list, through its device API: this build's CPU at least
+    assert any(d["type"] == "cpu" and d["total_bytes"] > 0 for d in checks["llama_cpp"]["data"]["devices"])
     assert checks["llama_cpp"]["data"]["version"]
     assert checks["disk"]["data"]["free_bytes"] > 0
     assert checks["memory"]["data"]["free_bytes"] > 0
@@ -420,6 +422,31 @@ def test_torch_absent_broken_and_present(monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert check.fix == "pip install 'torch>=2.5'"
 
 
+def test_a_gpu_the_build_cannot_use_gets_the_rebuild_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU build (this one) on a machine with an NVIDIA GPU (described): the check fails with the
+    one command that rebuilds llama.cpp for it; with no GPU toolkit, with what to install."""
+    from localllm import llamacpp_build
+
+    monkeypatch.setenv("LOCALLLM_DEVICES", '[{"kind": "cuda", "name": "NVIDIA GeForce RTX 4090", '
+                       '"total": "24 GiB"}, {"kind": "cpu"}]')  # fmt: skip
+    toolkit = llamacpp_build.Probes(system="Linux", machine="x86_64", nvcc="/usr/local/cuda/bin/nvcc",
+                                    nvcc_version="12.4", nvidia_driver="550.54", compute_caps=("8.9",),
+                                    gpu_names=("NVIDIA GeForce RTX 4090",))  # fmt: skip
+    monkeypatch.setattr(llamacpp_build, "probe", lambda env=None: toolkit)
+    check = doctor.check_llama_cpp()
+    assert check.ok is False and "GPU offload: no" in check.detail
+    assert "this machine has NVIDIA GeForce RTX 4090 (cuda), which this build cannot use" in check.detail
+    assert check.fix.startswith("LOCALLLM_LLAMACPP_BUILD=cuda ") and "llamacpp-build" in check.fix
+    assert check.data["devices"][0]["type"] == "cpu"  # ggml sees only the CPU: the build is CPU-only
+    monkeypatch.setattr(llamacpp_build, "probe", lambda env=None: llamacpp_build.Probes(
+        system="Linux", machine="x86_64"))  # fmt: skip
+    check = doctor.check_llama_cpp()
+    assert check.ok is False and "needs nvcc" in check.fix  # what to install first
+    memory = doctor.check_memory()
+    assert memory.data["gpus"] == [memory.data["gpu"]] and memory.data["gpu"]["name"] == "NVIDIA GeForce RTX 4090"
+    assert "cuda:0 (NVIDIA GeForce RTX 4090) 24.0 GiB free of 24.0 GiB" in memory.detail
+
+
 def test_low_memory_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     from localllm import memory
 
@@ -459,14 +486,17 @@ def test_gpu_memory_from_nvidia_smi(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     # No GPU here: a stand-in nvidia-smi on PATH answers the query the way the real one does.
     smi = tmp_path / "bin" / "nvidia-smi"
     smi.parent.mkdir()
-    smi.write_text("#!/bin/sh\necho '81000, 81559'\n")
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 81559, 81000'\n")
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.delitem(sys.modules, "torch", raising=False)  # else memory.py asks torch instead
+    monkeypatch.delenv("LOCALLLM_DEVICES")  # detect this machine (conftest describes it GPU-less)
+    monkeypatch.setattr(devices, "_detected", None)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # else devices.py asks torch instead
     check = doctor.check_memory()
-    assert check.ok is True and check.detail.endswith("; cuda:0 79.1 GiB free of 79.6 GiB")
-    assert check.data["gpu"] == {"device": "cuda:0", "free_bytes": 81000 << 20,
-                                 "total_bytes": 81559 << 20}  # fmt: skip
+    assert check.ok is True and check.detail.endswith("; cuda:0 (NVIDIA H100 80GB HBM3) 79.1 GiB free of 79.6 GiB")
+    assert check.data["gpu"] == {"device": "cuda:0", "name": "NVIDIA H100 80GB HBM3",
+                                 "free_bytes": 81000 << 20, "total_bytes": 81559 << 20}  # fmt: skip
+    assert devices.inventory().gpus[0].bandwidth == 3350e9  # the datasheet's, by its name
 
 
 def test_a_check_that_breaks_is_reported(

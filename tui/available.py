@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from localllm.errors import LocalLLMError
 from localllm.memory import Available, estimate
@@ -94,11 +95,22 @@ def built_in(catalog: Catalog, records: Iterable[ModelRecord]) -> BuiltIn | None
     return BuiltIn(entry, tuple(paths), source, size, info)
 
 
-def fits_mark(info: ModelInfo, *, ctx: int, kv: str, free: Available | None) -> str:
-    """`memory.estimate`'s verdict as the tables show it."""
-    if free is None:
-        return "?"
+def fits_mark(info: ModelInfo, *, ctx: int, kv: str, free: Available | None,
+              machine: Any = None) -> str:  # fmt: skip
+    """`memory.estimate`'s verdict as the tables show it: on a machine with GPUs (`machine`, a
+    `devices.Inventory`), llama.cpp's plan in a few letters ("GPU", "28/32 GPU", "CPU") and its
+    expected decode rate; else "yes" or "NO"."""
     try:
+        if machine is not None and machine.gpus:
+            p = estimate(info, ctx=ctx, kv_cache=kv, devices=machine).plan
+            if p is None or not p.fits:
+                return "NO"
+            where = ("GPU" if p.offloaded == p.n_layers else "CPU" if not p.offloaded
+                     else f"{p.offloaded}/{p.n_layers} GPU")  # fmt: skip
+            rate = p.decode_rate
+            return f"{where} ~{rate:.0f} t/s" if rate else where
+        if free is None:
+            return "?"
         return "yes" if estimate(info, ctx=ctx, kv_cache=kv, available=free).fits else "NO"
     except LocalLLMError:
         return "?"
@@ -166,6 +178,7 @@ def catalog_rows(
     ctx: int,
     kv: str,
     free: Available | None,
+    machine: Any = None,
 ) -> list[CatalogRow]:
     """The Available table: every catalog file with its size, fit and where it would come from."""
     stored = {r.name: r for r in records}
@@ -177,15 +190,15 @@ def catalog_rows(
         size, approx = _size(e, record, found)
         shape = shapes.get((e.family.name, e.variant.tag))
         if record is not None:
-            fits = fits_mark(record.info, ctx=ctx, kv=kv, free=free)
+            fits = fits_mark(record.info, ctx=ctx, kv=kv, free=free, machine=machine)
         elif shape is not None and size is not None:
             # Same shape, other weights: the non-tensor part of a file (metadata, tokenizer) is the
             # same for every quant of a variant, so the tensor bytes differ by the size difference.
             weights = max(0, shape.weights_bytes + size - shape.file_size)
             info = dataclasses.replace(shape, weights_bytes=weights, file_size=size)
-            fits = fits_mark(info, ctx=ctx, kv=kv, free=free)
+            fits = fits_mark(info, ctx=ctx, kv=kv, free=free, machine=machine)
         elif (info := e.model_info(size)) is not None:  # the catalog's shape, the whole file
-            fits = fits_mark(info, ctx=ctx, kv=kv, free=free)
+            fits = fits_mark(info, ctx=ctx, kv=kv, free=free, machine=machine)
         elif size is not None and free is not None and size > free.bytes:
             fits = "NO"
         else:

@@ -87,6 +87,7 @@ class ModelsScreen(Screen):
     def __init__(self) -> None:
         super().__init__()
         self.built_in: Any = None  # available.BuiltIn while the default model is not stored
+        self.machine: Any = None  # devices.Inventory, read once per refresh
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -127,6 +128,7 @@ class ModelsScreen(Screen):
         self.action_refresh()
 
     def action_refresh(self) -> None:
+        from localllm.devices import inventory
         from localllm.memory import available_memory
         from localllm.models_registry.catalog import default_catalog
         from localllm.tui.available import built_in
@@ -139,8 +141,9 @@ class ModelsScreen(Screen):
             return
         try:
             free = available_memory()  # once per refresh, not once per row (it may run nvidia-smi)
+            self.machine = inventory()  # with GPUs, the Fits column shows llama.cpp's plan
         except LocalLLMError:
-            free = None
+            free = self.machine = None
         try:
             catalog = default_catalog()
         except LocalLLMError as e:
@@ -167,7 +170,7 @@ class ModelsScreen(Screen):
             name = f"* {r.name}" if r.name == default else r.name
             rows.append(((name, i.architecture, human_params(i.parameters), i.quant,
                           human_bytes(r.size), f"{i.context_length:,}",
-                          fits_mark(i, ctx=self.ctx, kv=self.kv, free=free), r.source),
+                          fits_mark(i, ctx=self.ctx, kv=self.kv, free=free, machine=self.machine), r.source),
                          r.name))  # fmt: skip
         b = self.built_in
         if b is not None:
@@ -177,7 +180,7 @@ class ModelsScreen(Screen):
                           human_params(i.parameters) if i else b.entry.variant.params,
                           b.entry.quant, human_bytes(b.size),
                           f"{i.context_length:,}" if i else f"{b.entry.variant.context:,}",
-                          fits_mark(i, ctx=self.ctx, kv=self.kv, free=free) if i else "?",
+                          fits_mark(i, ctx=self.ctx, kv=self.kv, free=free, machine=self.machine) if i else "?",
                           "built in, ready"), b.entry.name))  # fmt: skip
         _refill(self.query_one("#models", DataTable), rows)
 
@@ -187,7 +190,8 @@ class ModelsScreen(Screen):
 
         rows = []
         if catalog is not None:
-            for c in catalog_rows(catalog, records, ctx=self.ctx, kv=self.kv, free=free):
+            for c in catalog_rows(catalog, records, ctx=self.ctx, kv=self.kv, free=free,
+                                      machine=self.machine):
                 size = "?" if c.size is None else ("~" if c.approx else "") + human_bytes(c.size)
                 rows.append(((c.name, c.params, size, f"{c.context:,}", c.fits, c.where), c.name))
         _refill(self.query_one("#available", DataTable), rows)

@@ -85,7 +85,8 @@ class SettingsScreen(ModalScreen[Result | None]):
             **{k: "" if sampling.get(k) is None else str(sampling[k]) for k, _l, _p in SAMPLING},
             "backend": o.backend, "ctx": str(o.ctx or ""), "kv_cache": o.kv_cache,
             "streaming": o.streaming or "", "evict": o.evict or "", "speculative": spec_mode,
-            "draft": draft, "device": o.device, "dtype": o.dtype,
+            "draft": draft, "device": o.device, "dtype": o.dtype, "gpu_layers": o.gpu_layers,
+            "tensor_split": o.tensor_split or "", "cpu_moe": "" if o.cpu_moe is None else str(o.cpu_moe),
         }  # fmt: skip
         self.caps, self.caps_text = capabilities_of(o.backend)
 
@@ -143,6 +144,14 @@ class SettingsScreen(ModalScreen[Result | None]):
                     dtypes = ("auto", *caps.dtypes)
                     yield Select([(d, d) for d in dtypes], id="dtype", allow_blank=False,
                                  value=f["dtype"] if f["dtype"] in dtypes else "auto")  # fmt: skip
+                if caps.placement:
+                    yield Label("Layers on the GPU: auto (the planner's, as `localllm show` "
+                                "prints it), all, or a number (0: CPU only)")  # fmt: skip
+                    yield Input(str(f["gpu_layers"]), id="gpu_layers", placeholder="auto")
+                    yield Label("Split between GPUs, e.g. 3,1 (blank: by free memory)")
+                    yield Input(str(f["tensor_split"]), id="tensor_split", placeholder="by free memory")
+                    yield Label("MoE models: layers whose experts stay in RAM (blank: the planner's)")
+                    yield Input(str(f["cpu_moe"]), id="cpu_moe", placeholder="the planner's")
             with Horizontal():
                 yield Button("Save (ctrl+s)", id="save", variant="primary")
                 yield Button("Cancel (esc)", id="cancel")
@@ -211,8 +220,14 @@ class SettingsScreen(ModalScreen[Result | None]):
         mode = str(f["speculative"]) if "speculative" in offered else "off"
         if mode == "draft" and not text("draft"):
             raise LocalLLMError("draft mode needs a draft model")
+        moe = text("cpu_moe")
+        if moe is not None and not moe.isdigit():
+            raise LocalLLMError(f"MoE experts in RAM {moe!r}: a whole number of layers")
         engine = {
             "backend": f["backend"],
+            "gpu_layers": text("gpu_layers") or "auto",
+            "tensor_split": text("tensor_split"),
+            "cpu_moe": int(moe) if moe is not None else None,
             "ctx": int(ctx) if ctx else None,
             "kv_cache": (_kv_spec(str(f["kv_cache"]), str(f.get("kv_v", SAME)))
                          if "kv_cache" in offered else self.options.kv_cache),

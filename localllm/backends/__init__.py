@@ -37,6 +37,7 @@ class Capabilities:
     eviction: tuple[str, ...] = ()  # --evict policies, e.g. h2o
     devices: tuple[str, ...] = ("cpu",)
     dtypes: tuple[str, ...] = ("auto",)  # working precision (--dtype); "auto" means the file's
+    placement: bool = False  # layers split between GPUs and the CPU (--gpu-layers, --tensor-split, --cpu-moe)
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -60,7 +61,7 @@ class BackendSpec:
     capabilities: Capabilities
     factory: str  # "module:function" taking (path, options, *, name, digest, home) -> backend
     available: Callable[[], Availability]
-    estimate: Callable[..., MemoryEstimate]  # (info, options, available=None) -> MemoryEstimate
+    estimate: Callable[..., MemoryEstimate]  # (info, options, available=None, devices=None)
     summary: str = ""
     # (path) -> None when the backend can read this file, else why not (one phrase)
     suits: Callable[[Path], str | None] = lambda _path: None
@@ -83,6 +84,7 @@ LLAMACPP = Capabilities(
     eviction=(),
     devices=("cpu", "cuda", "mps"),
     dtypes=("auto",),
+    placement=True,
 )
 
 
@@ -94,12 +96,15 @@ def _llamacpp_available() -> Availability:
     return Availability(v.ok, v.reason, v.fix)
 
 
-def _llamacpp_estimate(info: ModelInfo, options: LoadOptions, available: Any = None) -> Any:
+def _llamacpp_estimate(info: ModelInfo, options: LoadOptions, available: Any = None,
+                       devices: Any = None) -> Any:  # fmt: skip
+    """With GPUs in the inventory (`devices`, else the detected or described one): the offload
+    plan's placement (`memory.plan`)."""
     from localllm.memory import estimate
 
     return estimate(info, ctx=options.ctx, kv_cache=options.kv_cache, parallel=options.parallel,
                     device="cpu" if options.device == "cpu" else "auto",
-                    available=available)  # fmt: skip
+                    available=available, devices=devices, placement=options.placement)  # fmt: skip
 
 
 # -- torch ----------------------------------------------------------------------------------
@@ -169,15 +174,22 @@ def _torch_suits(path: Path) -> str | None:
     return None
 
 
-def _torch_estimate(info: ModelInfo, options: LoadOptions, available: Any = None) -> Any:
+def _torch_estimate(info: ModelInfo, options: LoadOptions, available: Any = None,
+                    devices: Any = None) -> Any:  # fmt: skip
     """llama.cpp's estimate with the torch engine's weights: the working precision's bytes per
     parameter (on the CPU, f16 and int4 keep the file's embedding rows for lookups beside the fp16
     head, counted as 2 bytes per weight: quantized rows take less; int4 is counted as f16, an
     upper bound: only 4-bit feed-forward matrices shrink), on the GPU when one is seen."""
     from dataclasses import replace
 
-    from localllm.memory import available_memory, estimate, kv_cache_bytes
+    from localllm.memory import Available, available_memory, estimate, kv_cache_bytes
 
+    if available is None and devices is not None:  # a described machine: its first CUDA GPU
+        gpu = next((d for d in devices.gpus if d.kind == "cuda"), None)
+        if gpu is not None and options.device != "cpu":
+            available = Available(gpu.id, gpu.free_bytes, gpu.total_bytes)
+        else:
+            available = Available("cpu", devices.cpu.free_bytes, devices.cpu.total_bytes)
     avail = available or available_memory("cpu" if options.device == "cpu" else "auto")
     gpu = avail.device.startswith("cuda")
     dtype = options.dtype if options.dtype != "auto" else "bf16" if gpu else "int4"
@@ -286,6 +298,13 @@ def check_options(options: LoadOptions, caps: Capabilities, backend: str) -> Non
         raise no(f"{options.device} device", caps.devices)
     if options.dtype not in ("auto", *caps.dtypes):
         raise no(f"{options.dtype} working dtype", caps.dtypes)
+    if not caps.placement:
+        for flag, value, default in (("--gpu-layers", options.gpu_layers, "auto"),
+                                     ("--tensor-split", options.tensor_split, None),
+                                     ("--cpu-moe", options.cpu_moe, None)):  # fmt: skip
+            if value != default:
+                raise no(f"layer placement ({flag}: it holds the whole model on one device)",
+                         None, lambda c: c.placement)  # fmt: skip
 
 
 def _refuses(spec: BackendSpec, options: Any) -> str | None:

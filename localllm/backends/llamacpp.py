@@ -53,11 +53,72 @@ def open_runner(path: str | Path, options: Any, *, name: str, digest: str,
     opened the same way, by the engine, as a runner of its own."""
     from localllm.backends.llamacpp_guard import check_load
 
-    n_gpu_layers = 0 if options.device == "cpu" else -1
-    check_load(path, digest, name, n_gpu_layers=n_gpu_layers, home=home)
-    return LlamaCppRunner(path, n_ctx=options.ctx or 4096, n_slots=options.parallel,
-                          kv_cache=options.kv_cache, n_threads=options.threads,
-                          n_gpu_layers=n_gpu_layers, projector=projector)  # fmt: skip
+    placement = gpu_placement(path, options)
+    tried = first = ""
+    while True:
+        n_gpu_layers = placement.gpu_layers if placement else 0
+        try:
+            # the child checks the file with one layer on the GPU (the GPU path, little memory)
+            check_load(path, digest, name, n_gpu_layers=min(n_gpu_layers, 1), home=home)
+            runner = LlamaCppRunner(
+                path, n_ctx=options.ctx or 4096, n_slots=options.parallel,
+                kv_cache=options.kv_cache, n_threads=options.threads, n_gpu_layers=n_gpu_layers,
+                tensor_split=placement.tensor_split if placement else (),
+                cpu_moe=placement.cpu_moe if placement else 0, projector=projector,
+            )  # fmt: skip
+        except LocalLLMError as e:
+            # a GPU that had less room than it said (another program, the driver's own needs):
+            # once, the planner's next smaller plan; the error says both tries
+            said = str(e)
+            smaller = (_smaller_placement(path, options, placement)
+                       if placement and not tried and _out_of_memory(said) else None)  # fmt: skip
+            if smaller is None:
+                raise LocalLLMError(f"{said} (after: {tried})" if tried else said) from None
+            tried, first = f"{placement.text()}: {said}", placement.text()
+            placement = smaller
+            continue
+        runner.placement = placement
+        if tried:
+            runner.placement_note = (f"GPU memory ran out with {first}; loaded with "
+                                     f"{placement.text()} instead")  # fmt: skip
+        return runner
+
+
+def gpu_placement(path: str | Path, options: Any) -> Any:
+    """The offload plan (`memory.plan`) for loading `path` with `options`, or None where
+    everything stays on the CPU: --device cpu, no GPU in the device inventory, or a llama.cpp
+    build without a GPU backend."""
+    from localllm.devices import inventory
+    from localllm.memory import plan
+    from localllm.model_info import read_model_info
+
+    if options.device == "cpu":
+        return None
+    inv = inventory()
+    if not inv.gpus or not gpu_offload():
+        return None
+    return plan(read_model_info(str(path)), inv, ctx=options.ctx, kv_cache=options.kv_cache,
+                parallel=options.parallel, **options.placement)  # fmt: skip
+
+
+def _smaller_placement(path: str | Path, options: Any, last: Any) -> Any:
+    from localllm.devices import inventory
+    from localllm.memory import smaller_plan
+    from localllm.model_info import read_model_info
+
+    return smaller_plan(read_model_info(str(path)), inventory(fresh=True), last, ctx=options.ctx,
+                        kv_cache=options.kv_cache, parallel=options.parallel,
+                        **options.placement)  # fmt: skip
+
+
+def _out_of_memory(said: str) -> bool:
+    said = said.lower()
+    return any(w in said for w in ("alloc", "out of memory", "memory"))
+
+
+def gpu_offload() -> bool:
+    """Whether this llama.cpp build has a GPU backend (CUDA, Metal, Vulkan, ROCm)."""
+    return bool(quiet_llama_log().llama_supports_gpu_offload())
 
 
 NO_LAYER_SKIP = "llama.cpp cannot leave layers out (layer-skip drafts need --backend torch)"
@@ -238,6 +299,8 @@ class LlamaCppRunner(NoDraftHead):
         kv_cache: str = "f16",
         n_threads: int | None = None,
         n_gpu_layers: int = -1,
+        tensor_split: Sequence[float] = (),
+        cpu_moe: int = 0,
         flash_attn: bool | None = None,
         projector: str | Path | None = None,
     ) -> None:
@@ -246,7 +309,10 @@ class LlamaCppRunner(NoDraftHead):
         n_slots: sequences held at once, one llama.cpp sequence id each.
         max_batch: tokens one `llama_decode` may evaluate (llama.cpp's n_batch and n_ubatch).
         kv_cache: the K and V cache types ("q8_0", "k=q8_0,v=f16").
-        n_gpu_layers: layers offloaded to the GPU (-1: all; 0: the CPU only).
+        n_gpu_layers: layers offloaded to the GPU (-1: all; 0: the CPU only; L+1: every layer
+            and the output, as llama.cpp counts them).
+        tensor_split: each GPU's share of the offloaded layers (empty: llama.cpp's, by memory).
+        cpu_moe: layers (from the first) whose MoE experts stay in RAM.
         flash_attn: None is on (see below); a quantized V cache needs it.
         projector: a vision projector (mmproj GGUF) for this model: prompts may hold images.
         """
@@ -275,6 +341,19 @@ class LlamaCppRunner(NoDraftHead):
         _init_backend(llama_cpp)
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers == -1 else n_gpu_layers  # as `Llama` does
+        # kept on self: llama.cpp reads these arrays while the model loads
+        self._split = None
+        if tensor_split:
+            self._split = (ctypes.c_float * llama_cpp.llama_max_devices())(*tensor_split)
+            mp.tensor_split = self._split
+        self._overrides = None
+        if cpu_moe:
+            from localllm.backends.ggml_devices import cpu_moe_overrides
+
+            self._overrides = cpu_moe_overrides(cpu_moe)
+            mp.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
+        self.placement: Any = None  # the plan it was loaded with (`memory.Plan`), when one
+        self.placement_note = ""  # a retry with a smaller plan, said once
         mp.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx = n_ctx * n_slots

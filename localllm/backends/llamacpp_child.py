@@ -68,10 +68,14 @@ def batch_vs_single(runner: LlamaCppRunner, ids: Sequence[int]) -> str:
 
 
 def child_info() -> int:
+    from localllm.backends.ggml_devices import list_devices
+
     llama_cpp = quiet_llama_log()
+    llama_cpp.llama_backend_init()  # registers the build's backends and their devices
     print(json.dumps({
         "system_info": llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip(),
         "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()),
+        "devices": list_devices(),
     }))  # fmt: skip
     return 0
 

@@ -1043,6 +1043,15 @@ def load(model: str, options: LoadOptions | None = None, *, check_memory: bool =
     opts = opts.replace(ctx=resolve_ctx(record.info, opts.ctx))
     if check_memory:
         est = spec.estimate(record.info, opts)
+        if not est.fits and est.plan is not None:
+            over = next(s for s in est.plan.shares if not s.fits)
+            room = f" with {human_bytes(over.margin_bytes)} left free" if over.margin_bytes else ""
+            raise DoesNotFit(
+                f"{record.name} at context {opts.ctx} does not fit with {est.plan.text()}: "
+                f"{over.label} needs {human_bytes(over.total_bytes)} of its "
+                f"{human_bytes(over.free_bytes)} free{room}; try a smaller --ctx, --parallel, "
+                f"--kv-cache q8_0 or --gpu-layers"
+            )
         if not est.fits:
             per = f" for {opts.parallel} sequences" if opts.parallel > 1 else ""
             raise DoesNotFit(
@@ -1087,6 +1096,9 @@ def load(model: str, options: LoadOptions | None = None, *, check_memory: bool =
     except BaseException:
         runner.close()
         raise
+    placed = getattr(runner, "placement", None)  # llama.cpp's offload plan, where it made one
+    if placed is not None:
+        why = f"{why}; {getattr(runner, 'placement_note', '') or placed.text()}"
     llm = Model(runner, record.name, load_s=time.perf_counter() - t0, options=opts,
                 sampling_defaults=defaults, backend_why=why, draft=draft, draft_name=draft_name,
                 tuned=store.home / "tuned" / f"{record.digest[:16]}.json",

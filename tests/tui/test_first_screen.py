@@ -291,3 +291,31 @@ def test_backend_unavailable_is_a_notification_and_the_app_lives(
             assert calls == ["tiny:latest", "tiny:latest"]
 
     asyncio.run(go())
+
+
+def test_fits_shows_llama_cpp_plan_on_a_machine_with_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a GPU in the device inventory the Fits column says where llama.cpp's layers would go
+    and the rate the plan expects: all on the GPU, or part of them."""
+    import json
+
+    monkeypatch.setenv("LOCALLLM_DEVICES", json.dumps([
+        {"kind": "cuda", "name": "NVIDIA GeForce RTX 3050", "total": "4 GiB", "free": "3.5 GiB"},
+        {"kind": "cpu", "total": "16 GiB", "bandwidth": "50 GB/s"}]))  # fmt: skip
+
+    async def go() -> None:
+        app = app_with(FakeLLM([]))
+        async with app.run_test(size=(100, 24)) as pilot:
+            screen = app.screen
+            assert isinstance(screen, ModelsScreen)
+            (row,) = rows_of(screen.query_one("#models")).values()
+            fits = row[6]
+            assert fits.startswith("GPU ~") and fits.endswith(" t/s"), fits  # all of it on the card
+            available = rows_of(screen.query_one("#available"))
+            assert available[BUILT_IN][4] == fits
+            # 4.4 GB of Mistral 7B in the 2.5 GiB the card has beyond its margin: part of it
+            part = available["mistral:7b-q4_k_m"][4]
+            layers, _, rest = part.partition("/32 GPU ~")
+            assert 0 < int(layers) < 32 and rest.endswith(" t/s"), part
+            await pilot.pause()
+
+    asyncio.run(go())
