@@ -637,6 +637,40 @@ def test_settings_offer_the_torch_engines_devices_and_precisions(tiny_llama: Pat
     asyncio.run(go())
 
 
+def test_settings_offer_llama_cpp_placement(tiny_llama: Path) -> None:
+    """--gpu-layers, --tensor-split and --cpu-moe in the settings, for llama.cpp only; checked as
+    `LoadOptions` checks them."""
+    Store().add_file(tiny_llama, "tiny", source="file:x")
+
+    async def go() -> None:
+        app = LocalLLMApp(pool=ModelPool(lambda *a: FakeLLM([["ok"]]), fit=None), chat_model="tiny")
+        async with app.run_test(size=(100, 50)) as pilot:
+            chat = app.screen
+            await pilot.press("ctrl+s")
+            modal = app.screen
+            assert modal.query_one("#gpu_layers").value == "auto"
+            modal.query_one("#gpu_layers").value = "most"
+            await pilot.press("ctrl+s")
+            assert any("--gpu-layers must be auto, all or a number" in n.message for n in app._notifications)
+            modal.query_one("#gpu_layers").value = "20"
+            modal.query_one("#tensor_split").value = "3,1"
+            modal.query_one("#cpu_moe").value = "4"
+            await pilot.press("ctrl+s")
+            assert app.screen is chat
+            assert chat.options == LoadOptions(gpu_layers="20", tensor_split="0.75,0.25", cpu_moe=4)
+            await pilot.press("ctrl+s")  # the torch engine places nothing: not offered, not kept
+            modal = app.screen
+            assert modal.query_one("#gpu_layers").value == "20"
+            modal.query_one("#backend").value = "torch"
+            await wait_for(pilot, lambda: modal.query("#dtype"))
+            await pilot.pause()
+            assert not modal.query("#gpu_layers")
+            await pilot.press("ctrl+s")
+            assert chat.options == LoadOptions(backend="torch")
+
+    asyncio.run(go())
+
+
 def test_the_context_meter_under_streaming_shows_the_window_and_the_evicted_span(tiny_llama: Path) -> None:
     """With --streaming there is no hard limit: the meter shows what the window holds and how many
     tokens fell out of it (10 prompt + 130 answer tokens through a 100-token context)."""
