@@ -157,9 +157,7 @@ def main() -> None:
                     ("cuda build, half the layers", site, n // 2, str(n // 2)), *runs]  # fmt: skip
         for label, where, layers, ask in runs:
             got = measure(path, layers, args, where)
-            row = {"model": name, "setting": label, "n_gpu_layers": layers, **got}
-            if where is not None:
-                row |= predicted(path, ask)
+            row = {"model": name, "setting": label, "n_gpu_layers": layers, **got, **predicted(path, ask)}
             log(json.dumps(row))
             rows.append(row)
     gpu = gpus[0] if gpus else None

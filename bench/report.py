@@ -473,11 +473,12 @@ def rows_llamacpp_gpu(d: dict) -> list[Row]:
     rows = d.get("rows") or []
     for r in rows:
         cpu = next((c for c in rows if c["model"] == r["model"] and c["n_gpu_layers"] == 0), None)
-        if r is cpu or "decode_tps" not in r:
+        if "decode_tps" not in r:
             continue
-        for what in ("decode", "prompt"):
-            out.append((f"{r['model']}, {r['setting']}: {what} tokens/s", r.get(f"{what}_tps"), "cpu build",
-                        (cpu or {}).get(f"{what}_tps"), True))  # fmt: skip
+        if r is not cpu:
+            for what in ("decode", "prompt"):
+                out.append((f"{r['model']}, {r['setting']}: {what} tokens/s", r.get(f"{what}_tps"), "cpu build",
+                            (cpu or {}).get(f"{what}_tps"), True))  # fmt: skip
         if r.get("predicted_decode_tps"):
             out.append((f"{r['model']}, {r['setting']}: decode tokens/s measured against the planner's ({r['plan']})",
                         r.get("decode_tps"), "predicted", r["predicted_decode_tps"], True))  # fmt: skip

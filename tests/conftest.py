@@ -9,6 +9,7 @@ import shlex
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,6 +36,34 @@ def need(module: str, install: str) -> None:
     """Fail (never skip) when a test dependency is missing, saying what to install."""
     if importlib.util.find_spec(module) is None:
         pytest.fail(f"{module} is not installed: {install}", pytrace=False)
+
+
+def llamacpp_load_log(path: Path, **llama_kwargs: Any) -> str:
+    """What llama.cpp logs while `llama_cpp.Llama` loads `path` with these arguments (its buffer
+    sizes: the oracle the memory estimate and the planner are checked against)."""
+    need("llama_cpp", "pip install -e '.[dev]' (llama-cpp-python is the oracle)")
+    import ctypes
+
+    import llama_cpp
+    import llama_cpp._logger as llama_logger
+
+    from localllm.backends import llamacpp
+
+    # put back whichever logger was installed: localllm's (into the store's log file) once any
+    # runner loaded in this process, else llama-cpp-python's (onto stderr)
+    previous = llamacpp._log_state.get("callback") or llama_logger.llama_log_callback
+    lines: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def capture(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        lines.append(text.decode("utf-8", "replace"))
+
+    llama_cpp.llama_log_set(capture, ctypes.c_void_p(0))
+    try:
+        llama_cpp.Llama(str(path), n_threads=2, verbose=True, **llama_kwargs).close()
+    finally:
+        llama_cpp.llama_log_set(previous, ctypes.c_void_p(0))
+    return "".join(lines)
 
 
 @contextlib.contextmanager

@@ -38,6 +38,18 @@ def tokenizer_metadata(model_path: Path) -> dict[str, Any]:
         return {k: gf.metadata[k] for k in TOKENIZER_KEYS if k in gf.metadata}
 
 
+def _add_shape(w: Any, name: str, n_ctx: int, n_embd: int, n_layer: int, n_ff: int, n_head: int,
+               n_kv_head: int) -> None:  # fmt: skip
+    """A writer's name and network shape keys."""
+    w.add_name(name)
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv_head)
+
+
 def write_tiny_llama(
     path: Path,
     tokenizer: dict[str, Any],
@@ -66,13 +78,7 @@ def write_tiny_llama(
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"])
     head_dim = n_embd // n_head
     w = gguf.GGUFWriter(str(path), arch="llama", split_max_tensors=split_max_tensors)
-    w.add_name("tiny-llama-test")
-    w.add_context_length(n_ctx)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv_head)
+    _add_shape(w, "tiny-llama-test", n_ctx, n_embd, n_layer, n_ff, n_head, n_kv_head)
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(rope_base)
     w.add_layer_norm_rms_eps(1e-5)
@@ -363,13 +369,7 @@ def write_header_only(
 
     Q = gguf.GGMLQuantizationType
     w = gguf.GGUFWriter(str(path), arch=arch)
-    w.add_name(f"header-only-{arch}-{n_layer}L")
-    w.add_context_length(n_ctx)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv_head)
+    _add_shape(w, f"header-only-{arch}-{n_layer}L", n_ctx, n_embd, n_layer, n_ff, n_head, n_kv_head)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_file_type(15)  # MOSTLY_Q4_K_M
     w.add_vocab_size(n_vocab)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import re
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from localllm.memory import (
 )
 from localllm.model_info import read_model_info
 
-from conftest import need
+from conftest import llamacpp_load_log
 
 MiB = 1024 * 1024
 _LLAMA_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8}
@@ -29,27 +28,9 @@ _LLAMA_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, 
 
 def llamacpp_report(path: Path, n_ctx: int, cache_type: str) -> tuple[float, float]:
     """(KV bytes, compute buffer bytes) as llama.cpp logs them when it creates a context."""
-    need("llama_cpp", "pip install -e '.[dev]' (llama-cpp-python is the oracle)")
-    import llama_cpp
-    import llama_cpp._logger as llama_logger
-
-    lines: list[str] = []
-
-    @llama_cpp.llama_log_callback
-    def capture(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-        lines.append(text.decode("utf-8", "replace"))
-
-    llama_cpp.llama_log_set(capture, ctypes.c_void_p(0))
-    try:
-        t = _LLAMA_TYPES[cache_type]
-        llm = llama_cpp.Llama(
-            str(path), n_ctx=n_ctx, n_threads=2, verbose=True, type_k=t, type_v=t,
-            flash_attn=cache_type != "f16",  # a quantized V cache needs flash attention
-        )  # fmt: skip
-        llm.close()
-    finally:
-        llama_cpp.llama_log_set(llama_logger.llama_log_callback, ctypes.c_void_p(0))
-    log = "".join(lines)
+    t = _LLAMA_TYPES[cache_type]
+    log = llamacpp_load_log(path, n_ctx=n_ctx, type_k=t, type_v=t,
+                            flash_attn=cache_type != "f16")  # a quantized V cache needs flash attention
     kv = [float(m) for m in re.findall(r"llama_kv_cache: size =\s+([\d.]+) MiB", log)]
     compute = [float(m) for m in re.findall(r"CPU compute buffer size =\s+([\d.]+) MiB", log)]
     assert kv and compute, log[-2000:]

@@ -112,8 +112,10 @@ def _smaller_placement(path: str | Path, options: Any, last: Any) -> Any:
 
 
 def _out_of_memory(said: str) -> bool:
+    """llama.cpp's words for a buffer it could not have ("failed to allocate CUDA0 buffer",
+    "out of memory")."""
     said = said.lower()
-    return any(w in said for w in ("alloc", "out of memory", "memory"))
+    return "alloc" in said or "memory" in said
 
 
 def gpu_offload() -> bool:

@@ -74,7 +74,8 @@ class Server:
 
     async def start(self, parsed: Parsed) -> Started:
         """Lease the model, build the request and submit it (errors raise, the lease goes back)."""
-        options = self.served.options(kv_cache=parsed.kv_cache, ctx=parsed.ctx)
+        options = self.served.options(kv_cache=parsed.kv_cache, ctx=parsed.ctx,
+                                      gpu_layers=parsed.gpu_layers)  # fmt: skip
         lease = await self.served.lease(parsed.model, options)
         try:
             request = parsed.request(lease.model)

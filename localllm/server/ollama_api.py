@@ -39,10 +39,10 @@ _OPTIONS = {  # Ollama option → (SamplingParams field, lo, hi, integer)
     "seed": ("seed", -(2**63), 2**64 - 1, True),
 }
 # Ollama's documented options this server does not honour: refused, never silently ignored
-_REFUSED_OPTIONS = ("num_keep", "typical_p", "penalize_newline", "numa", "num_batch", "num_gpu",
+_REFUSED_OPTIONS = ("num_keep", "typical_p", "penalize_newline", "numa", "num_batch",
                     "main_gpu", "use_mmap", "num_thread", "mirostat", "mirostat_tau",
                     "mirostat_eta", "tfs_z", "low_vram", "vocab_only", "use_mlock")  # fmt: skip
-_KNOWN_OPTIONS = {*_OPTIONS, "num_predict", "stop", "num_ctx"}
+_KNOWN_OPTIONS = {*_OPTIONS, "num_predict", "stop", "num_ctx", "num_gpu"}
 FOREVER = "9999-12-31T23:59:59Z"  # expires_at of a model kept loaded until stopped
 
 
@@ -62,7 +62,7 @@ def _parse(data: Any) -> tuple[Parsed, Body]:
     stream = b.flag("stream", True)
     sampling: dict[str, Any] = {}
     opts = b.obj("options")
-    ctx = None
+    ctx = gpu_layers = None
     if opts is not None:
         for key in opts.data:
             if key not in _KNOWN_OPTIONS:
@@ -79,6 +79,9 @@ def _parse(data: Any) -> tuple[Parsed, Body]:
         if stop:
             sampling["stop"] = stop
         ctx = opts.number("num_ctx", 16, 1 << 24, integer=True)
+        layers = opts.number("num_gpu", -1, 1 << 16, integer=True)  # layers on the GPU; -1: auto
+        if layers is not None:
+            gpu_layers = "auto" if layers < 0 else str(layers)
     fmt = b.get("format")
     response_format = None
     if fmt == "json":
@@ -92,7 +95,8 @@ def _parse(data: Any) -> tuple[Parsed, Body]:
     if think is not None and not (isinstance(think, bool) or think in ("low", "medium", "high")):
         raise BadRequest('think must be true, false, "low", "medium" or "high"', "think")
     p = Parsed(model=model, stream=stream, include_usage=False, sampling=sampling,
-               response_format=response_format, ctx=ctx, think=think, keep_alive=keep_alive)  # fmt: skip
+               response_format=response_format, ctx=ctx, gpu_layers=gpu_layers, think=think,
+               keep_alive=keep_alive)  # fmt: skip
     return p, b
 
 
@@ -233,7 +237,8 @@ def add_routes(app: FastAPI, server: Server) -> None:
             if not served.stop(name):
                 raise ModelNotFound(f"{name} is not loaded, so there is nothing to stop")
         else:
-            lease = await served.lease(parsed.model, served.options(ctx=parsed.ctx))
+            lease = await served.lease(parsed.model, served.options(ctx=parsed.ctx,
+                                                                    gpu_layers=parsed.gpu_layers))
             lease.close(parsed.keep_alive)
             name, reason = lease.name, "load"
         return JSONResponse({"model": name, "created_at": _now(), "message": {"role": "assistant", "content": ""},

@@ -114,6 +114,7 @@ class Parsed:
     speculative: str | None = None
     kv_cache: str | None = None
     ctx: int | None = None  # Ollama's num_ctx
+    gpu_layers: str | None = None  # Ollama's num_gpu (llama.cpp's --gpu-layers)
     logprobs: bool = False
     parallel_tool_calls: bool = True
     think: bool | str | None = None

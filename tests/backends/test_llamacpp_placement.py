@@ -5,7 +5,6 @@ against llama.cpp's own report; and a load that runs out of GPU memory retries o
 
 from __future__ import annotations
 
-import ctypes
 import json
 import re
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 from localllm.errors import LocalLLMError
 from localllm.types import LoadOptions
 
-from conftest import need
+from conftest import llamacpp_load_log, need
 
 MiB = 1 << 20
 GPU = json.dumps([{"kind": "cuda", "name": "NVIDIA GeForce RTX 4060", "total": "8 GiB"}, {"kind": "cpu"}])
@@ -47,23 +46,7 @@ def test_placement_arguments_reach_llama_cpp(default_model_path: Path) -> None:
 
 def llamacpp_buffers(path: Path, n_ctx: int, n_gpu_layers: int) -> tuple[float, float]:
     """(model buffer bytes, KV bytes) as llama.cpp logs them loading `path`."""
-    import llama_cpp
-    import llama_cpp._logger as llama_logger
-
-    lines: list[str] = []
-
-    @llama_cpp.llama_log_callback
-    def capture(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-        lines.append(text.decode("utf-8", "replace"))
-
-    llama_cpp.llama_log_set(capture, ctypes.c_void_p(0))
-    try:
-        llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=2, verbose=True,
-                              n_gpu_layers=n_gpu_layers, flash_attn=True)  # fmt: skip
-        llm.close()
-    finally:
-        llama_cpp.llama_log_set(llama_logger.llama_log_callback, ctypes.c_void_p(0))
-    log = "".join(lines)
+    log = llamacpp_load_log(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, flash_attn=True)
     # the file's tensors, wherever they went; not CPU_REPACK, a second copy of some matrices in
     # the layout this CPU's kernels want (AVX2 / AVX-512 dependent, made after loading)
     model = [float(size) for buf, size in re.findall(r"(\w+) model buffer size =\s+([\d.]+) MiB", log)

@@ -52,8 +52,9 @@ def test_errors_are_ollama_shaped_and_name_what_is_refused() -> None:
             client.chat(model="nope", messages=SAY)
         assert e.value.status_code == 404 and isinstance(e.value.error, str) and "nope" in e.value.error
         refused = {
-            "options.num_gpu": {"model": "fake", "messages": SAY, "options": {"num_gpu": 1}},
+            "options.num_gpu": {"model": "fake", "messages": SAY, "options": {"num_gpu": 1.5}},
             "options.warmth": {"model": "fake", "messages": SAY, "options": {"warmth": 1}},
+            "options.main_gpu": {"model": "fake", "messages": SAY, "options": {"main_gpu": 0}},
             "messages[0].images": {"model": "fake", "messages": [SAY[0] | {"images": "aGk="}]},
             "keep_alive": {"model": "fake", "messages": SAY, "keep_alive": "soon"},
             "think": {"model": "fake", "messages": SAY, "think": "very"},
@@ -109,3 +110,14 @@ def test_root_and_keep_alive_and_stop() -> None:
         assert loaded(s.url) == {}
         p = subprocess.run(stop, capture_output=True, text=True, timeout=60)  # nothing left to stop
         assert p.returncode == 1 and "fake is not loaded" in p.stderr and len(p.stderr.splitlines()) == 1
+
+
+def test_num_gpu_is_llama_cpps_gpu_layers() -> None:
+    """Ollama's options.num_gpu (layers on the GPU) is --gpu-layers for the load: a number, or -1
+    for the planner's choice; num_ctx the context, as before."""
+    from localllm.server.ollama_api import _parse
+
+    parsed, _ = _parse({"model": "m", "options": {"num_gpu": 0, "num_ctx": 2048}})
+    assert (parsed.gpu_layers, parsed.ctx) == ("0", 2048)
+    assert _parse({"model": "m", "options": {"num_gpu": -1}})[0].gpu_layers == "auto"
+    assert _parse({"model": "m"})[0].gpu_layers is None  # the server's own --gpu-layers
