@@ -49,6 +49,9 @@ class Probes:
     cpu_flags: frozenset[str] = frozenset()  # /proc/cpuinfo's first "flags" line (Linux only)
     nvcc: str | None = None
     nvcc_version: str | None = None  # "12.4"
+    # cuBLAS's header beside nvcc (llama.cpp's CUDA backend links cuBLAS; some images carry nvcc
+    # alone and CMake then fails): None when not probed (a hand-made Probes), read as present
+    cublas: bool | None = None
     nvidia_driver: str | None = None  # "550.54.15": nvidia-smi sees at least one GPU
     compute_caps: tuple[str, ...] = ()  # ("8.6", "8.9"), one per GPU
     gpu_names: tuple[str, ...] = ()
@@ -97,6 +100,15 @@ def _cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
+def _has_cublas(nvcc: str, cuda_home: str | None) -> bool:
+    """cublas_v2.h in the toolkit nvcc belongs to, CUDA_HOME's, /usr/local/cuda's or /usr/include."""
+    root = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    tops = [root, cuda_home, "/usr/local/cuda"]
+    dirs = [os.path.join(t, sub) for t in tops if t for sub in ("include", "targets/x86_64-linux/include",
+                                                              "targets/sbsa-linux/include")]  # fmt: skip
+    return any(os.path.exists(os.path.join(d, "cublas_v2.h")) for d in [*dirs, "/usr/include"])
+
+
 def probe(env: Mapping[str, str] = os.environ) -> Probes:
     """The real machine, each tool given 5 s; a tool that is missing or fails reads as absent."""
     # subprocess looks a bare name up on env's PATH (a test's fake uname), not this process's
@@ -109,6 +121,7 @@ def probe(env: Mapping[str, str] = os.environ) -> Probes:
     out = _run([nvcc, "--version"], env) if nvcc is not None else None
     if out and (m := re.search(r"release (\d+\.\d+)", out)):
         nvcc_version = m.group(1)
+    cublas = nvcc is not None and _has_cublas(nvcc, cuda_home)
 
     driver, caps, names = None, [], []
     if (smi := _which("nvidia-smi", env)) is not None:
@@ -137,7 +150,8 @@ def probe(env: Mapping[str, str] = os.environ) -> Probes:
     return Probes(
         system=system, machine=machine,
         cpu_flags=_cpu_flags() if system == "Linux" else frozenset(),
-        nvcc=nvcc, nvcc_version=nvcc_version, nvidia_driver=driver, compute_caps=tuple(caps),
+        nvcc=nvcc, nvcc_version=nvcc_version, cublas=cublas, nvidia_driver=driver,
+        compute_caps=tuple(caps),
         gpu_names=tuple(names), vulkan=vulkan, vulkan_devices=vulkan_devices, rocm=hipcc,
         rocm_targets=tuple(targets),
         cuda_architectures=env.get("LOCALLLM_CUDA_ARCHITECTURES") or None,
@@ -180,6 +194,8 @@ def _why_cpu(p: Probes) -> str:
     notes = []
     if p.nvcc and not p.nvidia_driver:
         notes.append("nvcc found but no NVIDIA driver (nvidia-smi sees no GPU)")
+    if p.nvcc and p.nvidia_driver and p.cublas is False:
+        notes.append(f"NVIDIA GPU and nvcc but no cuBLAS ({_NO_CUBLAS})")
     if p.nvidia_driver and not p.nvcc:
         notes.append(f"NVIDIA GPU {', '.join(p.gpu_names)} but no nvcc (install the CUDA toolkit)")
     if p.rocm and not p.rocm_targets:
@@ -196,6 +212,10 @@ def _why_cpu(p: Probes) -> str:
     return "; ".join(notes) + ": CPU build"
 
 
+_NO_CUBLAS = ("no cublas_v2.h beside nvcc, in CUDA_HOME, /usr/local/cuda or /usr/include: "
+              "install the full CUDA toolkit (its libcublas development files)")
+
+
 def _unknown(name: str) -> ValueError:
     return ValueError(f"unknown llama.cpp build flavour '{name}': one of {', '.join(FLAVOURS)}")
 
@@ -210,7 +230,7 @@ def choose(requested: str, p: Probes) -> tuple[str, str]:
     if name == "auto":
         if p.system == "Darwin" and p.machine == "arm64":
             return "metal", "Apple silicon"
-        if p.nvcc and p.nvidia_driver and p.compute_caps:
+        if p.nvcc and p.nvidia_driver and p.compute_caps and p.cublas is not False:
             return "cuda", _cuda_what(p)
         if p.rocm and p.rocm_targets:
             return "rocm", _rocm_what(p)
@@ -224,6 +244,8 @@ def choose(requested: str, p: Probes) -> tuple[str, str]:
     if name == "cuda":
         if not p.nvcc:
             raise ValueError(f"cuda build needs nvcc (the CUDA toolkit): {_NVCC_WHERE}")
+        if p.cublas is False:
+            raise ValueError(f"cuda build needs cuBLAS: {_NO_CUBLAS}")
         if not p.compute_caps and not p.cuda_architectures:
             raise ValueError("cuda build without a visible NVIDIA GPU needs its architectures: "
                              "set LOCALLLM_CUDA_ARCHITECTURES (e.g. 89 for an RTX 4090)")  # fmt: skip

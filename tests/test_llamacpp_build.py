@@ -91,6 +91,17 @@ def test_auto_with_nvcc_but_no_driver_stays_on_the_cpu_and_says_why() -> None:
     assert choose("auto", LINUX) == ("portable", "no GPU toolkit (nvcc, hipcc, Vulkan SDK): CPU build")
 
 
+def test_cuda_needs_cublas_beside_nvcc() -> None:
+    """An image with nvcc alone (this one: CUDA 13's nvcc, no cuBLAS) makes CMake fail on
+    CUDA::cublas: auto keeps the CPU build and says why, an explicit cuda says what to install."""
+    p = linux(**NVCC, **TWO_GPUS, cublas=False)
+    flavour, reason = choose("auto", p)
+    assert flavour == "portable" and "NVIDIA GPU and nvcc but no cuBLAS (no cublas_v2.h" in reason
+    with pytest.raises(ValueError, match="cuda build needs cuBLAS: .* install the full CUDA toolkit"):
+        choose("cuda", p)
+    assert choose("auto", linux(**NVCC, **TWO_GPUS, cublas=True))[0] == "cuda"
+
+
 def test_explicit_cuda_needs_nvcc_and_without_a_gpu_its_architectures() -> None:
     with pytest.raises(ValueError) as e:
         choose("cuda", linux(**TWO_GPUS))
@@ -208,9 +219,13 @@ def fake_uname(folder: Path, system: str = "Linux", machine: str = "x86_64") -> 
     fake(folder, "uname", f'case "$1" in -m) echo {machine} ;; *) echo {system} ;; esac')
 
 
-def fake_nvcc(folder: Path) -> None:
+def fake_nvcc(folder: Path, cublas: bool = True) -> None:
+    """nvcc in FOLDER, and (cublas) the toolkit's cuBLAS header beside it, in FOLDER/../include."""
     fake(folder, "nvcc", "echo 'nvcc: NVIDIA (R) Cuda compiler driver'\n"
                          "echo 'Cuda compilation tools, release 12.4, V12.4.131'")  # fmt: skip
+    if cublas:
+        (folder.parent / "include").mkdir(exist_ok=True)
+        (folder.parent / "include" / "cublas_v2.h").write_text("/* cuBLAS */\n")
 
 
 def fake_smi(folder: Path) -> None:
@@ -256,7 +271,7 @@ def test_probe_reads_the_fake_tools(tmp_path: Path) -> None:
                              "echo 'deviceType = PHYSICAL_DEVICE_TYPE_DISCRETE_GPU'")  # fmt: skip
     p = lb.probe({"PATH": str(bin_), "VULKAN_SDK": "/sdk", "LOCALLLM_CUDA_ARCHITECTURES": "90"})
     assert (p.system, p.machine) == ("Linux", "x86_64")
-    assert (p.nvcc, p.nvcc_version) == (str(bin_ / "nvcc"), "12.4")
+    assert (p.nvcc, p.nvcc_version, p.cublas) == (str(bin_ / "nvcc"), "12.4", True)
     assert p.nvidia_driver == "550.54.15" and p.compute_caps == ("8.9", "8.6")
     assert p.gpu_names == ("NVIDIA GeForce RTX 4090", "NVIDIA RTX A6000")
     assert p.rocm == str(bin_ / "hipcc") and p.rocm_targets == ("gfx1100",)
