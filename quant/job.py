@@ -52,8 +52,6 @@ def run_quantize(store: Any, src: str, file_type: str, *, output: Path | None = 
         from localllm.evaluate import read_text
         from localllm.quant.calibrate import collect_imatrix
 
-        if engine == "llama.cpp":
-            raise LocalLLMError("--calibrate quantizes with our engine: drop --engine llama.cpp")
         if on_phase:
             on_phase("calibrating")
         imatrix = collect_imatrix(path, read_text(Path(calibrate)), tokens=calibrate_tokens)

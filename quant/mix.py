@@ -1,8 +1,8 @@
 """Per-tensor type choice of llama.cpp's quantizer (`llama_model_quantize`) for a file type.
 
 A port of `src/llama-quant.cpp` (llama.cpp as vendored by llama-cpp-python 0.3.36) for the file
-types in `FILE_TYPES`, with default parameters: no importance matrix, not `pure`, the output tensor
-quantized, no tensor type overrides, no `only_copy`. The parts, and the C they port:
+types in `FILE_TYPES`, with default parameters — not `pure`, the output tensor quantized, no tensor
+type overrides, no `only_copy` — with or without an importance matrix. The parts, and the C they port:
 
 - `FILE_TYPES`, `default_type`: `enum llama_ftype` (llama.h), `llama_ftype_get_default_type`.
 - `_allows_quantization`: `tensor_allows_quantization` — only tensors of 2 or more dimensions
@@ -35,13 +35,14 @@ __all__ = ["FILE_TYPES", "choose_types", "default_type"]
 
 # enum llama_ftype (llama.h)
 FILE_TYPES: dict[str, int] = {
-    "F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7,
-    "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18,
+    "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9,
+    "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "BF16": 32,
 }  # fmt: skip
 
 # llama_ftype_get_default_type
 _DEFAULT_TYPE = {
-    "F32": "F32", "F16": "F16", "Q4_0": "Q4_0", "Q8_0": "Q8_0",
+    "F32": "F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
+    "Q5_1": "Q5_1", "Q8_0": "Q8_0",
     "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
 }  # fmt: skip
 
@@ -160,8 +161,9 @@ class _State:
     """`quantize_state_impl`: the counters and what the rules read from the model."""
 
     def __init__(self, ftype: str, arch: str, n_layer: int, n_expert: int, is_70b: bool,
-                 n_attention_wv: int, tied: bool) -> None:  # fmt: skip
+                 n_attention_wv: int, tied: bool, has_imatrix: bool = False) -> None:  # fmt: skip
         self.ftype = ftype
+        self.has_imatrix = has_imatrix
         self.arch = arch
         self.n_layer = n_layer
         self.n_expert = n_expert
@@ -219,6 +221,10 @@ def _type_impl(qs: _State, new_type: str, name: str, ne0: int, category: str) ->
             new_type = "Q6_K"
         elif ftype == "Q4_K_S" and i_layer < n_layer // 8:
             new_type = "Q5_K"
+        elif ftype in ("Q4_0", "Q5_0") and qs.has_imatrix and i_layer < n_layer // 8:
+            # llama.cpp: "guard against craziness in the first few ffn_down layers", with an
+            # importance matrix only (so a plain quantization stays what it always was)
+            new_type = "Q4_1" if ftype == "Q4_0" else "Q5_1"
         qs.i_ffn_down += 1
     elif category == "ATTENTION_OUTPUT":
         if qs.n_expert == 8 and ftype in ("Q4_K_S", "Q4_K_M"):
@@ -260,11 +266,13 @@ def choose_types(
     n_head: int,
     n_head_kv: int,
     n_expert: int = 0,
+    has_imatrix: bool = False,
 ) -> dict[str, str]:
     """name → the ggml type `llama_model_quantize` gives each tensor for `file_type`.
 
     `tensors`: (name, shape as GGUF ne — ne[0] the row length — , source type name) in file order;
-    `n_layer` is the block count, `n_expert` the expert count (0 without experts).
+    `n_layer` is the block count, `n_expert` the expert count (0 without experts); `has_imatrix`:
+    quantized with an importance matrix (its rules differ for Q4_0 and Q5_0).
     """
     ftype = _ftype(file_type)
     if arch in _UNPORTED_ARCHS:
@@ -278,7 +286,7 @@ def choose_types(
     qs = _State(
         ftype, arch, n_layer, n_expert, _is_70b(arch, n_layer, n_head, n_head_kv, n_expert),
         n_attention_wv=sum(_is_attn_v(c) for c in categories),
-        tied="OUTPUT" not in categories,
+        tied="OUTPUT" not in categories, has_imatrix=has_imatrix,
     )  # fmt: skip
 
     # the loader's weights_map order (weight_name_comparer)

@@ -175,7 +175,8 @@ def temp_beside(dst: Path) -> Path:
     return temp_path(dst.parent, prefix=f".{dst.name}")
 
 
-def make_plan(f: GGUFFile, file_type: str) -> dict[str, tuple[tuple[int, ...], str]]:
+def make_plan(f: GGUFFile, file_type: str,
+              has_imatrix: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:  # fmt: skip
     """Every tensor's shape and the type `file_type` gives it (`mix.choose_types`), in file order."""
     from localllm.quant.mix import choose_types
 
@@ -186,7 +187,7 @@ def make_plan(f: GGUFFile, file_type: str) -> dict[str, tuple[tuple[int, ...], s
             n_layer=int(f.arch_get("block_count", 0) or 0),
             n_head=int(f.arch_get("attention.head_count", 0) or 0),
             n_head_kv=int(f.arch_get("attention.head_count_kv", 0) or f.arch_get("attention.head_count", 0) or 0),
-            n_expert=int(f.arch_get("expert_count", 0) or 0),
+            n_expert=int(f.arch_get("expert_count", 0) or 0), has_imatrix=has_imatrix,
         )  # fmt: skip
     except ValueError as e:
         raise LocalLLMError(str(e)) from None
@@ -235,7 +236,7 @@ def quantize_file(
             )
         if quantized:
             warnings.append(f"requantizing an already quantized model ({quantized}): quality suffers")
-        plan = make_plan(f, file_type)
+        plan = make_plan(f, file_type, has_imatrix=bool(imatrix))
         missing = sorted({t for _, t in plan.values() if t not in BLOCK})
         if engine == "auto":
             engine = "llama.cpp" if missing else "localllm"
@@ -250,7 +251,7 @@ def quantize_file(
         try:
             if engine == "llama.cpp":
                 f.close()
-                _llamacpp_quantize(src, tmp, FILE_TYPES[file_type], allow_requantize)
+                _llamacpp_quantize(src, tmp, FILE_TYPES[file_type], allow_requantize, imatrix)
                 done = TensorDone(len(plan), len(plan), "", "", need, time.perf_counter() - t0)
                 if on_tensor:
                     on_tensor(done)
@@ -373,8 +374,24 @@ def _end(procs: list[Any]) -> None:
             p.stdout.close()
 
 
-def _llamacpp_quantize(src: Path, dst: Path, ftype: int, allow_requantize: bool) -> None:
-    """llama.cpp's `llama_model_quantize` (through llama-cpp-python), default parameters."""
+def _imatrix_entries(llama_cpp: Any, imatrix: Mapping[str, np.ndarray]) -> tuple[Any, list[np.ndarray]]:
+    """llama.cpp's `llama_model_imatrix_data` array (name, data, size; a NULL name ends it) for
+    an importance matrix, and the float32 arrays it points into."""
+    import ctypes
+
+    arrays = [np.ascontiguousarray(v, dtype=np.float32).reshape(-1) for v in imatrix.values()]
+    entries = (llama_cpp.llama_model_imatrix_data * (len(arrays) + 1))()
+    for e, name, a in zip(entries, imatrix, arrays, strict=False):
+        e.name = name.encode()
+        e.data = a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        e.size = a.size
+    return entries, arrays
+
+
+def _llamacpp_quantize(src: Path, dst: Path, ftype: int, allow_requantize: bool,
+                       imatrix: Mapping[str, np.ndarray] | None = None) -> None:  # fmt: skip
+    """llama.cpp's `llama_model_quantize` (through llama-cpp-python), default parameters; with
+    `imatrix` (tensor name → importance per input column) as llama.cpp's importance matrix."""
     import ctypes
 
     try:
@@ -390,6 +407,9 @@ def _llamacpp_quantize(src: Path, dst: Path, ftype: int, allow_requantize: bool)
     params.ftype = ftype
     params.nthread = os.cpu_count() or 1
     params.allow_requantize = allow_requantize
+    keep = _imatrix_entries(llama_cpp, imatrix) if imatrix else None  # alive while it quantizes
+    if keep is not None:
+        params.imatrix = ctypes.cast(keep[0], type(params.imatrix))
     rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst), ctypes.byref(params))
     if rc != 0:
         raise LocalLLMError(f"llama.cpp could not quantize {src.name} (code {rc})")

@@ -219,3 +219,56 @@ def test_file_types() -> None:
         choose_types("Q3_K_L", [], arch="llama", n_layer=1, n_head=1, n_head_kv=1)
     with pytest.raises(ValueError, match="unknown file type"):
         default_type("q4_k_m")
+
+
+# -- the legacy and BF16 file types, and quantizing with an importance matrix, byte for byte ------
+
+
+def same_tensors(a: Path, b: Path) -> list[str]:
+    """Names of the tensors whose type or bytes differ between two GGUFs (the same names)."""
+    with GGUFFile(a) as x, GGUFFile(b) as y:
+        assert set(x.tensors) == set(y.tensors)
+        return [n for n in x.tensors if x.tensors[n].ggml_type != y.tensors[n].ggml_type
+                or bytes(x.tensor_bytes(n)) != bytes(y.tensor_bytes(n))]  # fmt: skip
+
+
+@pytest.mark.parametrize("file_type", ["Q4_1", "Q5_0", "Q5_1", "BF16"])
+@pytest.mark.parametrize("model", ["untied16", "odd"])
+def test_legacy_and_bf16_files_are_llamacpps_byte_for_byte(file_type: str, model: str, models: dict[str, Path],
+                                                          tmp_path: Path) -> None:  # fmt: skip
+    src = models[model]
+    theirs = tmp_path / "theirs.gguf"
+    llamacpp_types(src, theirs, file_type, keep=True)
+    mine = quantize_file(src, tmp_path / "ours.gguf", file_type, engine="localllm")
+    assert mine.engine == "localllm"
+    differ = same_tensors(mine.path, theirs)
+    assert not differ, f"{model} {file_type}: {len(differ)} tensors differ, e.g. {differ[:3]}"
+
+
+def importance(src: Path, seed: int = 5) -> dict[str, np.ndarray]:
+    """A made-up importance matrix: a positive weight for each input column of every matrix."""
+    rng = np.random.default_rng(seed)
+    _, tensors = header(src)
+    return {name: (rng.random(shape[0]) * 4 + 0.05).astype(np.float32)
+            for name, shape, _ in tensors if len(shape) == 2 and name.endswith("weight")}  # fmt: skip
+
+
+@pytest.mark.parametrize("file_type", ["Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K_M", "Q5_K_S", "Q6_K"])
+def test_with_an_importance_matrix_ours_is_llamacpps(file_type: str, models: dict[str, Path],
+                                                     tmp_path: Path) -> None:  # fmt: skip
+    """The same importance matrix given to llama.cpp's quantizer (its `llama_model_imatrix_data`)
+    and to ours: the same file. Q4_0 / Q5_0 with one keep the first eighth of ffn_down as Q4_1 /
+    Q5_1 (llama.cpp's guard), which a plain quantization does not."""
+    src = models["untied16"]
+    imatrix = importance(src)
+    mine = quantize_file(src, tmp_path / "ours.gguf", file_type, engine="localllm", imatrix=imatrix)
+    theirs = quantize_file(src, tmp_path / "theirs.gguf", file_type, engine="llama.cpp", imatrix=imatrix)
+    differ = same_tensors(mine.path, theirs.path)
+    assert not differ, f"{file_type}: {len(differ)} tensors differ, e.g. {differ[:3]}"
+    plain = quantize_file(src, tmp_path / "plain.gguf", file_type, engine="localllm")
+    assert same_tensors(plain.path, mine.path)  # the importance matrix changed the bytes
+    if file_type in ("Q4_0", "Q5_0"):
+        guarded = {n for n, t in mine.types.items() if "ffn_down" in n and t != file_type}
+        assert guarded == {"blk.0.ffn_down.weight", "blk.1.ffn_down.weight"}  # 16 layers / 8
+        assert {mine.types[n] for n in guarded} == {file_type.replace("_0", "_1")}
+        assert not any("ffn_down" in n and t != file_type for n, t in plain.types.items())
