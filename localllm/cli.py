@@ -1405,11 +1405,18 @@ def quantize(
     calibrate: Annotated[
         Path | None,
         typer.Option("--calibrate", help="A text the torch engine runs the model over: each "
-                     "matrix's input activations weight its quantization (an importance matrix)."),  # fmt: skip
+                     "matrix's input activations weight its quantization (an importance matrix); "
+                     "or an importance matrix file llama-imatrix made (GGUF or .dat)."),  # fmt: skip
     ] = None,
     calibrate_tokens: Annotated[
         int, typer.Option("--calibrate-tokens", help="Tokens of the --calibrate text to use.")
     ] = 4096,
+    save_imatrix: Annotated[
+        Path | None,
+        typer.Option("--save-imatrix", help="Keep the importance matrix --calibrate TEXT collects, "
+                     "in llama.cpp's format (GGUF; .dat: the legacy one) for llama-quantize "
+                     "--imatrix or a later --calibrate."),  # fmt: skip
+    ] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Quantize a model with llama.cpp's per-tensor type rules; byte-identical to llama.cpp."""
@@ -1422,7 +1429,8 @@ def quantize(
             job = run_quantize(_store(), src, type_name, output=output, name=name, engine=engine,
                                allow_requantize=allow_requantize, eval_text=eval_text,
                                eval_limit=eval_limit, calibrate=calibrate,
-                               calibrate_tokens=calibrate_tokens, on_tensor=show.update)  # fmt: skip
+                               calibrate_tokens=calibrate_tokens, save_imatrix=save_imatrix,
+                               on_tensor=show.update)  # fmt: skip
     except KeyboardInterrupt:
         print("quantize interrupted: nothing was written", file=sys.stderr)
         raise typer.Exit(130) from None

@@ -19,7 +19,7 @@ import numpy as np
 
 from localllm.errors import LocalLLMError
 
-__all__ = ["collect_imatrix"]
+__all__ = ["CHUNK", "collect_imatrix"]
 
 DEFAULT_TOKENS = 4096  # of the text
 CHUNK = 512  # tokens per evaluation, each on fresh caches (as llama-imatrix's chunks)
@@ -43,9 +43,11 @@ def _targets(model: Any, tied: bool) -> dict[Any, tuple[str, ...]]:
 
 
 def collect_imatrix(path: str | Path, text: str, *, tokens: int = DEFAULT_TOKENS,
-                    progress: Callable[[int, int], None] | None = None) -> dict[str, np.ndarray]:  # fmt: skip
+                    progress: Callable[[int, int], None] | None = None,
+                    rows: dict[str, int] | None = None) -> dict[str, np.ndarray]:  # fmt: skip
     """Tensor name → mean squared activation of each input column over the first `tokens`
-    tokens of `text` (float32, one value per column)."""
+    tokens of `text` (float32, one value per column); `rows`, when given, gets each name's
+    count of rows averaged (what an imatrix file keeps beside the sums)."""
     if importlib.util.find_spec("torch") is None:
         raise LocalLLMError("--calibrate runs the torch engine: pip install 'localllm[torch]'")
     from localllm.backends.base import Piece
@@ -88,4 +90,6 @@ def collect_imatrix(path: str | Path, text: str, *, tokens: int = DEFAULT_TOKENS
             mean = (sums[module] / counts[module]).float().numpy()
             for name in names:
                 out[name] = mean
+                if rows is not None:
+                    rows[name] = counts[module]
     return out

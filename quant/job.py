@@ -27,10 +27,13 @@ def run_quantize(store: Any, src: str, file_type: str, *, output: Path | None = 
                  name: str | None = None, engine: str = "auto", allow_requantize: bool = False,
                  eval_text: Path | None = None, eval_limit: int = 1024,
                  calibrate: Path | None = None, calibrate_tokens: int = 4096,
+                 save_imatrix: Path | None = None,
                  on_tensor: Callable[[TensorDone], None] | None = None,
                  cancel: threading.Event | None = None,
                  on_phase: Callable[[str], None] | None = None) -> QuantizeJob:  # fmt: skip
-    """Quantize the model `src` (a store name or a GGUF path) to `file_type`."""
+    """Quantize the model `src` (a store name or a GGUF path) to `file_type`. `calibrate`: a
+    text to collect an importance matrix on (kept at `save_imatrix` when given), or an importance
+    matrix file (llama-imatrix's GGUF or `.dat`)."""
     from localllm.models_registry.catalog import ensure_local
     from localllm.models_registry.names import name_from_file, parse_name
     from localllm.models_registry.store import sha256_file
@@ -49,12 +52,23 @@ def run_quantize(store: Any, src: str, file_type: str, *, output: Path | None = 
     kind = file_type.upper()
     imatrix = None
     if calibrate is not None:
-        from localllm.evaluate import read_text
-        from localllm.quant.calibrate import collect_imatrix
+        from localllm.quant import imatrix as imatrix_file
 
-        if on_phase:
-            on_phase("calibrating")
-        imatrix = collect_imatrix(path, read_text(Path(calibrate)), tokens=calibrate_tokens)
+        if imatrix_file.is_imatrix(calibrate):  # one llama-imatrix (or --save-imatrix) made
+            imatrix = imatrix_file.read(calibrate).means()
+        else:
+            from localllm.evaluate import read_text
+            from localllm.quant.calibrate import CHUNK, collect_imatrix
+
+            if on_phase:
+                on_phase("calibrating")
+            rows: dict[str, int] = {}
+            imatrix = collect_imatrix(path, read_text(Path(calibrate)), tokens=calibrate_tokens, rows=rows)
+            if save_imatrix is not None:  # for llama-quantize --imatrix, or another run of ours
+                imatrix_file.write(save_imatrix, imatrix_file.Imatrix.from_means(
+                    imatrix, rows, dataset=Path(calibrate).name, chunk_size=CHUNK))  # fmt: skip
+    elif save_imatrix is not None:
+        raise LocalLLMError("--save-imatrix keeps the matrix --calibrate TEXT collects: give --calibrate")
     target = output if output is not None else store.temp_path()
     stop = cancel.is_set if cancel is not None else None
     result = quantize_file(path, target, kind, engine=engine, allow_requantize=allow_requantize,

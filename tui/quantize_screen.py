@@ -65,7 +65,7 @@ class QuantizeScreen(ModalScreen[Any]):
         with Vertical(id="dialog"):
             yield Label(title)
             yield OptionList(*(Option(label, id=t) for t, label in choices), id="types")
-            yield Input(placeholder="a text file to calibrate on: an importance matrix (optional)",
+            yield Input(placeholder="a text to calibrate on, or an imatrix file (optional)",
                         id="calibrate")  # fmt: skip
             yield Input(placeholder="a text file to measure quality on (optional)", id="eval")
             yield Button("Quantize", id="go", variant="primary")
