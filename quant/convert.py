@@ -1,6 +1,6 @@
 """Hugging Face checkpoints (safetensors) to GGUF: `localllm convert HF_DIR --output OUT.gguf`.
 
-Llama, Mistral and Qwen2 causal LMs with a byte-level BPE tokenizer (`tokenizer.json`: Llama 3,
+Llama, Mistral, Qwen2 and Qwen3 causal LMs with a byte-level BPE tokenizer (`tokenizer.json`: Llama 3,
 Qwen2, SmolLM, Mistral Nemo's tekken) or a SentencePiece one (`tokenizer.model`, or its
 byte-fallback BPE in `tokenizer.json`: Llama 1/2, Mistral 7B v0.1-v0.3). What llama.cpp's
 converter writes for them, done here:
@@ -8,6 +8,7 @@ converter writes for them, done here:
 - hyperparameters from `config.json` into the architecture's keys;
 - tensors renamed to GGUF's names; for `llama` the q and k rows permuted for llama.cpp's
   adjacent-pair RoPE (what the torch engine undoes as it loads); Qwen2's q/k/v biases kept;
+  Qwen3's per-head q/k norms and its own head_dim (key/value_length);
 - the vocabulary (tokens by id, added tokens marked control or user-defined; merges and the
   pre-tokenizer named the way llama.cpp names it — by hashing the tokenization of its check text,
   as its converter does — for byte-level BPE; scores and token types for SentencePiece), special
@@ -34,7 +35,8 @@ from localllm.errors import LocalLLMError
 __all__ = ["OUTTYPES", "convert"]
 
 OUTTYPES = {"f32": ("F32", 0), "f16": ("F16", 1), "bf16": ("BF16", 32), "q8_0": ("Q8_0", 7)}
-ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+         "Qwen3ForCausalLM": "qwen3"}  # fmt: skip
 
 # llama.cpp's pre-tokenizer check: the text its converter tokenizes, and the names it gives the
 # sha256 of the resulting ids (llama.cpp conversion/base.py, `get_vocab_base_pre`) for the
@@ -79,6 +81,8 @@ _NAMES = {
     "layers.{n}.self_attn.q_proj.bias": "blk.{n}.attn_q.bias",
     "layers.{n}.self_attn.k_proj.bias": "blk.{n}.attn_k.bias",
     "layers.{n}.self_attn.v_proj.bias": "blk.{n}.attn_v.bias",
+    "layers.{n}.self_attn.q_norm.weight": "blk.{n}.attn_q_norm.weight",  # Qwen3: RMS norm per head
+    "layers.{n}.self_attn.k_norm.weight": "blk.{n}.attn_k_norm.weight",
     "layers.{n}.mlp.gate_proj.weight": "blk.{n}.ffn_gate.weight",
     "layers.{n}.mlp.up_proj.weight": "blk.{n}.ffn_up.weight",
     "layers.{n}.mlp.down_proj.weight": "blk.{n}.ffn_down.weight",

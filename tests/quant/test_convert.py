@@ -33,11 +33,18 @@ def hf_tokenizer(default_model_path: Path, tmp_path_factory: pytest.TempPathFact
 def checkpoint(folder: Path, tokenizer: Path, arch: str, **over: object) -> object:
     """A random tiny model of `arch` saved as safetensors beside the tokenizer's files."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,  # fmt: skip
+    )
 
     torch.manual_seed(0)
-    cls, cfg_cls = ((LlamaForCausalLM, LlamaConfig) if arch == "llama"
-                    else (Qwen2ForCausalLM, Qwen2Config))  # fmt: skip
+    cls, cfg_cls = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config),
+                    "qwen3": (Qwen3ForCausalLM, Qwen3Config)}[arch]  # fmt: skip
     vocab = len(json.loads((tokenizer / "tokenizer.json").read_text())["model"]["vocab"])
     config = cfg_cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -76,7 +83,9 @@ def hf_logits(model: object, ids: list[int]) -> np.ndarray:
 
 @pytest.mark.parametrize(("arch", "over"), [("llama", {"tie_word_embeddings": True}),
                                             ("llama", {"tie_word_embeddings": False}),
-                                            ("qwen2", {"tie_word_embeddings": False})])  # fmt: skip
+                                            ("qwen2", {"tie_word_embeddings": False}),
+                                            # per-head q/k norms, a head_dim of its own (32, not 64/4)
+                                            ("qwen3", {"tie_word_embeddings": True, "head_dim": 32})])  # fmt: skip
 def test_logits_match_transformers(arch: str, over: dict, hf_tokenizer: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
