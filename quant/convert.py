@@ -1,6 +1,6 @@
 """Hugging Face checkpoints (safetensors) to GGUF: `localllm convert HF_DIR --output OUT.gguf`.
 
-Llama, Mistral, Qwen2 and Qwen3 causal LMs with a byte-level BPE tokenizer (`tokenizer.json`: Llama 3,
+Llama, Mistral, Qwen2, Qwen3 and Phi-3 causal LMs with a byte-level BPE tokenizer (`tokenizer.json`: Llama 3,
 Qwen2, SmolLM, Mistral Nemo's tekken) or a SentencePiece one (`tokenizer.model`, or its
 byte-fallback BPE in `tokenizer.json`: Llama 1/2, Mistral 7B v0.1-v0.3). What llama.cpp's
 converter writes for them, done here:
@@ -8,7 +8,8 @@ converter writes for them, done here:
 - hyperparameters from `config.json` into the architecture's keys;
 - tensors renamed to GGUF's names; for `llama` the q and k rows permuted for llama.cpp's
   adjacent-pair RoPE (what the torch engine undoes as it loads); Qwen2's q/k/v biases kept;
-  Qwen3's per-head q/k norms and its own head_dim (key/value_length);
+  Qwen3's per-head q/k norms and its own head_dim (key/value_length); Phi-3's fused q|k|v and
+  gate|up kept fused, as llama.cpp's phi3 reads them;
 - the vocabulary (tokens by id, added tokens marked control or user-defined; merges and the
   pre-tokenizer named the way llama.cpp names it — by hashing the tokenization of its check text,
   as its converter does — for byte-level BPE; scores and token types for SentencePiece), special
@@ -36,7 +37,7 @@ __all__ = ["OUTTYPES", "convert"]
 
 OUTTYPES = {"f32": ("F32", 0), "f16": ("F16", 1), "bf16": ("BF16", 32), "q8_0": ("Q8_0", 7)}
 ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-         "Qwen3ForCausalLM": "qwen3"}  # fmt: skip
+         "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}  # fmt: skip
 
 # llama.cpp's pre-tokenizer check: the text its converter tokenizes, and the names it gives the
 # sha256 of the resulting ids (llama.cpp conversion/base.py, `get_vocab_base_pre`) for the
@@ -83,6 +84,8 @@ _NAMES = {
     "layers.{n}.self_attn.v_proj.bias": "blk.{n}.attn_v.bias",
     "layers.{n}.self_attn.q_norm.weight": "blk.{n}.attn_q_norm.weight",  # Qwen3: RMS norm per head
     "layers.{n}.self_attn.k_norm.weight": "blk.{n}.attn_k_norm.weight",
+    "layers.{n}.self_attn.qkv_proj.weight": "blk.{n}.attn_qkv.weight",  # Phi-3: q|k|v fused
+    "layers.{n}.mlp.gate_up_proj.weight": "blk.{n}.ffn_up.weight",  # Phi-3: gate|up, as llama.cpp
     "layers.{n}.mlp.gate_proj.weight": "blk.{n}.ffn_gate.weight",
     "layers.{n}.mlp.up_proj.weight": "blk.{n}.ffn_up.weight",
     "layers.{n}.mlp.down_proj.weight": "blk.{n}.ffn_down.weight",
@@ -363,6 +366,9 @@ def convert(folder: str | os.PathLike[str], output: str | os.PathLike[str], outt
     n_kv = int(config.get("num_key_value_heads") or n_head)
     dim = int(config["hidden_size"])
     head_dim = int(config.get("head_dim") or dim // n_head)
+    # rotated dimensions per head: Phi-3 names a share of them (llama.cpp: int(share · dim) // heads)
+    share = float(rope.get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0)
+    rope_dims = int(share * dim) // n_head if share != 1.0 else head_dim
     n_layer = int(config["num_hidden_layers"])
     files = _safetensors(folder)
     vocab = _vocab(folder, config)
@@ -389,6 +395,8 @@ def convert(folder: str | os.PathLike[str], output: str | os.PathLike[str], outt
         raise LocalLLMError(f"the tokenizer has {n_tokens} tokens but the embedding {rows} rows")
     if config.get("tie_word_embeddings") is False and "output.weight" not in plan:
         raise LocalLLMError("the checkpoint unties its embeddings but has no lm_head.weight")
+    if arch == "phi3" and "output.weight" not in plan:  # llama.cpp's phi3 has no tied head
+        raise LocalLLMError("a Phi-3 checkpoint needs its own lm_head.weight (llama.cpp's phi3 reads one)")
 
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_beside(output)
@@ -401,7 +409,7 @@ def convert(folder: str | os.PathLike[str], output: str | os.PathLike[str], outt
         w.add_feed_forward_length(int(config["intermediate_size"]))
         w.add_head_count(n_head)
         w.add_head_count_kv(n_kv)
-        w.add_rope_dimension_count(head_dim)
+        w.add_rope_dimension_count(rope_dims)
         w.add_rope_freq_base(rope_theta)
         w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-5)))
         w.add_vocab_size(len(vocab["tokenizer.ggml.tokens"]))

@@ -36,15 +36,17 @@ def checkpoint(folder: Path, tokenizer: Path, arch: str, **over: object) -> obje
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
-        Qwen3ForCausalLM,  # fmt: skip
+        Qwen3ForCausalLM,
     )
 
     torch.manual_seed(0)
     cls, cfg_cls = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config),
-                    "qwen3": (Qwen3ForCausalLM, Qwen3Config)}[arch]  # fmt: skip
+                    "qwen3": (Qwen3ForCausalLM, Qwen3Config), "phi3": (Phi3ForCausalLM, Phi3Config)}[arch]  # fmt: skip
     vocab = len(json.loads((tokenizer / "tokenizer.json").read_text())["model"]["vocab"])
     config = cfg_cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -85,7 +87,10 @@ def hf_logits(model: object, ids: list[int]) -> np.ndarray:
                                             ("llama", {"tie_word_embeddings": False}),
                                             ("qwen2", {"tie_word_embeddings": False}),
                                             # per-head q/k norms, a head_dim of its own (32, not 64/4)
-                                            ("qwen3", {"tie_word_embeddings": True, "head_dim": 32})])  # fmt: skip
+                                            ("qwen3", {"tie_word_embeddings": True, "head_dim": 32}),
+                                            # fused q|k|v and gate|up (Phi3Config's pad id 32000 is past
+                                            # this vocabulary: 0 instead)
+                                            ("phi3", {"tie_word_embeddings": False, "pad_token_id": 0})])  # fmt: skip
 def test_logits_match_transformers(arch: str, over: dict, hf_tokenizer: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -331,3 +336,11 @@ def test_hostile_sentencepiece_files_are_one_line(spm_model: Path, tmp_path: Pat
     with pytest.raises(LocalLLMError, match="the tokenizer has 1000 tokens but the embedding 900 rows"):
         convert(tmp_path / "ckpt2", tmp_path / "o.gguf")
     assert not (tmp_path / "o.gguf").exists()
+
+
+def test_a_phi3_checkpoint_without_its_own_head_is_refused(hf_tokenizer: Path, tmp_path: Path) -> None:
+    """llama.cpp's phi3 reads an output matrix of its own: a tied Phi-3 is one line, no file."""
+    checkpoint(tmp_path / "ckpt", hf_tokenizer, "phi3", tie_word_embeddings=True, pad_token_id=0)
+    with pytest.raises(LocalLLMError, match="a Phi-3 checkpoint needs its own lm_head.weight"):
+        convert(tmp_path / "ckpt", tmp_path / "out.gguf", "f32")
+    assert not (tmp_path / "out.gguf").exists()
