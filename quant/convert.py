@@ -1,6 +1,6 @@
 """Hugging Face checkpoints (safetensors) to GGUF: `localllm convert HF_DIR --output OUT.gguf`.
 
-Llama, Mistral, Qwen2, Qwen3 and Phi-3 causal LMs with a byte-level BPE tokenizer (`tokenizer.json`: Llama 3,
+Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 3 (text) causal LMs with a byte-level BPE tokenizer (`tokenizer.json`: Llama 3,
 Qwen2, SmolLM, Mistral Nemo's tekken) or a SentencePiece one (`tokenizer.model`, or its
 byte-fallback BPE in `tokenizer.json`: Llama 1/2, Mistral 7B v0.1-v0.3). What llama.cpp's
 converter writes for them, done here:
@@ -9,7 +9,8 @@ converter writes for them, done here:
 - tensors renamed to GGUF's names; for `llama` the q and k rows permuted for llama.cpp's
   adjacent-pair RoPE (what the torch engine undoes as it loads); Qwen2's q/k/v biases kept;
   Qwen3's per-head q/k norms and its own head_dim (key/value_length); Phi-3's fused q|k|v and
-  gate|up kept fused, as llama.cpp's phi3 reads them;
+  gate|up kept fused, as llama.cpp's phi3 reads them; Gemma 3's norms stored as 1 + w (llama.cpp
+  multiplies by the weight), its sliding window, which layers slide and their RoPE base;
 - the vocabulary (tokens by id, added tokens marked control or user-defined; merges and the
   pre-tokenizer named the way llama.cpp names it — by hashing the tokenization of its check text,
   as its converter does — for byte-level BPE; scores and token types for SentencePiece), special
@@ -37,7 +38,7 @@ __all__ = ["OUTTYPES", "convert"]
 
 OUTTYPES = {"f32": ("F32", 0), "f16": ("F16", 1), "bf16": ("BF16", 32), "q8_0": ("Q8_0", 7)}
 ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-         "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}  # fmt: skip
+         "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3"}  # fmt: skip
 
 # llama.cpp's pre-tokenizer check: the text its converter tokenizes, and the names it gives the
 # sha256 of the resulting ids (llama.cpp conversion/base.py, `get_vocab_base_pre`) for the
@@ -106,17 +107,27 @@ def _read_json(path: Path, what: str, required: bool = True) -> dict[str, Any]:
     return data
 
 
-def gguf_name(hf: str) -> str | None:
+# Gemma 3 norms around both halves of a block: post_attention_layernorm is the attention's
+# post-norm there, not the feed-forward's pre-norm
+_ARCH_NAMES = {"gemma3": {
+    "layers.{n}.post_attention_layernorm.weight": "blk.{n}.post_attention_norm.weight",
+    "layers.{n}.pre_feedforward_layernorm.weight": "blk.{n}.ffn_norm.weight",
+    "layers.{n}.post_feedforward_layernorm.weight": "blk.{n}.post_ffw_norm.weight",
+}}  # fmt: skip
+
+
+def gguf_name(hf: str, arch: str = "llama") -> str | None:
     """The GGUF name of a Hugging Face tensor name, or None for one llama.cpp does not keep."""
     if hf == "lm_head.weight":
         return "output.weight"
+    names = _NAMES | _ARCH_NAMES.get(arch, {})
     name = hf.removeprefix("model.")
     parts = name.split(".")
     if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit():
         pattern = ".".join(["layers", "{n}", *parts[2:]])
-        target = _NAMES.get(pattern)
+        target = names.get(pattern)
         return target.format(n=parts[1]) if target else None
-    return _NAMES.get(name)
+    return names.get(name)
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -358,10 +369,15 @@ def convert(folder: str | os.PathLike[str], output: str | os.PathLike[str], outt
     # with its type (transformers 5 saves it there)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope = rope if isinstance(rope, dict) else {}
-    kind = rope.get("rope_type", rope.get("type"))
-    if kind not in (None, "default"):
-        raise LocalLLMError(f"RoPE scaling {kind} is not converted")
+    # Gemma 3 (transformers 5): one set per layer type; global layers' theta, local layers' apart
+    local = rope.get("sliding_attention") if isinstance(rope.get("sliding_attention"), dict) else None
+    rope = rope.get("full_attention", rope) if isinstance(rope.get("full_attention"), dict) else rope
+    for r in (rope, local or {}):
+        kind = r.get("rope_type", r.get("type"))
+        if kind not in (None, "default"):
+            raise LocalLLMError(f"RoPE scaling {kind} is not converted")
     rope_theta = float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    theta_swa = (local or {}).get("rope_theta") or config.get("rope_local_base_freq")
     n_head = int(config["num_attention_heads"])
     n_kv = int(config.get("num_key_value_heads") or n_head)
     dim = int(config["hidden_size"])
@@ -370,6 +386,15 @@ def convert(folder: str | os.PathLike[str], output: str | os.PathLike[str], outt
     share = float(rope.get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0)
     rope_dims = int(share * dim) // n_head if share != 1.0 else head_dim
     n_layer = int(config["num_hidden_layers"])
+    if arch == "gemma3":
+        # llama.cpp scales Gemma 3's attention by 1/sqrt(head_dim) (by hidden/heads at 62 layers)
+        scalar = config.get("query_pre_attn_scalar")
+        expected = dim // n_head if n_layer == 62 else head_dim
+        if scalar is not None and int(scalar) != expected:
+            raise LocalLLMError(f"query_pre_attn_scalar {scalar} is not the {expected} llama.cpp "
+                                "scales this Gemma 3's attention by")  # fmt: skip
+        if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise LocalLLMError(f"Gemma 3 with {config.get('hidden_activation')} is not converted")
     files = _safetensors(folder)
     vocab = _vocab(folder, config)
     out_type, file_type = OUTTYPES[outtype]
@@ -378,7 +403,7 @@ def convert(folder: str | os.PathLike[str], output: str | os.PathLike[str], outt
     plan: dict[str, tuple[tuple[int, ...], str]] = {}
     sources: dict[str, tuple[Path, str]] = {}
     for key, path, shape in _shapes(files):
-        name = gguf_name(key)
+        name = gguf_name(key, arch)
         if name is None:
             if key.endswith("rotary_emb.inv_freq"):
                 continue
@@ -416,6 +441,15 @@ def convert(folder: str | os.PathLike[str], output: str | os.PathLike[str], outt
         if head_dim != dim // n_head:
             w.add_key_length(head_dim)
             w.add_value_length(head_dim)
+        if arch == "gemma3" and config.get("sliding_window"):
+            w.add_sliding_window(int(config["sliding_window"]))
+            types = config.get("layer_types")
+            if isinstance(types, list) and len(types) == n_layer:  # which layers slide
+                w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+            if theta_swa:
+                w.add_float32(f"{arch}.rope.freq_base_swa", float(theta_swa))
+        if arch == "gemma3" and config.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
         w.add_file_type(file_type)
         w.add_quantization_version(2)
         for key, value in vocab.items():
@@ -438,6 +472,8 @@ def convert(folder: str | os.PathLike[str], output: str | os.PathLike[str], outt
             x = _values(*sources[name])
             if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
                 x = permute_qk(x, n_head if "attn_q" in name else n_kv)
+            if arch == "gemma3" and name.endswith("norm.weight"):  # Gemma scales by 1 + w
+                x = x.astype(np.float32) + np.float32(1)
             w.write_tensor_data(quantize(x.reshape(-1, x.shape[-1]), kind).reshape(-1))
             if on_tensor is not None:
                 on_tensor(i, len(plan), name)

@@ -34,6 +34,8 @@ def checkpoint(folder: Path, tokenizer: Path, arch: str, **over: object) -> obje
     """A random tiny model of `arch` saved as safetensors beside the tokenizer's files."""
     import torch
     from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         Phi3Config,
@@ -46,7 +48,8 @@ def checkpoint(folder: Path, tokenizer: Path, arch: str, **over: object) -> obje
 
     torch.manual_seed(0)
     cls, cfg_cls = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config),
-                    "qwen3": (Qwen3ForCausalLM, Qwen3Config), "phi3": (Phi3ForCausalLM, Phi3Config)}[arch]  # fmt: skip
+                    "qwen3": (Qwen3ForCausalLM, Qwen3Config), "phi3": (Phi3ForCausalLM, Phi3Config),
+                    "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig)}[arch]  # fmt: skip
     vocab = len(json.loads((tokenizer / "tokenizer.json").read_text())["model"]["vocab"])
     config = cfg_cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -90,7 +93,13 @@ def hf_logits(model: object, ids: list[int]) -> np.ndarray:
                                             ("qwen3", {"tie_word_embeddings": True, "head_dim": 32}),
                                             # fused q|k|v and gate|up (Phi3Config's pad id 32000 is past
                                             # this vocabulary: 0 instead)
-                                            ("phi3", {"tie_word_embeddings": False, "pad_token_id": 0})])  # fmt: skip
+                                            ("phi3", {"tie_word_embeddings": False, "pad_token_id": 0}),
+                                            # norms as 1 + w, post-norms, a sliding window shorter
+                                            # than the text on the first layer, global RoPE base 1e6
+                                            ("gemma3", {"tie_word_embeddings": True, "pad_token_id": 0,
+                                                        "head_dim": 32, "query_pre_attn_scalar": 32,
+                                                        "sliding_window": 8,
+                                                        "layer_types": ["sliding_attention", "full_attention"]})])  # fmt: skip
 def test_logits_match_transformers(arch: str, over: dict, hf_tokenizer: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -99,8 +108,31 @@ def test_logits_match_transformers(arch: str, over: dict, hf_tokenizer: Path, tm
     hf_ids = AutoTokenizer.from_pretrained(tmp_path / "ckpt")(TEXT, add_special_tokens=False)["input_ids"]
     ours, tokens = llamacpp_logits(out, hf_ids)
     assert tokens == hf_ids  # llama.cpp tokenizes as the checkpoint's tokenizer does
+    if arch == "gemma3":  # compare what the file holds, not ggml's GELU approximation
+        exact = float(np.abs(ours - hf_logits(model, hf_ids)).max())
+        import torch
+
+        class GgmlGelu(torch.nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return ggml_gelu(x)  # type: ignore[return-value]
+
+        for layer in model.model.layers:  # type: ignore[attr-defined]
+            layer.mlp.act_fn = GgmlGelu()
+        print(f"gemma3: max |Δ logits| {exact:.5f} against exact GELU")
     delta = float(np.abs(ours - hf_logits(model, hf_ids)).max())
+    print(f"{arch}: max |Δ logits| {delta:.6f}")
     assert delta <= 1e-3, f"{arch}: max |Δ logits| {delta}"
+
+
+def ggml_gelu(x: object) -> object:
+    """GELU as ggml's CPU backend computes it on f32 (GGML_GELU_FP16): the tanh approximation of
+    the input rounded to f16, read from a table of f16 results; 0 at or below -10, x at or above
+    10. (Exact GELU puts a tiny Gemma 3's logits ~1e-3 from llama.cpp's.)"""
+    import torch
+
+    t = x.half().float()  # type: ignore[attr-defined]
+    y = torch.nn.functional.gelu(t, approximate="tanh").half().float()
+    return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, y))  # type: ignore[operator]
 
 
 def test_default_model_weights_round_trip(default_model_path: Path, hf_tokenizer: Path,
