@@ -1,6 +1,7 @@
 """Hugging Face checkpoints (safetensors) to GGUF: `localllm convert HF_DIR --output OUT.gguf`.
 
-Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 3 (text) causal LMs with a byte-level BPE tokenizer (`tokenizer.json`: Llama 3,
+Llama, Mistral (and Mixtral's experts), Qwen2, Qwen3, Phi-3 and Gemma 3 (text) causal LMs with a
+byte-level BPE tokenizer (`tokenizer.json`: Llama 3,
 Qwen2, SmolLM, Mistral Nemo's tekken) or a SentencePiece one (`tokenizer.model`, or its
 byte-fallback BPE in `tokenizer.json`: Llama 1/2, Mistral 7B v0.1-v0.3). What llama.cpp's
 converter writes for them, done here:
@@ -25,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from hashlib import sha256
 from pathlib import Path
@@ -37,7 +39,8 @@ from localllm.errors import LocalLLMError
 __all__ = ["OUTTYPES", "convert"]
 
 OUTTYPES = {"f32": ("F32", 0), "f16": ("F16", 1), "bf16": ("BF16", 32), "q8_0": ("Q8_0", 7)}
-ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "MixtralForCausalLM": "llama",
+         "Qwen2ForCausalLM": "qwen2",
          "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3"}  # fmt: skip
 
 # llama.cpp's pre-tokenizer check: the text its converter tokenizes, and the names it gives the
@@ -106,6 +109,11 @@ def _read_json(path: Path, what: str, required: bool = True) -> dict[str, Any]:
         raise LocalLLMError(f"{path} does not hold a JSON object")
     return data
 
+
+# Mixtral's experts: one tensor per expert and matrix, stacked into llama.cpp's 3-D ones
+_EXPERT = re.compile(r"(?:model\.)?layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
+_EXPERT_NAMES = {"w1": "ffn_gate_exps", "w2": "ffn_down_exps", "w3": "ffn_up_exps"}
+_NAMES["layers.{n}.block_sparse_moe.gate.weight"] = "blk.{n}.ffn_gate_inp.weight"  # the router
 
 # Gemma 3 norms around both halves of a block: post_attention_layernorm is the attention's
 # post-norm there, not the feed-forward's pre-norm
@@ -401,18 +409,33 @@ def convert(folder: str | os.PathLike[str], output: str | os.PathLike[str], outt
 
     # names, shapes and types first (the header precedes the data); values are read twice
     plan: dict[str, tuple[tuple[int, ...], str]] = {}
-    sources: dict[str, tuple[Path, str]] = {}
+    sources: dict[str, list[tuple[Path, str]]] = {}  # one source, or an expert each (stacked)
+    experts: dict[str, dict[int, tuple[Path, str, tuple[int, ...]]]] = {}
     for key, path, shape in _shapes(files):
+        if m := _EXPERT.fullmatch(key):
+            experts.setdefault(f"blk.{m[1]}.{_EXPERT_NAMES[m[3]]}.weight", {})[int(m[2])] = (path, key, shape)
+            continue
         name = gguf_name(key, arch)
         if name is None:
             if key.endswith("rotary_emb.inv_freq"):
                 continue
             raise LocalLLMError(f"the checkpoint's tensor {key} has no place in a {arch} GGUF")
         ne = tuple(reversed(shape))
-        kind = out_type if len(shape) == 2 else "F32"
+        # the MoE router stays F32 (llama.cpp's converter keeps it so)
+        kind = out_type if len(shape) == 2 and not name.endswith("ffn_gate_inp.weight") else "F32"
         if kind == "Q8_0" and ne[0] % 32:
             kind = "F16"
-        plan[name], sources[name] = (ne, kind), (path, key)
+        plan[name], sources[name] = (ne, kind), [(path, key)]
+    n_expert = int(config.get("num_local_experts") or 0)
+    for name, by_index in sorted(experts.items()):
+        shapes = {shape for _, _, shape in by_index.values()}
+        if sorted(by_index) != list(range(n_expert)) or len(shapes) != 1:
+            raise LocalLLMError(f"the checkpoint's experts for {name} are not experts 0..{n_expert - 1} "
+                                "of one shape")  # fmt: skip
+        (shape,) = shapes
+        kind = out_type if not (out_type == "Q8_0" and shape[-1] % 32) else "F16"
+        plan[name] = (tuple(reversed((n_expert, *shape))), kind)
+        sources[name] = [(p, k) for p, k, _ in (by_index[e] for e in range(n_expert))]
     if "token_embd.weight" not in plan:
         raise LocalLLMError("the checkpoint has no model.embed_tokens.weight")
     n_tokens, rows = len(vocab["tokenizer.ggml.tokens"]), plan["token_embd.weight"][0][1]
@@ -448,6 +471,9 @@ def convert(folder: str | os.PathLike[str], output: str | os.PathLike[str], outt
                 w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
             if theta_swa:
                 w.add_float32(f"{arch}.rope.freq_base_swa", float(theta_swa))
+        if n_expert:
+            w.add_expert_count(n_expert)
+            w.add_expert_used_count(int(config.get("num_experts_per_tok") or 2))
         if arch == "gemma3" and config.get("final_logit_softcapping"):
             w.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
         w.add_file_type(file_type)
@@ -469,7 +495,8 @@ def convert(folder: str | os.PathLike[str], output: str | os.PathLike[str], outt
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         for i, (name, (_, kind)) in enumerate(plan.items(), 1):
-            x = _values(*sources[name])
+            parts = [_values(p, k) for p, k in sources[name]]
+            x = parts[0] if len(parts) == 1 else np.stack(parts)
             if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
                 x = permute_qk(x, n_head if "attn_q" in name else n_kv)
             if arch == "gemma3" and name.endswith("norm.weight"):  # Gemma scales by 1 + w

@@ -38,6 +38,8 @@ def checkpoint(folder: Path, tokenizer: Path, arch: str, **over: object) -> obje
         Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Phi3Config,
         Phi3ForCausalLM,
         Qwen2Config,
@@ -49,7 +51,8 @@ def checkpoint(folder: Path, tokenizer: Path, arch: str, **over: object) -> obje
     torch.manual_seed(0)
     cls, cfg_cls = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config),
                     "qwen3": (Qwen3ForCausalLM, Qwen3Config), "phi3": (Phi3ForCausalLM, Phi3Config),
-                    "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig)}[arch]  # fmt: skip
+                    "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig),
+                    "mixtral": (MixtralForCausalLM, MixtralConfig)}[arch]  # fmt: skip
     vocab = len(json.loads((tokenizer / "tokenizer.json").read_text())["model"]["vocab"])
     config = cfg_cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -99,7 +102,11 @@ def hf_logits(model: object, ids: list[int]) -> np.ndarray:
                                             ("gemma3", {"tie_word_embeddings": True, "pad_token_id": 0,
                                                         "head_dim": 32, "query_pre_attn_scalar": 32,
                                                         "sliding_window": 8,
-                                                        "layer_types": ["sliding_attention", "full_attention"]})])  # fmt: skip
+                                                        "layer_types": ["sliding_attention", "full_attention"]}),
+                                            # 4 experts a layer, 2 of them per token: stacked into
+                                            # llama.cpp's 3-D expert tensors, the router kept F32
+                                            ("mixtral", {"tie_word_embeddings": False, "num_local_experts": 4,
+                                                         "num_experts_per_tok": 2})])  # fmt: skip
 def test_logits_match_transformers(arch: str, over: dict, hf_tokenizer: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
