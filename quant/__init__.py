@@ -18,7 +18,7 @@ __all__ = ["BLOCK", "TYPES", "quantize", "row_bytes"]
 BLOCK = {
     "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
     "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
-    "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+    "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
 }  # fmt: skip
 TYPES = tuple(BLOCK)
 
@@ -87,7 +87,8 @@ def _in_pieces(rows: np.ndarray, type_name: str) -> np.ndarray:
     inside its array operations)."""
     from localllm.quant import kquants
 
-    k = {"Q4_K": kquants.quantize_q4_k, "Q5_K": kquants.quantize_q5_k, "Q6_K": kquants.quantize_q6_k}
+    k = {"Q2_K": kquants.quantize_q2_k, "Q3_K": kquants.quantize_q3_k, "Q4_K": kquants.quantize_q4_k,
+         "Q5_K": kquants.quantize_q5_k, "Q6_K": kquants.quantize_q6_k}  # fmt: skip
     # the legacy types are a few array operations each: pieces only add calls
     step = max(1, (PIECE if type_name in k else LEGACY_PIECE) // rows.shape[1])
     pieces = [rows[i : i + step] for i in range(0, len(rows), step)]

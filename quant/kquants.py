@@ -1,6 +1,7 @@
-"""K-quants (Q4_K, Q5_K, Q6_K), byte-identical to llama.cpp's reference quantization.
+"""K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), byte-identical to llama.cpp's reference quantization.
 
-Ports of `quantize_row_q{4,5,6}_K_ref` and their helpers (`make_qkx2_quants`, `make_qx_quants`) in
+Ports of `quantize_row_q{2,3,4,5,6}_K_ref` and their helpers (`make_qkx2_quants`, `make_q3_quants`,
+`make_qx_quants`) in
 ggml's `ggml-quants.c` — what `llama_model_quantize` runs for these types without an importance
 matrix. Vectorized over every (sub-)block of a tensor at once: the only Python loops run over the
 positions inside one sub-block (32 or 16) and over the candidate scales, never over blocks.
@@ -16,10 +17,11 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["QK_K", "BLOCK_BYTES", "quantize_q4_k", "quantize_q5_k", "quantize_q6_k"]
+__all__ = ["QK_K", "BLOCK_BYTES", "quantize_q2_k", "quantize_q3_k", "quantize_q4_k", "quantize_q5_k",
+           "quantize_q6_k"]
 
 QK_K = 256
-BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 GROUP_MAX_EPS = np.float32(1e-15)
 F32 = np.float32
 
@@ -50,9 +52,10 @@ def _levels(t: np.ndarray, lo: int, hi: int) -> np.ndarray:
 
 
 def _make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float,
-                      nstep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
-    """`make_qkx2_quants` (use_mad false) for every group at once. x, w: (n, N) position-major.
-    Returns (scale (N,), the_min (N,) = −min ≥ 0, L (n, N) uint8)."""
+                      nstep: int, use_mad: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """`make_qkx2_quants` for every group at once (`use_mad`: weighted absolute errors, Q2_K's,
+    else squared). x, w: (n, N) position-major. Returns (scale (N,), the_min (N,) = −min ≥ 0,
+    L (n, N) uint8)."""
     mn = x.min(axis=0)
     mx = x.max(axis=0)
     sum_w = w.sum(axis=0)
@@ -66,7 +69,7 @@ def _make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdel
         scale = F32(1) / iscale
         L = _levels(np.multiply(iscale, np.subtract(x, mn, out=t), out=t), 0, nmax).copy()
         diff = scale * L + mn - x
-        best = (w * (diff * diff)).sum(axis=0)
+        best = (w * (np.abs(diff) if use_mad else diff * diff)).sum(axis=0)
         lo = mn.copy()  # the C loop moves `min` to each better solution's: later steps start from it
         for step in range(nstep + 1):
             iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / (mx - lo)
@@ -84,7 +87,10 @@ def _make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdel
             diff = np.multiply(this_scale, lf, out=u)  # (scale·l + min − x)², weighted
             diff += this_min
             diff -= x
-            diff *= diff
+            if use_mad:
+                np.abs(diff, out=diff)
+            else:
+                diff *= diff
             diff *= w
             cur = diff.sum(axis=0)
             better = (d > 0) & (cur < best)
@@ -318,3 +324,112 @@ def quantize_q6_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
     qh = ((L[:, :, 0] >> 4) | ((L[:, :, 1] >> 4) << 2) | ((L[:, :, 2] >> 4) << 4)
           | ((L[:, :, 3] >> 4) << 6)).reshape(m, 64)  # fmt: skip
     return np.concatenate([ql, qh.astype(np.uint8), sc.view(np.uint8), _f16_bytes(d)], axis=1)
+
+
+def _make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """`make_q3_quants` with do_rmse (Q3_K's), for every group at once. x: (n, N) position-major.
+    Its refinement changes one level at a time against running sums, so that loop runs over the
+    positions, in order, each step on every group (a group that changed nothing in a pass stops,
+    as the C loop breaks). Returns (scale (N,), L (n, N) float levels in [0, 2·nmax))."""
+    n = x.shape[0]
+    ax = np.abs(x)
+    at = ax.argmax(axis=0)  # the first largest: the C loop's strict `>`
+    cols = np.arange(x.shape[1])
+    amax = ax[at, cols]
+    mx = x[at, cols]
+    zero = amax < GROUP_MAX_EPS
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = F32(-nmax) / mx
+        L = np.clip(np.rint(iscale * x), -nmax, nmax - 1).astype(F32)
+        w = x * x
+        sumlx = (w * x * L).sum(axis=0)
+        suml2 = (w * L * L).sum(axis=0)
+        active = ~zero
+        for _ in range(5):
+            changed = np.zeros_like(active)
+            for i in range(n):
+                wi, xi, li = w[i], x[i], L[i]
+                slx = sumlx - wi * xi * li
+                sl2 = suml2 - wi * li * li
+                new = np.clip(np.rint(xi * sl2 / slx), -nmax, nmax - 1).astype(F32)
+                slx2 = slx + wi * xi * new
+                sl22 = sl2 + wi * new * new
+                take = (active & (slx > 0) & (new != li) & (sl22 > 0)
+                        & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22))  # fmt: skip
+                L[i] = np.where(take, new, li)
+                sumlx = np.where(take, slx2, sumlx)
+                suml2 = np.where(take, sl22, suml2)
+                changed |= take
+            active &= changed
+            if not active.any():
+                break
+        scale = np.where(suml2 > 0, sumlx / suml2, F32(0)).astype(F32)
+    L = L + F32(nmax)
+    return np.where(zero, F32(0), scale).astype(F32), np.where(zero, F32(0), L)
+
+
+def _pack_2bit(L: np.ndarray) -> np.ndarray:
+    """(M, 256) levels in [0, 3] → (M, 64): per 128-value half, byte l holds values l, l+32,
+    l+64, l+96 in its bit pairs (Q2_K's and Q3_K's qs)."""
+    L = L.reshape(-1, 2, 4, 32).astype(np.uint8)
+    return (L[:, :, 0] | (L[:, :, 1] << 2) | (L[:, :, 2] << 4) | (L[:, :, 3] << 6)).reshape(-1, 64)
+
+
+def quantize_q2_k(x: np.ndarray) -> np.ndarray:
+    """float32 values (a multiple of 256, row-major) → Q2_K blocks, (M, 84) uint8:
+    `quantize_row_q2_K_ref` (16 sub-blocks of 16, a 4-bit scale and min each)."""
+    x = _blocks(x)
+    m = x.shape[0]
+    xs = _rows(x, 16)  # (16, M·16)
+    scales, mins, L = _make_qkx2_quants(xs, np.abs(xs), 3, -0.5, 0.1, 15, use_mad=True)
+    scales, mins = scales.reshape(m, 16), mins.reshape(m, 16)
+    max_scale = np.maximum(scales.max(axis=1), F32(0))
+    max_min = np.maximum(mins.max(axis=1), F32(0))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ls = np.where(max_scale[:, None] > 0, _nearest_int((F32(15) / max_scale)[:, None] * scales), 0)
+        lm = np.where(max_min[:, None] > 0, _nearest_int((F32(15) / max_min)[:, None] * mins), 0)
+    packed = (ls.astype(np.uint8) | (lm.astype(np.uint8) << 4)).astype(np.uint8)
+    d = np.where(max_scale > 0, max_scale / F32(15), F32(0)).astype(F32)
+    dmin = np.where(max_min > 0, max_min / F32(15), F32(0)).astype(F32)
+    sub_d = _f16_round(d)[:, None] * (packed & 0xF).astype(F32)  # (M, 16)
+    sub_m = _f16_round(dmin)[:, None] * (packed >> 4).astype(F32)
+    L = L.T.reshape(m, 16, 16)
+    xb = x.reshape(m, 16, 16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        req = np.clip(_nearest_int((xb + sub_m[..., None]) / sub_d[..., None]), 0, 3)
+    L = np.where(sub_d[..., None] != 0, req, L).reshape(m, QK_K)
+    return np.concatenate([packed, _pack_2bit(L), _f16_bytes(d), _f16_bytes(dmin)], axis=1)
+
+
+def quantize_q3_k(x: np.ndarray) -> np.ndarray:
+    """float32 values (a multiple of 256, row-major) → Q3_K blocks, (M, 110) uint8:
+    `quantize_row_q3_K_ref` (16 sub-blocks of 16, a 6-bit signed scale each, a high-bit mask)."""
+    x = _blocks(x)
+    m = x.shape[0]
+    scales, L = _make_q3_quants(_rows(x, 16), 4)
+    scales = scales.reshape(m, 16)
+    at = np.abs(scales).argmax(axis=1)  # the first largest |scale|
+    max_scale = scales[np.arange(m), at]
+    live = max_scale != 0
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = F32(-32) / max_scale
+        lv = np.clip(_nearest_int(iscale[:, None] * scales), -32, 31) + 32  # (M, 16) in [0, 63]
+        d = np.where(live, F32(1) / iscale, F32(0)).astype(F32)
+    lv = np.where(live[:, None], lv, 0).astype(np.uint8)
+    sc = np.zeros((m, 12), np.uint8)
+    sc[:, 0:8] = (lv[:, 0:8] & 0xF) | ((lv[:, 8:16] & 0xF) << 4)
+    high = (lv >> 4).reshape(m, 4, 4)  # [j // 4, j % 4]
+    sc[:, 8:12] = high[:, 0] | (high[:, 1] << 2) | (high[:, 2] << 4) | (high[:, 3] << 6)
+    # the scales as stored (a row with no scale stored zeros: -32 each, times d = 0)
+    signed = lv.astype(np.int32) - 32
+    sub_d = _f16_round(d)[:, None] * signed.astype(F32)  # (M, 16)
+    L = L.T.reshape(m, 16, 16)
+    xb = x.reshape(m, 16, 16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        req = np.clip(_nearest_int(xb / sub_d[..., None]), -4, 3) + 4
+    L = np.where(sub_d[..., None] != 0, req, L).reshape(m, QK_K).astype(np.int32)
+    hi = L > 3  # the third bit: value j's in hmask byte j % 32, bit j // 32
+    hmask = np.bitwise_or.reduce((hi.reshape(m, 8, 32).astype(np.uint8)
+                                  << np.arange(8, dtype=np.uint8)[None, :, None]), axis=1)  # fmt: skip
+    L = np.where(hi, L - 4, L)
+    return np.concatenate([hmask.astype(np.uint8), _pack_2bit(L), sc, _f16_bytes(d)], axis=1)

@@ -12,10 +12,12 @@ type overrides, no `only_copy` — with or without an importance matrix. The par
 - `_type_impl`: `llama_tensor_get_type_impl` — output.weight (and token_embd.weight when there is no
   output.weight: tied embeddings) → Q6_K, or Q8_0 when its rows do not fit the default type's
   block; attn_v and ffn_down → more bits in the layers `use_more_bits` picks (Q4_K_M, Q5_K_M) or in
-  the first layers (Q4_K_S); the 8-expert and 70B-model bumps. Branches only for other file types
-  (Q2_K, Q3_K_*, IQ*, MXFP4, TQ*) and for Falcon / GLM5-next / BailingMoE3 are left out.
+  the first layers (Q4_K_S); Q2_K's and Q3_K_*'s attn_v (by GQA), ffn_down and attn_output bumps;
+  the 8-expert and 70B-model bumps. Branches only for other file types (Q2_K_S, IQ*, MXFP4, TQ*)
+  and for Falcon / GLM5-next / BailingMoE3 are left out.
 - `_fallback`: `tensor_type_fallback` — a row length ne[0] that is not a multiple of the block size:
-  Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0; a 32-block type stays; then F16 if even that does not fit.
+  Q2_K, Q3_K → Q4_0, Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0; a 32-block type stays; then F16 if
+  even that does not fit.
 - `_get_type`: `llama_tensor_get_type` — the rules and the fallback apply only when the file type's
   default type is quantized; F16 / F32 files take the default type for every quantizable tensor.
 - `choose_types`: `llama_model_quantize_impl` with `init_quantize_state_counters` — tensors are
@@ -36,13 +38,14 @@ __all__ = ["FILE_TYPES", "choose_types", "default_type"]
 # enum llama_ftype (llama.h)
 FILE_TYPES: dict[str, int] = {
     "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9,
+    "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13,
     "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "BF16": 32,
 }  # fmt: skip
 
 # llama_ftype_get_default_type
 _DEFAULT_TYPE = {
     "F32": "F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
-    "Q5_1": "Q5_1", "Q8_0": "Q8_0",
+    "Q5_1": "Q5_1", "Q8_0": "Q8_0", "Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K",
     "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
 }  # fmt: skip
 
@@ -50,12 +53,12 @@ _DEFAULT_TYPE = {
 _BLOCK = {
     "F32": 1, "F16": 1, "BF16": 1,
     "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32,
-    "Q4_K": 256, "Q5_K": 256, "Q6_K": 256,
+    "Q2_K": 256, "Q3_K": 256, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256,
 }  # fmt: skip
 _NOT_QUANTIZED = ("F32", "F16", "BF16")
 
 # tensor_type_fallback's table for the 256-block types reachable here
-_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 # archs whose rules (not ported) differ from the generic ones for these file types
 _UNPORTED_ARCHS = ("falcon", "glm5-next", "bailingmoe3")
@@ -161,8 +164,9 @@ class _State:
     """`quantize_state_impl`: the counters and what the rules read from the model."""
 
     def __init__(self, ftype: str, arch: str, n_layer: int, n_expert: int, is_70b: bool,
-                 n_attention_wv: int, tied: bool, has_imatrix: bool = False) -> None:  # fmt: skip
+                 n_attention_wv: int, tied: bool, has_imatrix: bool = False, n_gqa: int = 1) -> None:  # fmt: skip
         self.ftype = ftype
+        self.n_gqa = n_gqa  # hparams.n_gqa(): query heads per KV head
         self.has_imatrix = has_imatrix
         self.arch = arch
         self.n_layer = n_layer
@@ -200,7 +204,13 @@ def _type_impl(qs: _State, new_type: str, name: str, ne0: int, category: str) ->
     elif category == "TOKEN_EMBD":
         pass  # only the IQ*/TQ*/Q2_0 file types change an untied token_embd
     elif _is_attn_v(category):  # attn_qkv and attn_kv_b too: their own branch below is dead
-        if ftype in ("Q4_K_M", "Q5_K_M") and _use_more_bits(qs.i_attention_wv, qs.n_attention_wv):
+        if ftype == "Q2_K":
+            new_type = "Q4_K" if qs.n_gqa >= 4 else "Q3_K"
+        elif ftype == "Q3_K_M":
+            new_type = "Q5_K" if qs.i_attention_wv < 2 else "Q4_K"
+        elif ftype == "Q3_K_L":
+            new_type = "Q5_K"
+        elif ftype in ("Q4_K_M", "Q5_K_M") and _use_more_bits(qs.i_attention_wv, qs.n_attention_wv):
             new_type = "Q6_K"
         elif ftype == "Q4_K_S" and qs.i_attention_wv < 4:
             new_type = "Q5_K"
@@ -214,7 +224,13 @@ def _type_impl(qs: _State, new_type: str, name: str, ne0: int, category: str) ->
             new_type = "Q8_0"
     elif category == "FFN_DOWN":
         i_layer, n_layer = qs.layer_info(qs.i_ffn_down, name)
-        if ftype == "Q4_K_M":
+        if ftype == "Q2_K":
+            new_type = "Q3_K"
+        elif ftype == "Q3_K_M":  # (falcon's Q3_K branch: falcon is not ported)
+            new_type = "Q5_K" if i_layer < n_layer // 16 else "Q4_K"
+        elif ftype == "Q3_K_L":
+            new_type = "Q5_K"
+        elif ftype == "Q4_K_M":
             if _use_more_bits(i_layer, n_layer):
                 new_type = "Q6_K"
         elif ftype == "Q5_K_M" and _use_more_bits(i_layer, n_layer):
@@ -227,8 +243,11 @@ def _type_impl(qs: _State, new_type: str, name: str, ne0: int, category: str) ->
             new_type = "Q4_1" if ftype == "Q4_0" else "Q5_1"
         qs.i_ffn_down += 1
     elif category == "ATTENTION_OUTPUT":
-        if qs.n_expert == 8 and ftype in ("Q4_K_S", "Q4_K_M"):
-            new_type = "Q5_K"
+        if qs.n_expert == 8:
+            if ftype in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M"):
+                new_type = "Q5_K"
+        elif ftype in ("Q2_K", "Q3_K_M", "Q3_K_L"):
+            new_type = {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K", "Q3_K_L": "Q5_K"}[ftype]
     elif category in ("FFN_GATE", "FFN_UP"):
         # only IQ3_XS changes these; layer_info still rejects unparsable names with experts
         qs.layer_info(0, name)
@@ -287,6 +306,7 @@ def choose_types(
         ftype, arch, n_layer, n_expert, _is_70b(arch, n_layer, n_head, n_head_kv, n_expert),
         n_attention_wv=sum(_is_attn_v(c) for c in categories),
         tied="OUTPUT" not in categories, has_imatrix=has_imatrix,
+        n_gqa=n_head // n_head_kv if n_head_kv else 0,
     )  # fmt: skip
 
     # the loader's weights_map order (weight_name_comparer)

@@ -192,7 +192,7 @@ def test_tiny_f16_source_matches_llamacpp(file_type: str, tiny_llama: Path, tmp_
     check(tiny_llama, tmp_path / "out.gguf", file_type)
 
 
-@pytest.mark.parametrize("file_type", ["Q4_K_M", "Q5_K_S", "Q6_K"])
+@pytest.mark.parametrize("file_type", ["Q4_K_M", "Q5_K_S", "Q6_K", "Q3_K_M"])
 def test_smollm2_matches_llamacpp(file_type: str, smol_f32: Path, tmp_path: Path) -> None:
     """The types, and the whole file's tensor data byte for byte against our writer's."""
     theirs = tmp_path / "theirs.gguf"
@@ -215,8 +215,8 @@ def test_file_types() -> None:
     assert default_type("Q4_K_M") == default_type("Q4_K_S") == "Q4_K"
     assert default_type("Q5_K_M") == "Q5_K" and default_type("Q8_0") == "Q8_0"
     assert FILE_TYPES["Q4_K_M"] == 15 and FILE_TYPES["F32"] == 0
-    with pytest.raises(ValueError, match="unknown file type 'Q3_K_L'"):
-        choose_types("Q3_K_L", [], arch="llama", n_layer=1, n_head=1, n_head_kv=1)
+    with pytest.raises(ValueError, match="unknown file type 'Q2_K_S'"):
+        choose_types("Q2_K_S", [], arch="llama", n_layer=1, n_head=1, n_head_kv=1)
     with pytest.raises(ValueError, match="unknown file type"):
         default_type("q4_k_m")
 
@@ -232,7 +232,7 @@ def same_tensors(a: Path, b: Path) -> list[str]:
                 or bytes(x.tensor_bytes(n)) != bytes(y.tensor_bytes(n))]  # fmt: skip
 
 
-@pytest.mark.parametrize("file_type", ["Q4_1", "Q5_0", "Q5_1", "BF16"])
+@pytest.mark.parametrize("file_type", ["Q4_1", "Q5_0", "Q5_1", "BF16", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L"])
 @pytest.mark.parametrize("model", ["untied16", "odd"])
 def test_legacy_and_bf16_files_are_llamacpps_byte_for_byte(file_type: str, model: str, models: dict[str, Path],
                                                           tmp_path: Path) -> None:  # fmt: skip
@@ -272,3 +272,16 @@ def test_with_an_importance_matrix_ours_is_llamacpps(file_type: str, models: dic
         assert guarded == {"blk.0.ffn_down.weight", "blk.1.ffn_down.weight"}  # 16 layers / 8
         assert {mine.types[n] for n in guarded} == {file_type.replace("_0", "_1")}
         assert not any("ffn_down" in n and t != file_type for n, t in plain.types.items())
+
+
+def test_q2_k_and_q3_k_with_an_importance_matrix_go_to_llamacpp(models: dict[str, Path], tmp_path: Path) -> None:
+    """Ours has no weighted Q2_K / Q3_K search: with an importance matrix auto hands the file to
+    llama.cpp's quantizer, and --engine localllm says so in one line."""
+    from localllm.errors import LocalLLMError
+
+    src = models["untied16"]
+    done = quantize_file(src, tmp_path / "q3.gguf", "Q3_K_M", imatrix=importance(src))
+    assert done.engine == "llama.cpp"
+    assert quantize_file(src, tmp_path / "plain.gguf", "Q3_K_M").engine == "localllm"
+    with pytest.raises(LocalLLMError, match="no quantizer for Q2_K, Q3_K with an importance matrix"):
+        quantize_file(src, tmp_path / "x.gguf", "Q2_K", engine="localllm", imatrix=importance(src))
