@@ -55,7 +55,7 @@ def quantize(values: np.ndarray, type_name: str, imatrix: np.ndarray | None = No
     return np.ascontiguousarray(out).reshape(*shape, width)
 
 
-WEIGHTED = ("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+WEIGHTED = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
 def _weighted(rows: np.ndarray, type_name: str, imatrix: np.ndarray) -> np.ndarray:
@@ -65,9 +65,9 @@ def _weighted(rows: np.ndarray, type_name: str, imatrix: np.ndarray) -> np.ndarr
     out = []
     for i in range(0, len(rows), step):
         piece = rows[i : i + step]
-        if type_name in ("Q4_K", "Q5_K", "Q6_K"):
-            fn = {"Q4_K": kquants.quantize_q4_k, "Q5_K": kquants.quantize_q5_k,
-                  "Q6_K": kquants.quantize_q6_k}[type_name]  # fmt: skip
+        if type_name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
+            fn = {"Q2_K": kquants.quantize_q2_k, "Q3_K": kquants.quantize_q3_k, "Q4_K": kquants.quantize_q4_k,
+                  "Q5_K": kquants.quantize_q5_k, "Q6_K": kquants.quantize_q6_k}[type_name]  # fmt: skip
             qw = np.broadcast_to(imatrix, piece.shape).reshape(-1, 256)
             out.append(fn(piece, qw).reshape(len(piece), -1))
         else:

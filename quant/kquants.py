@@ -375,22 +375,34 @@ def _pack_2bit(L: np.ndarray) -> np.ndarray:
     return (L[:, :, 0] | (L[:, :, 1] << 2) | (L[:, :, 2] << 4) | (L[:, :, 3] << 6)).reshape(-1, 64)
 
 
-def quantize_q2_k(x: np.ndarray) -> np.ndarray:
+def quantize_q2_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
     """float32 values (a multiple of 256, row-major) → Q2_K blocks, (M, 84) uint8:
-    `quantize_row_q2_K_ref` (16 sub-blocks of 16, a 4-bit scale and min each)."""
+    `quantize_row_q2_K_ref` (16 sub-blocks of 16, a 4-bit scale and min each); with `qw`, the
+    importance of each value, `quantize_row_q2_K_impl` (weighted search, scales by make_qp_quants)."""
     x = _blocks(x)
     m = x.shape[0]
     xs = _rows(x, 16)  # (16, M·16)
-    scales, mins, L = _make_qkx2_quants(xs, np.abs(xs), 3, -0.5, 0.1, 15, use_mad=True)
-    scales, mins = scales.reshape(m, 16), mins.reshape(m, 16)
-    max_scale = np.maximum(scales.max(axis=1), F32(0))
-    max_min = np.maximum(mins.max(axis=1), F32(0))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ls = np.where(max_scale[:, None] > 0, _nearest_int((F32(15) / max_scale)[:, None] * scales), 0)
-        lm = np.where(max_min[:, None] > 0, _nearest_int((F32(15) / max_min)[:, None] * mins), 0)
+    w = _weights(qw, x)
+    if w is None:
+        scales, mins, L = _make_qkx2_quants(xs, np.abs(xs), 3, -0.5, 0.1, 15, use_mad=True)
+        scales, mins = scales.reshape(m, 16), mins.reshape(m, 16)
+        max_scale = np.maximum(scales.max(axis=1), F32(0))
+        max_min = np.maximum(mins.max(axis=1), F32(0))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ls = np.where(max_scale[:, None] > 0, _nearest_int((F32(15) / max_scale)[:, None] * scales), 0)
+            lm = np.where(max_min[:, None] > 0, _nearest_int((F32(15) / max_min)[:, None] * mins), 0)
+        d = np.where(max_scale > 0, max_scale / F32(15), F32(0)).astype(F32)
+        dmin = np.where(max_min > 0, max_min / F32(15), F32(0)).astype(F32)
+    else:
+        xt = np.ascontiguousarray(x.T)
+        sigma2 = (xt * xt).sum(axis=0) / F32(QK_K)  # (M,)
+        ww = _rows(w, 16) * np.sqrt(np.repeat(sigma2, 16) + xs * xs)
+        sw = np.ascontiguousarray(ww.sum(axis=0).reshape(m, 16).T)  # (16, M)
+        scales, mins, L = _make_qkx2_quants(xs, ww, 3, -0.9, 0.05, 36)  # make_qkx3_quants' steps
+        d, ls = _make_qp_quants(np.ascontiguousarray(scales.reshape(m, 16).T), sw, 15)
+        dmin, lm = _make_qp_quants(np.ascontiguousarray(mins.reshape(m, 16).T), sw, 15)
+        ls, lm = ls.T, lm.T
     packed = (ls.astype(np.uint8) | (lm.astype(np.uint8) << 4)).astype(np.uint8)
-    d = np.where(max_scale > 0, max_scale / F32(15), F32(0)).astype(F32)
-    dmin = np.where(max_min > 0, max_min / F32(15), F32(0)).astype(F32)
     sub_d = _f16_round(d)[:, None] * (packed & 0xF).astype(F32)  # (M, 16)
     sub_m = _f16_round(dmin)[:, None] * (packed >> 4).astype(F32)
     L = L.T.reshape(m, 16, 16)
@@ -401,21 +413,34 @@ def quantize_q2_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([packed, _pack_2bit(L), _f16_bytes(d), _f16_bytes(dmin)], axis=1)
 
 
-def quantize_q3_k(x: np.ndarray) -> np.ndarray:
+def quantize_q3_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
     """float32 values (a multiple of 256, row-major) → Q3_K blocks, (M, 110) uint8:
-    `quantize_row_q3_K_ref` (16 sub-blocks of 16, a 6-bit signed scale each, a high-bit mask)."""
+    `quantize_row_q3_K_ref` (16 sub-blocks of 16, a 6-bit signed scale each, a high-bit mask);
+    with `qw`, `quantize_row_q3_K_impl` (make_qx_quants weighted, the scales' too)."""
     x = _blocks(x)
     m = x.shape[0]
-    scales, L = _make_q3_quants(_rows(x, 16), 4)
-    scales = scales.reshape(m, 16)
-    at = np.abs(scales).argmax(axis=1)  # the first largest |scale|
-    max_scale = scales[np.arange(m), at]
-    live = max_scale != 0
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        iscale = F32(-32) / max_scale
-        lv = np.clip(_nearest_int(iscale[:, None] * scales), -32, 31) + 32  # (M, 16) in [0, 63]
-        d = np.where(live, F32(1) / iscale, F32(0)).astype(F32)
-    lv = np.where(live[:, None], lv, 0).astype(np.uint8)
+    w = _weights(qw, x)
+    if w is None:
+        scales, L = _make_q3_quants(_rows(x, 16), 4)
+        scales = scales.reshape(m, 16)
+        at = np.abs(scales).argmax(axis=1)  # the first largest |scale|
+        max_scale = scales[np.arange(m), at]
+        live = max_scale != 0
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            iscale = F32(-32) / max_scale
+            lv = np.clip(_nearest_int(iscale[:, None] * scales), -32, 31) + 32  # (M, 16) in [0, 63]
+            d = np.where(live, F32(1) / iscale, F32(0)).astype(F32)
+        lv = np.where(live[:, None], lv, 0).astype(np.uint8)
+    else:
+        xs = _rows(x, 16)
+        xt = np.ascontiguousarray(x.T)
+        sigma2 = F32(2) * (xt * xt).sum(axis=0) / F32(QK_K)
+        ww = _rows(w, 16) * np.sqrt(np.repeat(sigma2, 16) + xs * xs)
+        sw = np.ascontiguousarray(ww.sum(axis=0).reshape(m, 16).T)  # (16, M)
+        scales, L = _make_qx_quants(xs, 4, ww)
+        d, lv = _make_qx_quants(np.ascontiguousarray(scales.reshape(m, 16).T), 32, sw)
+        lv = lv.T.astype(np.uint8)  # already offset by 32: [0, 63]
+        L = L.astype(F32)
     sc = np.zeros((m, 12), np.uint8)
     sc[:, 0:8] = (lv[:, 0:8] & 0xF) | ((lv[:, 8:16] & 0xF) << 4)
     high = (lv >> 4).reshape(m, 4, 4)  # [j // 4, j % 4]

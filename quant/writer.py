@@ -28,10 +28,6 @@ from localllm.errors import LocalLLMError
 from localllm.gguf_file import GGUFFile
 from localllm.quant import BLOCK, quantize, row_bytes
 
-# types ours quantizes only without an importance matrix (llama.cpp's weighted Q2_K / Q3_K searches
-# are not ported): with one, quantize_file hands the file to llama.cpp's quantizer
-UNWEIGHTED = ("Q2_K", "Q3_K")
-
 __all__ = ["QUANTIZATION_VERSION", "QuantizeResult", "TensorDone", "quantize_file"]
 
 QUANTIZATION_VERSION = 2  # ggml's GGML_QNT_VERSION: the block layouts written here
@@ -241,13 +237,11 @@ def quantize_file(
         if quantized:
             warnings.append(f"requantizing an already quantized model ({quantized}): quality suffers")
         plan = make_plan(f, file_type, has_imatrix=bool(imatrix))
-        missing = sorted({t for _, t in plan.values() if t not in BLOCK
-                          or (imatrix and t in UNWEIGHTED)})  # fmt: skip
+        missing = sorted({t for _, t in plan.values() if t not in BLOCK})
         if engine == "auto":
             engine = "llama.cpp" if missing else "localllm"
         elif engine == "localllm" and missing:
-            raise LocalLLMError(f"--engine localllm has no quantizer for {', '.join(missing)}"
-                                f"{' with an importance matrix' if imatrix else ''}; "
+            raise LocalLLMError(f"--engine localllm has no quantizer for {', '.join(missing)}; "
                                 "use --engine llama.cpp")  # fmt: skip
         n_params = sum(int(np.prod(s, dtype=np.int64)) for s, _ in plan.values())
         need = sum(_nbytes(s, t) for s, t in plan.values() if t in BLOCK)

@@ -253,7 +253,7 @@ def importance(src: Path, seed: int = 5) -> dict[str, np.ndarray]:
             for name, shape, _ in tensors if len(shape) == 2 and name.endswith("weight")}  # fmt: skip
 
 
-@pytest.mark.parametrize("file_type", ["Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K_M", "Q5_K_S", "Q6_K"])
+@pytest.mark.parametrize("file_type", ["Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_S", "Q6_K"])
 def test_with_an_importance_matrix_ours_is_llamacpps(file_type: str, models: dict[str, Path],
                                                      tmp_path: Path) -> None:  # fmt: skip
     """The same importance matrix given to llama.cpp's quantizer (its `llama_model_imatrix_data`)
@@ -272,16 +272,3 @@ def test_with_an_importance_matrix_ours_is_llamacpps(file_type: str, models: dic
         assert guarded == {"blk.0.ffn_down.weight", "blk.1.ffn_down.weight"}  # 16 layers / 8
         assert {mine.types[n] for n in guarded} == {file_type.replace("_0", "_1")}
         assert not any("ffn_down" in n and t != file_type for n, t in plain.types.items())
-
-
-def test_q2_k_and_q3_k_with_an_importance_matrix_go_to_llamacpp(models: dict[str, Path], tmp_path: Path) -> None:
-    """Ours has no weighted Q2_K / Q3_K search: with an importance matrix auto hands the file to
-    llama.cpp's quantizer, and --engine localllm says so in one line."""
-    from localllm.errors import LocalLLMError
-
-    src = models["untied16"]
-    done = quantize_file(src, tmp_path / "q3.gguf", "Q3_K_M", imatrix=importance(src))
-    assert done.engine == "llama.cpp"
-    assert quantize_file(src, tmp_path / "plain.gguf", "Q3_K_M").engine == "localllm"
-    with pytest.raises(LocalLLMError, match="no quantizer for Q2_K, Q3_K with an importance matrix"):
-        quantize_file(src, tmp_path / "x.gguf", "Q2_K", engine="localllm", imatrix=importance(src))

@@ -92,12 +92,13 @@ def test_rows_that_do_not_fit_the_block_are_refused() -> None:
     assert set(BLOCK) >= set(TYPES)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_k_quants_with_an_importance_matrix_are_byte_identical(type_name: str) -> None:
-    """llama.cpp's importance-weighted paths (`quantize_row_q{4,5,6}_K_impl`): ours give its bytes."""
+    """llama.cpp's importance-weighted paths (`quantize_row_q{2,3,4,5,6}_K_impl`): ours give its bytes."""
     from localllm.quant import kquants
 
-    fn = {"Q4_K": kquants.quantize_q4_k, "Q5_K": kquants.quantize_q5_k, "Q6_K": kquants.quantize_q6_k}
+    fn = {"Q2_K": kquants.quantize_q2_k, "Q3_K": kquants.quantize_q3_k, "Q4_K": kquants.quantize_q4_k,
+          "Q5_K": kquants.quantize_q5_k, "Q6_K": kquants.quantize_q6_k}  # fmt: skip
     rng = np.random.default_rng(11)
     for name, x in inputs().items():
         imatrix = (rng.uniform(0.01, 5, x.shape[1]) ** 2).astype(np.float32)
