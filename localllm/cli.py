@@ -1380,8 +1380,8 @@ def _json_schema_format(path: Path) -> dict[str, Any]:
 def quantize(
     src: Annotated[str, typer.Argument(help="A local model name or a GGUF file (F32/F16/BF16).")],
     type_name: Annotated[
-        str, typer.Option("--type", help="Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S, Q6_K, Q8_0, Q3_K_L, Q3_K_M, Q3_K_S, Q2_K, Q5_1, "
-                     "Q5_0, Q4_1, Q4_0, BF16, F16, F32.")
+        str, typer.Option("--type", help="Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S, Q6_K, Q8_0, IQ4_XS, IQ4_NL, Q3_K_L, Q3_K_M, Q3_K_S, "
+                     "Q2_K, Q5_1, Q5_0, Q4_1, Q4_0, BF16, F16, F32.")
     ],
     output: Annotated[
         Path | None, typer.Option("--output", help="Write the GGUF here instead of the store.")

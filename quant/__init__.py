@@ -19,6 +19,7 @@ BLOCK = {
     "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
     "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
     "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+    "IQ4_NL": (32, 18), "IQ4_XS": (256, 136),
 }  # fmt: skip
 TYPES = tuple(BLOCK)
 
@@ -55,25 +56,40 @@ def quantize(values: np.ndarray, type_name: str, imatrix: np.ndarray | None = No
     return np.ascontiguousarray(out).reshape(*shape, width)
 
 
-WEIGHTED = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+WEIGHTED = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
 def _weighted(rows: np.ndarray, type_name: str, imatrix: np.ndarray) -> np.ndarray:
-    from localllm.quant import kquants, legacy
+    from localllm.quant import legacy
 
     step = max(1, PIECE // rows.shape[1])
     out = []
     for i in range(0, len(rows), step):
         piece = rows[i : i + step]
-        if type_name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
-            fn = {"Q2_K": kquants.quantize_q2_k, "Q3_K": kquants.quantize_q3_k, "Q4_K": kquants.quantize_q4_k,
-                  "Q5_K": kquants.quantize_q5_k, "Q6_K": kquants.quantize_q6_k}[type_name]  # fmt: skip
-            qw = np.broadcast_to(imatrix, piece.shape).reshape(-1, 256)
-            out.append(fn(piece, qw).reshape(len(piece), -1))
+        if type_name in _BLOCKWISE:
+            qw = np.broadcast_to(imatrix, piece.shape)
+            out.append(_BLOCKWISE[type_name]()(piece, qw).reshape(len(piece), -1))
         else:
             out.append(legacy.quantize_weighted(piece, imatrix, type_name))
     return np.concatenate(out)
 
+
+def _ours(module: str, name: str):  # noqa: ANN202 - a quantizer, imported when first used
+    def get():  # noqa: ANN202
+        import importlib
+
+        return getattr(importlib.import_module(f"localllm.quant.{module}"), name)
+
+    return get
+
+
+# the types our ports quantize (f(values, importance per value or None)); the rest: gguf's
+_BLOCKWISE = {
+    "Q2_K": _ours("kquants", "quantize_q2_k"), "Q3_K": _ours("kquants", "quantize_q3_k"),
+    "Q4_K": _ours("kquants", "quantize_q4_k"), "Q5_K": _ours("kquants", "quantize_q5_k"),
+    "Q6_K": _ours("kquants", "quantize_q6_k"), "IQ4_NL": _ours("iquants", "quantize_iq4_nl"),
+    "IQ4_XS": _ours("iquants", "quantize_iq4_xs"),
+}  # fmt: skip
 
 # values per piece: numpy's temporaries of a piece stay in the CPU's cache (Q4_K of 3.1 M values
 # took 1.34 s in one piece, 0.56 s in pieces of 65,536, 0.87 s in pieces of 16,384; 1 thread)
@@ -85,15 +101,11 @@ LEGACY_PIECE = 1 << 22
 def _in_pieces(rows: np.ndarray, type_name: str) -> np.ndarray:
     """Quantize whole rows piece by piece, the pieces on every core (numpy lets go of the GIL
     inside its array operations)."""
-    from localllm.quant import kquants
-
-    k = {"Q2_K": kquants.quantize_q2_k, "Q3_K": kquants.quantize_q3_k, "Q4_K": kquants.quantize_q4_k,
-         "Q5_K": kquants.quantize_q5_k, "Q6_K": kquants.quantize_q6_k}  # fmt: skip
     # the legacy types are a few array operations each: pieces only add calls
-    step = max(1, (PIECE if type_name in k else LEGACY_PIECE) // rows.shape[1])
+    step = max(1, (PIECE if type_name in _BLOCKWISE else LEGACY_PIECE) // rows.shape[1])
     pieces = [rows[i : i + step] for i in range(0, len(rows), step)]
-    if type_name in k:
-        fn = k[type_name]
+    if type_name in _BLOCKWISE:
+        fn = _BLOCKWISE[type_name]()
     else:
         from gguf import GGMLQuantizationType, quants
 

@@ -13,10 +13,12 @@ type overrides, no `only_copy` — with or without an importance matrix. The par
   output.weight: tied embeddings) → Q6_K, or Q8_0 when its rows do not fit the default type's
   block; attn_v and ffn_down → more bits in the layers `use_more_bits` picks (Q4_K_M, Q5_K_M) or in
   the first layers (Q4_K_S); Q2_K's and Q3_K_*'s attn_v (by GQA), ffn_down and attn_output bumps;
-  the 8-expert and 70B-model bumps. Branches only for other file types (Q2_K_S, IQ*, MXFP4, TQ*)
+  IQ4_NL's and IQ4_XS's (attn_v by GQA, the first eighth of ffn_down without an importance
+  matrix); the 8-expert and 70B-model bumps. Branches only for other file types (Q2_K_S, IQ1-3_*, MXFP4, TQ*)
   and for Falcon / GLM5-next / BailingMoE3 are left out.
 - `_fallback`: `tensor_type_fallback` — a row length ne[0] that is not a multiple of the block size:
-  Q2_K, Q3_K → Q4_0, Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0; a 32-block type stays; then F16 if
+  Q2_K, Q3_K → Q4_0, Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, IQ4_XS → IQ4_NL; a 32-block type
+  stays; then F16 if
   even that does not fit.
 - `_get_type`: `llama_tensor_get_type` — the rules and the fallback apply only when the file type's
   default type is quantized; F16 / F32 files take the default type for every quantizable tensor.
@@ -39,7 +41,8 @@ __all__ = ["FILE_TYPES", "choose_types", "default_type"]
 FILE_TYPES: dict[str, int] = {
     "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9,
     "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13,
-    "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "BF16": 32,
+    "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30,
+    "BF16": 32,
 }  # fmt: skip
 
 # llama_ftype_get_default_type
@@ -47,18 +50,20 @@ _DEFAULT_TYPE = {
     "F32": "F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
     "Q5_1": "Q5_1", "Q8_0": "Q8_0", "Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K",
     "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
+    "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS",
 }  # fmt: skip
 
 # ggml_blck_size of the types these file types can produce
 _BLOCK = {
     "F32": 1, "F16": 1, "BF16": 1,
     "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32,
-    "Q2_K": 256, "Q3_K": 256, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256,
+    "Q2_K": 256, "Q3_K": 256, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "IQ4_NL": 32, "IQ4_XS": 256,
 }  # fmt: skip
 _NOT_QUANTIZED = ("F32", "F16", "BF16")
 
 # tensor_type_fallback's table for the 256-block types reachable here
-_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0",
+             "IQ4_XS": "IQ4_NL"}  # fmt: skip
 
 # archs whose rules (not ported) differ from the generic ones for these file types
 _UNPORTED_ARCHS = ("falcon", "glm5-next", "bailingmoe3")
@@ -208,7 +213,7 @@ def _type_impl(qs: _State, new_type: str, name: str, ne0: int, category: str) ->
             new_type = "Q4_K" if qs.n_gqa >= 4 else "Q3_K"
         elif ftype == "Q3_K_M":
             new_type = "Q5_K" if qs.i_attention_wv < 2 else "Q4_K"
-        elif ftype == "Q3_K_L":
+        elif ftype == "Q3_K_L" or (ftype in ("IQ4_NL", "IQ4_XS") and qs.n_gqa >= 4):
             new_type = "Q5_K"
         elif ftype in ("Q4_K_M", "Q5_K_M") and _use_more_bits(qs.i_attention_wv, qs.n_attention_wv):
             new_type = "Q6_K"
@@ -233,6 +238,8 @@ def _type_impl(qs: _State, new_type: str, name: str, ne0: int, category: str) ->
         elif ftype == "Q4_K_M":
             if _use_more_bits(i_layer, n_layer):
                 new_type = "Q6_K"
+        elif i_layer < n_layer // 8 and ftype in ("IQ4_NL", "IQ4_XS") and not qs.has_imatrix:
+            new_type = "Q5_K"
         elif ftype == "Q5_K_M" and _use_more_bits(i_layer, n_layer):
             new_type = "Q6_K"
         elif ftype == "Q4_K_S" and i_layer < n_layer // 8:
@@ -244,7 +251,7 @@ def _type_impl(qs: _State, new_type: str, name: str, ne0: int, category: str) ->
         qs.i_ffn_down += 1
     elif category == "ATTENTION_OUTPUT":
         if qs.n_expert == 8:
-            if ftype in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M"):
+            if ftype in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ4_NL", "IQ4_XS"):
                 new_type = "Q5_K"
         elif ftype in ("Q2_K", "Q3_K_M", "Q3_K_L"):
             new_type = {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K", "Q3_K_L": "Q5_K"}[ftype]

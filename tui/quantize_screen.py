@@ -20,8 +20,8 @@ from textual.widgets.option_list import Option
 
 from localllm.errors import LocalLLMError
 
-TYPES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q5_K_S", "Q6_K", "Q8_0", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K",
-         "Q5_1", "Q5_0", "Q4_1", "Q4_0", "BF16", "F16")  # fmt: skip
+TYPES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q5_K_S", "Q6_K", "Q8_0", "IQ4_XS", "IQ4_NL", "Q3_K_L", "Q3_K_M",
+         "Q3_K_S", "Q2_K", "Q5_1", "Q5_0", "Q4_1", "Q4_0", "BF16", "F16")  # fmt: skip
 
 
 def type_choices(path: Path) -> list[tuple[str, str]]:

@@ -232,7 +232,8 @@ def same_tensors(a: Path, b: Path) -> list[str]:
                 or bytes(x.tensor_bytes(n)) != bytes(y.tensor_bytes(n))]  # fmt: skip
 
 
-@pytest.mark.parametrize("file_type", ["Q4_1", "Q5_0", "Q5_1", "BF16", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L"])
+@pytest.mark.parametrize("file_type", ["Q4_1", "Q5_0", "Q5_1", "BF16", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L",
+                                       "IQ4_NL", "IQ4_XS"])  # fmt: skip
 @pytest.mark.parametrize("model", ["untied16", "odd"])
 def test_legacy_and_bf16_files_are_llamacpps_byte_for_byte(file_type: str, model: str, models: dict[str, Path],
                                                           tmp_path: Path) -> None:  # fmt: skip
@@ -253,7 +254,8 @@ def importance(src: Path, seed: int = 5) -> dict[str, np.ndarray]:
             for name, shape, _ in tensors if len(shape) == 2 and name.endswith("weight")}  # fmt: skip
 
 
-@pytest.mark.parametrize("file_type", ["Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_S", "Q6_K"])
+@pytest.mark.parametrize("file_type", ["Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_S", "Q6_K",
+                                       "IQ4_NL", "IQ4_XS"])  # fmt: skip
 def test_with_an_importance_matrix_ours_is_llamacpps(file_type: str, models: dict[str, Path],
                                                      tmp_path: Path) -> None:  # fmt: skip
     """The same importance matrix given to llama.cpp's quantizer (its `llama_model_imatrix_data`)

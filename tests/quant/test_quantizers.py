@@ -13,7 +13,8 @@ from localllm.quant import BLOCK, quantize, row_bytes
 from conftest import need
 from ggml_oracle import ggml_quantize
 
-TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"]
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+         "F16", "BF16"]  # fmt: skip
 
 
 def inputs() -> dict[str, np.ndarray]:
@@ -68,7 +69,8 @@ def test_byte_identical_on_real_weights(type_name: str, default_model_path: Path
 # 0.0053, Q4_0 0.085, Q4_1 0.077, Q5_0 0.042, Q5_1 0.038, Q4_K 0.070, Q5_K 0.036, Q6_K 0.017,
 # F16 0.0002, BF16 0.0017), with a third more room
 BOUNDS = {"Q8_0": 0.007, "Q4_0": 0.115, "Q4_1": 0.1, "Q5_0": 0.056, "Q5_1": 0.05, "Q2_K": 0.34,
-          "Q3_K": 0.18, "Q4_K": 0.093, "Q5_K": 0.048, "Q6_K": 0.023, "F16": 3e-4, "BF16": 2.3e-3}  # fmt: skip
+          "Q3_K": 0.18, "Q4_K": 0.093, "Q5_K": 0.048, "Q6_K": 0.023, "IQ4_NL": 0.1, "IQ4_XS": 0.1,
+          "F16": 3e-4, "BF16": 2.3e-3}  # fmt: skip
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -92,13 +94,14 @@ def test_rows_that_do_not_fit_the_block_are_refused() -> None:
     assert set(BLOCK) >= set(TYPES)
 
 
-@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
 def test_k_quants_with_an_importance_matrix_are_byte_identical(type_name: str) -> None:
     """llama.cpp's importance-weighted paths (`quantize_row_q{2,3,4,5,6}_K_impl`): ours give its bytes."""
-    from localllm.quant import kquants
+    from localllm.quant import iquants, kquants
 
     fn = {"Q2_K": kquants.quantize_q2_k, "Q3_K": kquants.quantize_q3_k, "Q4_K": kquants.quantize_q4_k,
-          "Q5_K": kquants.quantize_q5_k, "Q6_K": kquants.quantize_q6_k}  # fmt: skip
+          "Q5_K": kquants.quantize_q5_k, "Q6_K": kquants.quantize_q6_k, "IQ4_NL": iquants.quantize_iq4_nl,
+          "IQ4_XS": iquants.quantize_iq4_xs}  # fmt: skip
     rng = np.random.default_rng(11)
     for name, x in inputs().items():
         imatrix = (rng.uniform(0.01, 5, x.shape[1]) ** 2).astype(np.float32)
