@@ -198,7 +198,6 @@ def _make_qp_quants(x: np.ndarray, qw: np.ndarray, nmax: int) -> tuple[np.ndarra
     """`make_qp_quants` for every group at once: x ≥ 0 (the sub-blocks' scales or mins) and qw,
     (n, G) position-major → (scale (G,), L (n, G) float levels). Its last search changes levels one
     position at a time against running sums, so that loop runs over positions, in order."""
-    n = x.shape[0]
     mx = np.maximum(x.max(axis=0), F32(0))
     zero = mx < GROUP_MAX_EPS
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -220,27 +219,37 @@ def _make_qp_quants(x: np.ndarray, qw: np.ndarray, nmax: int) -> tuple[np.ndarra
         wx = qw * x
         sumlx = (wx * L).sum(axis=0)
         suml2 = (qw * L * L).sum(axis=0)
-        active = ~zero
-        for _ in range(5):
-            changed = np.zeros_like(active)
-            for i in range(n):
-                w, xi, li = qw[i], x[i], L[i]
-                slx = sumlx - w * xi * li
-                sl2 = suml2 - w * li * li
-                new = np.minimum(np.rint(xi * sl2 / slx), F32(nmax))
-                slx2 = slx + w * xi * new
-                sl22 = sl2 + w * new * new
-                take = (active & (slx > 0) & (sl2 > 0) & (new != li)
-                        & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22))  # fmt: skip
-                L[i] = np.where(take, new, li)
-                sumlx = np.where(take, slx2, sumlx)
-                suml2 = np.where(take, sl22, suml2)
-                changed |= take
-            active &= changed
-            if not active.any():
-                break
+        sumlx, suml2 = _refine(x, qw, L, sumlx, suml2, ~zero, 0, nmax, old_sl2=True)
         scale = np.where(suml2 > 0, sumlx / suml2, F32(0)).astype(F32)
     return np.where(zero, F32(0), scale).astype(F32), np.where(zero, F32(0), L)
+
+
+def _refine(x: np.ndarray, w: np.ndarray, L: np.ndarray, sumlx: np.ndarray, suml2: np.ndarray,
+            active: np.ndarray, lo: int, hi: int, *, old_sl2: bool) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """The level-by-level refinement make_qp_quants and make_q3_quants share: up to 5 passes over
+    the positions, in order, each moving one level to x·Σ(wl²)/Σ(wxl) of the others when that
+    raises Σ(wxl)²/Σ(wl²) — on every group at once, a group stopping after a pass that changed
+    nothing (the C loop's break). L (n, N) is changed in place; returns the final sums. `old_sl2`:
+    make_qp_quants tests the others' Σ(wl²) > 0 before the move, make_q3_quants the new one."""
+    for _ in range(5):
+        changed = np.zeros_like(active)
+        for i in range(x.shape[0]):
+            wi, xi, li = w[i], x[i], L[i]
+            slx = sumlx - wi * xi * li
+            sl2 = suml2 - wi * li * li
+            new = np.clip(np.rint(xi * sl2 / slx), lo, hi).astype(F32)
+            slx2 = slx + wi * xi * new
+            sl22 = sl2 + wi * new * new
+            take = (active & (slx > 0) & ((sl2 if old_sl2 else sl22) > 0) & (new != li)
+                    & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22))  # fmt: skip
+            L[i] = np.where(take, new, li)
+            sumlx = np.where(take, slx2, sumlx)
+            suml2 = np.where(take, sl22, suml2)
+            changed |= take
+        active = active & changed
+        if not active.any():
+            break
+    return sumlx, suml2
 
 
 def _qkx_weighted(x: np.ndarray, qw: np.ndarray, nmax: int
@@ -331,7 +340,6 @@ def _make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     Its refinement changes one level at a time against running sums, so that loop runs over the
     positions, in order, each step on every group (a group that changed nothing in a pass stops,
     as the C loop breaks). Returns (scale (N,), L (n, N) float levels in [0, 2·nmax))."""
-    n = x.shape[0]
     ax = np.abs(x)
     at = ax.argmax(axis=0)  # the first largest: the C loop's strict `>`
     cols = np.arange(x.shape[1])
@@ -344,25 +352,7 @@ def _make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
         w = x * x
         sumlx = (w * x * L).sum(axis=0)
         suml2 = (w * L * L).sum(axis=0)
-        active = ~zero
-        for _ in range(5):
-            changed = np.zeros_like(active)
-            for i in range(n):
-                wi, xi, li = w[i], x[i], L[i]
-                slx = sumlx - wi * xi * li
-                sl2 = suml2 - wi * li * li
-                new = np.clip(np.rint(xi * sl2 / slx), -nmax, nmax - 1).astype(F32)
-                slx2 = slx + wi * xi * new
-                sl22 = sl2 + wi * new * new
-                take = (active & (slx > 0) & (new != li) & (sl22 > 0)
-                        & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22))  # fmt: skip
-                L[i] = np.where(take, new, li)
-                sumlx = np.where(take, slx2, sumlx)
-                suml2 = np.where(take, sl22, suml2)
-                changed |= take
-            active &= changed
-            if not active.any():
-                break
+        sumlx, suml2 = _refine(x, w, L, sumlx, suml2, ~zero, -nmax, nmax - 1, old_sl2=False)
         scale = np.where(suml2 > 0, sumlx / suml2, F32(0)).astype(F32)
     L = L + F32(nmax)
     return np.where(zero, F32(0), scale).astype(F32), np.where(zero, F32(0), L)
