@@ -54,7 +54,9 @@ class Imatrix:
                 ncall = float(c[0]) if c.size else 0.0
                 out[name] = (s / np.float32(ncall) if ncall > 0 else s).astype(np.float32).reshape(-1)
                 continue
-            rows = [s[j] / np.float32(c[j]) if c[j] > 0 else np.ones_like(s[j]) for j in range(len(c))]
+            # llama.cpp reads each count with lround, then divides by it as a float
+            counts = np.copysign(np.floor(np.abs(c.astype(np.float64)) + 0.5), c).astype(np.float32)
+            rows = [s[j] / counts[j] if counts[j] > 0 else np.ones_like(s[j]) for j in range(len(c))]
             out[name] = np.concatenate(rows).astype(np.float32)
         return out
 
