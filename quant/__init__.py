@@ -1,14 +1,16 @@
-"""Quantization (installed as `localllm.quant`): block formats, legacy and k-quants, mixes, reports.
+"""Quantization (installed as `localllm.quant`): block formats, legacy, K- and IQ4 quants, mixes,
+importance matrices, reports.
 
 `quantize(values, type)` turns float32 rows into a GGML type's blocks, byte-identical to llama.cpp's
 reference quantization: the legacy types through the `gguf` package (checked byte-exact against
-ggml in the tests), the K-quants through our ports (`kquants`).
+ggml in the tests), the K-quants and IQ4_NL / IQ4_XS through our ports (`kquants`, `iquants`).
 """
 
 from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -68,28 +70,28 @@ def _weighted(rows: np.ndarray, type_name: str, imatrix: np.ndarray) -> np.ndarr
         piece = rows[i : i + step]
         if type_name in _BLOCKWISE:
             qw = np.broadcast_to(imatrix, piece.shape)
-            out.append(_BLOCKWISE[type_name]()(piece, qw).reshape(len(piece), -1))
+            out.append(_blockwise(type_name)(piece, qw).reshape(len(piece), -1))
         else:
             out.append(legacy.quantize_weighted(piece, imatrix, type_name))
     return np.concatenate(out)
 
 
-def _ours(module: str, name: str):  # noqa: ANN202 - a quantizer, imported when first used
-    def get():  # noqa: ANN202
-        import importlib
-
-        return getattr(importlib.import_module(f"localllm.quant.{module}"), name)
-
-    return get
-
-
-# the types our ports quantize (f(values, importance per value or None)); the rest: gguf's
+# the types our ports quantize, (module, function(values, importance per value or None)); the
+# other types: gguf's quantizers (checked byte-exact against ggml in the tests)
 _BLOCKWISE = {
-    "Q2_K": _ours("kquants", "quantize_q2_k"), "Q3_K": _ours("kquants", "quantize_q3_k"),
-    "Q4_K": _ours("kquants", "quantize_q4_k"), "Q5_K": _ours("kquants", "quantize_q5_k"),
-    "Q6_K": _ours("kquants", "quantize_q6_k"), "IQ4_NL": _ours("iquants", "quantize_iq4_nl"),
-    "IQ4_XS": _ours("iquants", "quantize_iq4_xs"),
+    "Q2_K": ("kquants", "quantize_q2_k"), "Q3_K": ("kquants", "quantize_q3_k"),
+    "Q4_K": ("kquants", "quantize_q4_k"), "Q5_K": ("kquants", "quantize_q5_k"),
+    "Q6_K": ("kquants", "quantize_q6_k"), "IQ4_NL": ("iquants", "quantize_iq4_nl"),
+    "IQ4_XS": ("iquants", "quantize_iq4_xs"),
 }  # fmt: skip
+
+
+def _blockwise(type_name: str) -> Any:
+    """Our quantizer of `type_name` (imported when first used)."""
+    import importlib
+
+    module, name = _BLOCKWISE[type_name]
+    return getattr(importlib.import_module(f"localllm.quant.{module}"), name)
 
 # values per piece: numpy's temporaries of a piece stay in the CPU's cache (Q4_K of 3.1 M values
 # took 1.34 s in one piece, 0.56 s in pieces of 65,536, 0.87 s in pieces of 16,384; 1 thread)
@@ -105,7 +107,7 @@ def _in_pieces(rows: np.ndarray, type_name: str) -> np.ndarray:
     step = max(1, (PIECE if type_name in _BLOCKWISE else LEGACY_PIECE) // rows.shape[1])
     pieces = [rows[i : i + step] for i in range(0, len(rows), step)]
     if type_name in _BLOCKWISE:
-        fn = _BLOCKWISE[type_name]()
+        fn = _blockwise(type_name)
     else:
         from gguf import GGMLQuantizationType, quants
 
