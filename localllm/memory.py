@@ -465,10 +465,14 @@ def plan(
         w[-1] += embed  # the input embedding: always in RAM, one row read per token
         shares = []
         for j, dev in enumerate((*gpus, devices.cpu)):
-            used = j == holder or count[j] or (j == len(gpus))
-            compute = full if j == holder else wide if used else 0
-            if j == len(gpus) and holder != j and not count[j]:
-                compute = DEFAULT_UBATCH * info.n_embd * 4  # a micro-batch's input embeddings
+            if j == holder:
+                compute = full
+            elif count[j]:
+                compute = wide
+            elif not dev.gpu:  # everything offloaded: a micro-batch's input embeddings
+                compute = DEFAULT_UBATCH * info.n_embd * 4
+            else:
+                compute = 0
             free = dev.free_bytes
             if dev.unified and j < len(gpus):  # Apple: the GPU's share comes out of the same RAM,
                 free = min(free, devices.cpu.free_bytes, dev.total_bytes * 3 // 4)  # ¾ at most
@@ -484,18 +488,14 @@ def plan(
         return Plan(L, ngl, moe, tuple(tensor_split) if gpus else (),
                     tuple(shares), n, type_k, type_v, request)  # fmt: skip
 
-    moe_fixed = cpu_moe
     if request != "auto":
-        ngl = L + 1 if request == "all" else int(request)
-        return place(ngl, moe_fixed or 0)
+        return place(L + 1 if request == "all" else int(request), cpu_moe or 0)
     if not gpus:
         return place(0, 0)
-    candidates: list[tuple[int, int]] = []
-    if any(experts) and moe_fixed is None:
-        candidates += [(L + 1, m) for m in range(L + 1)]
-        candidates += [(g, L) for g in range(L, -1, -1)]
+    if any(experts) and cpu_moe is None:  # experts to RAM first, then whole layers
+        candidates = [(L + 1, m) for m in range(L + 1)] + [(g, L) for g in range(L, -1, -1)]
     else:
-        candidates += [(g, moe_fixed or 0) for g in range(L + 1, -1, -1)]
+        candidates = [(g, cpu_moe or 0) for g in range(L + 1, -1, -1)]
     for ngl, moe in candidates:
         p = place(ngl, moe)
         if all(s.fits for s in p.gpu_shares):

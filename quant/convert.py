@@ -90,6 +90,7 @@ _NAMES = {
     "layers.{n}.self_attn.k_norm.weight": "blk.{n}.attn_k_norm.weight",
     "layers.{n}.self_attn.qkv_proj.weight": "blk.{n}.attn_qkv.weight",  # Phi-3: q|k|v fused
     "layers.{n}.mlp.gate_up_proj.weight": "blk.{n}.ffn_up.weight",  # Phi-3: gate|up, as llama.cpp
+    "layers.{n}.block_sparse_moe.gate.weight": "blk.{n}.ffn_gate_inp.weight",  # Mixtral's router
     "layers.{n}.mlp.gate_proj.weight": "blk.{n}.ffn_gate.weight",
     "layers.{n}.mlp.up_proj.weight": "blk.{n}.ffn_up.weight",
     "layers.{n}.mlp.down_proj.weight": "blk.{n}.ffn_down.weight",
@@ -113,7 +114,6 @@ def _read_json(path: Path, what: str, required: bool = True) -> dict[str, Any]:
 # Mixtral's experts: one tensor per expert and matrix, stacked into llama.cpp's 3-D ones
 _EXPERT = re.compile(r"(?:model\.)?layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
 _EXPERT_NAMES = {"w1": "ffn_gate_exps", "w2": "ffn_down_exps", "w3": "ffn_up_exps"}
-_NAMES["layers.{n}.block_sparse_moe.gate.weight"] = "blk.{n}.ffn_gate_inp.weight"  # the router
 
 # Gemma 3 norms around both halves of a block: post_attention_layernorm is the attention's
 # post-norm there, not the feed-forward's pre-norm

@@ -54,7 +54,7 @@ def open_runner(path: str | Path, options: Any, *, name: str, digest: str,
     from localllm.backends.llamacpp_guard import check_load
 
     placement = gpu_placement(path, options)
-    tried = first = ""
+    failed: tuple[Any, str] | None = None  # the plan that ran out of GPU memory, llama.cpp's words
     while True:
         n_gpu_layers = placement.gpu_layers if placement else 0
         try:
@@ -71,15 +71,15 @@ def open_runner(path: str | Path, options: Any, *, name: str, digest: str,
             # once, the planner's next smaller plan; the error says both tries
             said = str(e)
             smaller = (_smaller_placement(path, options, placement)
-                       if placement and not tried and _out_of_memory(said) else None)  # fmt: skip
+                       if placement and failed is None and _out_of_memory(said) else None)  # fmt: skip
             if smaller is None:
-                raise LocalLLMError(f"{said} (after: {tried})" if tried else said) from None
-            tried, first = f"{placement.text()}: {said}", placement.text()
-            placement = smaller
+                after = f" (after: {failed[0].text()}: {failed[1]})" if failed else ""
+                raise LocalLLMError(said + after) from None
+            failed, placement = (placement, said), smaller
             continue
         runner.placement = placement
-        if tried:
-            runner.placement_note = (f"GPU memory ran out with {first}; loaded with "
+        if failed:
+            runner.placement_note = (f"GPU memory ran out with {failed[0].text()}; loaded with "
                                      f"{placement.text()} instead")  # fmt: skip
         return runner
 
