@@ -1418,6 +1418,12 @@ def quantize(
                      "in llama.cpp's format (GGUF; .dat: the legacy one) for llama-quantize "
                      "--imatrix or a later --calibrate."),  # fmt: skip
     ] = None,
+    method: Annotated[
+        str,
+        typer.Option("--method", help="plain (llama.cpp's rounding) or gptq (error-correcting: "
+                     "each matrix's rounding error fed forward through its Hessian from the "
+                     "--calibrate text; same blocks, same size, any llama.cpp reads it)."),  # fmt: skip
+    ] = "plain",
     json_out: JsonFlag = False,
 ) -> None:
     """Quantize a model with llama.cpp's per-tensor type rules; byte-identical to llama.cpp."""
@@ -1431,7 +1437,7 @@ def quantize(
                                allow_requantize=allow_requantize, eval_text=eval_text,
                                eval_limit=eval_limit, calibrate=calibrate,
                                calibrate_tokens=calibrate_tokens, save_imatrix=save_imatrix,
-                               on_tensor=show.update)  # fmt: skip
+                               method=method, on_tensor=show.update)  # fmt: skip
     except KeyboardInterrupt:
         print("quantize interrupted: nothing was written", file=sys.stderr)
         raise typer.Exit(130) from None

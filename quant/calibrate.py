@@ -44,10 +44,13 @@ def _targets(model: Any, tied: bool) -> dict[Any, tuple[str, ...]]:
 
 def collect_imatrix(path: str | Path, text: str, *, tokens: int = DEFAULT_TOKENS,
                     progress: Callable[[int, int], None] | None = None,
-                    rows: dict[str, int] | None = None) -> dict[str, np.ndarray]:  # fmt: skip
+                    rows: dict[str, int] | None = None,
+                    hessians: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:  # fmt: skip
     """Tensor name → mean squared activation of each input column over the first `tokens`
     tokens of `text` (float32, one value per column); `rows`, when given, gets each name's
-    count of rows averaged (what an imatrix file keeps beside the sums)."""
+    count of rows averaged (what an imatrix file keeps beside the sums); `hessians`, when given,
+    each name's mean outer product of its input, E[x xᵀ] (float32 (n, n), shared by the names
+    that read one input) — `--method gptq`'s Hessians, whose diagonal is the importance."""
     if importlib.util.find_spec("torch") is None:
         raise LocalLLMError("--calibrate runs the torch engine: pip install 'localllm[torch]'")
     from localllm.backends.base import Piece
@@ -62,12 +65,15 @@ def collect_imatrix(path: str | Path, text: str, *, tokens: int = DEFAULT_TOKENS
         raise LocalLLMError("the calibration text has fewer than 2 tokens")
     sums: dict[Any, Any] = {}
     counts: dict[Any, int] = {}
+    grams: dict[Any, Any] = {}
     targets = _targets(runner.model, tied)
 
     def hook(module: Any, args: tuple[Any, ...]) -> None:
         x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
         sums[module] = sums.get(module, 0) + (x * x).sum(0)
         counts[module] = counts.get(module, 0) + x.shape[0]
+        if hessians is not None:
+            grams[module] = grams.get(module, 0) + x.T @ x
 
     handles = [m.register_forward_pre_hook(hook) for m in targets]
     try:
@@ -92,4 +98,8 @@ def collect_imatrix(path: str | Path, text: str, *, tokens: int = DEFAULT_TOKENS
                 out[name] = mean
                 if rows is not None:
                     rows[name] = counts[module]
+            if hessians is not None:
+                gram = (grams.pop(module) / counts[module]).float().numpy()
+                for name in names:
+                    hessians[name] = gram
     return out

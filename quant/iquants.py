@@ -14,7 +14,7 @@ import numpy as np
 
 from localllm.quant.kquants import GROUP_MAX_EPS, _f16_bytes, _nearest_int, _rows
 
-__all__ = ["BLOCK_BYTES", "quantize_iq4_nl", "quantize_iq4_xs"]
+__all__ = ["BLOCK_BYTES", "KVALUES", "best_index", "grid", "quantize_iq4_nl", "quantize_iq4_xs", "with_levels"]
 
 F32 = np.float32
 KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], F32)
@@ -22,7 +22,7 @@ BLOCK_BYTES = {"IQ4_NL": 18, "IQ4_XS": 136}
 NTRY = 7
 
 
-def _best_index(al: np.ndarray) -> np.ndarray:
+def best_index(al: np.ndarray) -> np.ndarray:
     """`best_index_int8(16, kvalues_iq4nl, x)`: the nearest table entry, ties to the upper."""
     mu = np.clip(np.searchsorted(KVALUES, al, side="right"), 1, 15)
     lo, hi = KVALUES[mu - 1], KVALUES[mu]
@@ -41,7 +41,7 @@ def _search(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
 
         def sums(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            q = KVALUES[_best_index(iscale * x)]
+            q = KVALUES[best_index(iscale * x)]
             wq = w * q
             return (wq * x).sum(axis=0), (wq * q).sum(axis=0)
 
@@ -80,7 +80,7 @@ def quantize_iq4_nl(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
     d = _search(xs, w)
     with np.errstate(divide="ignore"):
         inv = np.where(d != 0, F32(1) / d, F32(0)).astype(F32)
-    L = _best_index(inv[:, None] * x)
+    L = best_index(inv[:, None] * x)
     return np.concatenate([_f16_bytes(d), _pack(L)], axis=1)
 
 
@@ -101,9 +101,32 @@ def quantize_iq4_xs(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
         ls = np.clip(_nearest_int(inv[:, None] * scales), -32, 31)  # (M, 8)
         dl = d[:, None] * ls.astype(F32)
         idl = np.where(dl != 0, F32(1) / dl, F32(0)).astype(F32)
-    L = _best_index(idl.reshape(-1)[:, None] * x.reshape(-1, 32))  # (M·8, 32)
+    L = best_index(idl.reshape(-1)[:, None] * x.reshape(-1, 32))  # (M·8, 32)
     lv = (ls + 32).astype(np.uint16)
     scales_l = ((lv[:, 0::2] & 0xF) | ((lv[:, 1::2] & 0xF) << 4)).astype(np.uint8)  # (M, 4)
     scales_h = np.bitwise_or.reduce((lv >> 4) << (2 * np.arange(8, dtype=np.uint16)), axis=1).astype("<u2")
     return np.concatenate([_f16_bytes(d), scales_h.view(np.uint8).reshape(m, 2), scales_l,
                            _pack(L).reshape(m, 128)], axis=1)  # fmt: skip
+
+
+def grid(type_name: str, blocks: np.ndarray) -> np.ndarray:
+    """Each value's scale in `blocks` (B, bytes) of `type_name`, (B, values per block) float32:
+    code q dequantizes to scale · KVALUES[q]."""
+    b = np.asarray(blocks, dtype=np.uint8)
+    d = np.ascontiguousarray(b[:, 0:2]).view("<f2").reshape(-1).astype(F32)
+    if type_name == "IQ4_NL":
+        return np.repeat(d[:, None], 32, axis=1)
+    if type_name != "IQ4_XS":
+        raise ValueError(f"no grid for {type_name}")
+    high = np.ascontiguousarray(b[:, 2:4]).view("<u2").reshape(-1, 1).astype(np.int32)
+    low = b[:, 4:8].astype(np.int32)
+    ls = np.stack([low & 0xF, low >> 4], axis=2).reshape(-1, 8) | (((high >> (2 * np.arange(8))) & 3) << 4)
+    return np.repeat(d[:, None] * (ls - 32).astype(F32), 32, axis=1)
+
+
+def with_levels(type_name: str, blocks: np.ndarray, L: np.ndarray) -> np.ndarray:
+    """`blocks` (B, bytes) with their codes replaced by L (B, values per block), the scales kept."""
+    out = np.array(blocks, dtype=np.uint8)
+    at = {"IQ4_NL": 2, "IQ4_XS": 8}[type_name]
+    out[:, at:] = _pack(np.asarray(L).reshape(-1, 32)).reshape(len(out), -1)
+    return out

@@ -12,7 +12,9 @@ from typing import Any
 from localllm.errors import LocalLLMError
 from localllm.quant.writer import QuantizeResult, TensorDone, quantize_file
 
-__all__ = ["QuantizeJob", "run_quantize"]
+__all__ = ["METHODS", "QuantizeJob", "run_quantize"]
+
+METHODS = ("plain", "gptq")
 
 
 @dataclass
@@ -27,13 +29,15 @@ def run_quantize(store: Any, src: str, file_type: str, *, output: Path | None = 
                  name: str | None = None, engine: str = "auto", allow_requantize: bool = False,
                  eval_text: Path | None = None, eval_limit: int = 1024,
                  calibrate: Path | None = None, calibrate_tokens: int = 4096,
-                 save_imatrix: Path | None = None,
+                 save_imatrix: Path | None = None, method: str = "plain",
                  on_tensor: Callable[[TensorDone], None] | None = None,
                  cancel: threading.Event | None = None,
                  on_phase: Callable[[str], None] | None = None) -> QuantizeJob:  # fmt: skip
     """Quantize the model `src` (a store name or a GGUF path) to `file_type`. `calibrate`: a
     text to collect an importance matrix on (kept at `save_imatrix` when given), or an importance
-    matrix file (llama-imatrix's GGUF or `.dat`)."""
+    matrix file (llama-imatrix's GGUF or `.dat`). `method`: "plain" (llama.cpp's rounding) or
+    "gptq" (error-correcting, `gptq`: needs a --calibrate text, whose activations give each
+    matrix its Hessian)."""
     from localllm.models_registry.catalog import ensure_local
     from localllm.models_registry.names import name_from_file, parse_name
     from localllm.models_registry.store import sha256_file
@@ -50,11 +54,19 @@ def run_quantize(store: Any, src: str, file_type: str, *, output: Path | None = 
     if eval_text is not None and not Path(eval_text).is_file():
         raise LocalLLMError(f"no such text file: {eval_text}")
     kind = file_type.upper()
-    imatrix = None
+    if method not in METHODS:
+        raise LocalLLMError(f"unknown --method {method} (known: {', '.join(METHODS)})")
+    imatrix = hessians = None
+    if method == "gptq" and calibrate is None:
+        raise LocalLLMError("--method gptq needs --calibrate TEXT: the activations its Hessians come "
+                            "from (e.g. a few thousand tokens of text like the model's use)")  # fmt: skip
     if calibrate is not None:
         from localllm.quant import imatrix as imatrix_file
 
         if imatrix_file.is_imatrix(calibrate):  # one llama-imatrix (or --save-imatrix) made
+            if method == "gptq":
+                raise LocalLLMError(f"--method gptq needs a text to --calibrate on: {Path(calibrate).name} "
+                                    "is an importance matrix, which keeps no Hessians")  # fmt: skip
             imatrix = imatrix_file.read(calibrate).means()
         else:
             from localllm.evaluate import read_text
@@ -63,7 +75,9 @@ def run_quantize(store: Any, src: str, file_type: str, *, output: Path | None = 
             if on_phase:
                 on_phase("calibrating")
             rows: dict[str, int] = {}
-            imatrix = collect_imatrix(path, read_text(Path(calibrate)), tokens=calibrate_tokens, rows=rows)
+            hessians = {} if method == "gptq" else None
+            imatrix = collect_imatrix(path, read_text(Path(calibrate)), tokens=calibrate_tokens, rows=rows,
+                                      hessians=hessians)  # fmt: skip
             if save_imatrix is not None:  # for llama-quantize --imatrix, or another run of ours
                 imatrix_file.write(save_imatrix, imatrix_file.Imatrix.from_means(
                     imatrix, rows, dataset=Path(calibrate).name, chunk_size=CHUNK))  # fmt: skip
@@ -72,7 +86,7 @@ def run_quantize(store: Any, src: str, file_type: str, *, output: Path | None = 
     target = output if output is not None else store.temp_path()
     stop = cancel.is_set if cancel is not None else None
     result = quantize_file(path, target, kind, engine=engine, allow_requantize=allow_requantize,
-                           on_tensor=on_tensor, cancel=stop, imatrix=imatrix)  # fmt: skip
+                           on_tensor=on_tensor, cancel=stop, imatrix=imatrix, hessians=hessians)  # fmt: skip
     where = str(result.path)
     if output is None:
         if on_phase:

@@ -286,9 +286,7 @@ def quantize_q4_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
     x = _blocks(x)
     w = _weights(qw, x)
     d, dmin, scales, L = _qkx_block(x, 15, -1.0, 0.1, 20) if w is None else _qkx_weighted(x, w, 15)
-    L = L.reshape(-1, 4, 2, 32)  # 64-value chunks: low nibbles the first 32, high the next
-    qs = (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(-1, 128)
-    return np.concatenate([d, dmin, scales, qs], axis=1)
+    return np.concatenate([d, dmin, scales, _pack_q4(L)], axis=1)
 
 
 def quantize_q5_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
@@ -296,13 +294,7 @@ def quantize_q5_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
     x = _blocks(x)
     w = _weights(qw, x)
     d, dmin, scales, L = _qkx_block(x, 31, -0.5, 0.1, 15) if w is None else _qkx_weighted(x, w, 31)
-    L = L.reshape(-1, 4, 2, 32)
-    low = L & 0xF
-    high = (L >> 4).astype(np.uint8)  # (M, 4, 2, 32): chunk n sets bits 2n and 2n + 1 of qh
-    shifts = (2 * np.arange(4)[:, None] + np.arange(2)[None, :]).astype(np.uint8)  # (4, 2)
-    qh = np.bitwise_or.reduce((high << shifts[None, :, :, None]).reshape(-1, 8, 32), axis=1)
-    qs = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
-    return np.concatenate([d, dmin, scales, qh.astype(np.uint8), qs], axis=1)
+    return np.concatenate([d, dmin, scales, *_pack_q5(L)], axis=1)
 
 
 def quantize_q6_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
@@ -327,12 +319,8 @@ def quantize_q6_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
         xb = x.reshape(m, 16, 16)
         req = np.clip(_nearest_int(xb / sub_d[..., None]), -32, 31) + 32
     L = np.where(sub_d[..., None] != 0, req, L)
-    L = np.where(zero[:, None, None], 0, L).astype(np.uint8).reshape(m, 2, 4, 32)  # 128-value halves
-    ql = np.concatenate([(L[:, :, 0] & 0xF) | ((L[:, :, 2] & 0xF) << 4),
-                         (L[:, :, 1] & 0xF) | ((L[:, :, 3] & 0xF) << 4)], axis=2).reshape(m, 128)  # fmt: skip
-    qh = ((L[:, :, 0] >> 4) | ((L[:, :, 1] >> 4) << 2) | ((L[:, :, 2] >> 4) << 4)
-          | ((L[:, :, 3] >> 4) << 6)).reshape(m, 64)  # fmt: skip
-    return np.concatenate([ql, qh.astype(np.uint8), sc.view(np.uint8), _f16_bytes(d)], axis=1)
+    L = np.where(zero[:, None, None], 0, L)
+    return np.concatenate([*_pack_q6(L), sc.view(np.uint8), _f16_bytes(d)], axis=1)
 
 
 def _make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
@@ -356,6 +344,44 @@ def _make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
         scale = np.where(suml2 > 0, sumlx / suml2, F32(0)).astype(F32)
     L = L + F32(nmax)
     return np.where(zero, F32(0), scale).astype(F32), np.where(zero, F32(0), L)
+
+
+def _pack_q4(L: np.ndarray) -> np.ndarray:
+    """(M, 256) levels in [0, 15] → Q4_K's qs (M, 128): per 64-value chunk, the first 32 values in
+    the low nibbles, the next 32 in the high ones."""
+    L = L.reshape(-1, 4, 2, 32).astype(np.uint8)
+    return (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(-1, 128)
+
+
+def _pack_q5(L: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(M, 256) levels in [0, 31] → Q5_K's (qh (M, 32), qs (M, 128)): the low nibbles as Q4_K's,
+    64-value chunk n setting bits 2n and 2n + 1 of qh."""
+    L = L.reshape(-1, 256).astype(np.uint8)
+    high = (L >> 4).reshape(-1, 4, 2, 32)
+    shifts = (2 * np.arange(4)[:, None] + np.arange(2)[None, :]).astype(np.uint8)  # (4, 2)
+    qh = np.bitwise_or.reduce((high << shifts[None, :, :, None]).reshape(-1, 8, 32), axis=1)
+    return qh.astype(np.uint8), _pack_q4(L & 0xF)
+
+
+def _pack_q6(L: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(M, 256) levels in [0, 63] → Q6_K's (ql (M, 128), qh (M, 64)), per 128-value half."""
+    L = L.astype(np.uint8).reshape(-1, 2, 4, 32)
+    m = L.shape[0]
+    ql = np.concatenate([(L[:, :, 0] & 0xF) | ((L[:, :, 2] & 0xF) << 4),
+                         (L[:, :, 1] & 0xF) | ((L[:, :, 3] & 0xF) << 4)], axis=2).reshape(m, 128)  # fmt: skip
+    qh = ((L[:, :, 0] >> 4) | ((L[:, :, 1] >> 4) << 2) | ((L[:, :, 2] >> 4) << 4)
+          | ((L[:, :, 3] >> 4) << 6)).reshape(m, 64)  # fmt: skip
+    return ql, qh.astype(np.uint8)
+
+
+def _pack_q3(L: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(M, 256) levels in [0, 7] → Q3_K's (hmask (M, 32), qs (M, 64)): the third bit of value j
+    in hmask byte j % 32, bit j // 32; the low two bits as Q2_K's."""
+    L = L.reshape(-1, QK_K).astype(np.int32)
+    hi = L > 3
+    hmask = np.bitwise_or.reduce((hi.reshape(-1, 8, 32).astype(np.uint8)
+                                  << np.arange(8, dtype=np.uint8)[None, :, None]), axis=1)  # fmt: skip
+    return hmask.astype(np.uint8), _pack_2bit(np.where(hi, L - 4, L))
 
 
 def _pack_2bit(L: np.ndarray) -> np.ndarray:
@@ -442,9 +468,75 @@ def quantize_q3_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
     xb = x.reshape(m, 16, 16)
     with np.errstate(divide="ignore", invalid="ignore"):
         req = np.clip(_nearest_int(xb / sub_d[..., None]), -4, 3) + 4
-    L = np.where(sub_d[..., None] != 0, req, L).reshape(m, QK_K).astype(np.int32)
-    hi = L > 3  # the third bit: value j's in hmask byte j % 32, bit j // 32
-    hmask = np.bitwise_or.reduce((hi.reshape(m, 8, 32).astype(np.uint8)
-                                  << np.arange(8, dtype=np.uint8)[None, :, None]), axis=1)  # fmt: skip
-    L = np.where(hi, L - 4, L)
-    return np.concatenate([hmask.astype(np.uint8), _pack_2bit(L), sc, _f16_bytes(d)], axis=1)
+    L = np.where(sub_d[..., None] != 0, req, L)
+    return np.concatenate([*_pack_q3(L), sc, _f16_bytes(d)], axis=1)
+
+
+# --- the grid a block's stored scales put its values on (for error-correcting quantizers) ---
+
+LEVELS = {"Q2_K": 3, "Q3_K": 7, "Q4_K": 15, "Q5_K": 31, "Q6_K": 63}  # levels run 0..this
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """(M, 2) little-endian f16 bytes → (M,) float32."""
+    return np.ascontiguousarray(b).view("<f2").reshape(-1).astype(F32)
+
+
+def _k4_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 scale bytes (M, 12) → the 6-bit scales and mins, (M, 8) each
+    (`get_scale_min_k4`)."""
+    sc = sc.astype(np.int32)
+    ls = np.concatenate([sc[:, 0:4] & 63, (sc[:, 8:12] & 0xF) | ((sc[:, 0:4] >> 6) << 4)], axis=1)
+    lm = np.concatenate([sc[:, 4:8] & 63, (sc[:, 8:12] >> 4) | ((sc[:, 4:8] >> 6) << 4)], axis=1)
+    return ls, lm
+
+
+def grid(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The affine grid of each value of `blocks` (M, bytes) in `type_name`: (a, m), both (M, 256)
+    float32, such that level q ∈ [0, LEVELS[type]] dequantizes to a·q − m — the scales stored,
+    whatever levels are chosen under them."""
+    b = np.asarray(blocks, dtype=np.uint8)
+    if type_name in ("Q4_K", "Q5_K"):
+        ls, lm = _k4_scales(b[:, 4:16])
+        a = _f16(b[:, 0:2])[:, None] * ls.astype(F32)
+        m = _f16(b[:, 2:4])[:, None] * lm.astype(F32)
+        per = 32
+    elif type_name == "Q6_K":
+        a = _f16(b[:, 208:210])[:, None] * b[:, 192:208].view(np.int8).astype(F32)
+        m = a * F32(32)
+        per = 16
+    elif type_name == "Q3_K":
+        sc = b[:, 96:108].astype(np.int32)
+        low = np.concatenate([sc[:, 0:8] & 0xF, sc[:, 0:8] >> 4], axis=1)  # scales 0-7, 8-15
+        high = (sc[:, 8:12, None] >> (2 * np.arange(4))[None, None, :]) & 3  # [j % 4, j // 4]
+        lv = low | (high.transpose(0, 2, 1).reshape(-1, 16) << 4)
+        a = _f16(b[:, 108:110])[:, None] * (lv - 32).astype(F32)
+        m = a * F32(4)
+        per = 16
+    elif type_name == "Q2_K":
+        sc = b[:, 0:16]
+        a = _f16(b[:, 80:82])[:, None] * (sc & 0xF).astype(F32)
+        m = _f16(b[:, 82:84])[:, None] * (sc >> 4).astype(F32)
+        per = 16
+    else:
+        raise ValueError(f"no grid for {type_name}")
+    return np.repeat(a, per, axis=1), np.repeat(m, per, axis=1)
+
+
+def with_levels(type_name: str, blocks: np.ndarray, L: np.ndarray) -> np.ndarray:
+    """`blocks` (M, bytes) with their levels replaced by L (M, 256) in [0, LEVELS[type]], the
+    scales kept."""
+    out = np.array(blocks, dtype=np.uint8)
+    if type_name == "Q4_K":
+        out[:, 16:144] = _pack_q4(L)
+    elif type_name == "Q5_K":
+        out[:, 16:48], out[:, 48:176] = _pack_q5(L)
+    elif type_name == "Q6_K":
+        out[:, 0:128], out[:, 128:192] = _pack_q6(L)
+    elif type_name == "Q3_K":
+        out[:, 0:32], out[:, 32:96] = _pack_q3(L)
+    elif type_name == "Q2_K":
+        out[:, 16:80] = _pack_2bit(L)
+    else:
+        raise ValueError(f"no levels for {type_name}")
+    return out

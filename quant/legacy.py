@@ -13,7 +13,9 @@ import numpy as np
 
 from localllm.quant.kquants import F32, _make_qkx2_quants, _make_qx_quants, _rows
 
-__all__ = ["quantize_weighted"]
+__all__ = ["LEVELS", "grid", "quantize_weighted", "with_levels"]
+
+LEVELS = {"Q4_0": 15, "Q4_1": 15, "Q5_0": 31, "Q5_1": 31, "Q8_0": 255}  # levels run 0..this
 
 
 def _nibbles(L: np.ndarray) -> np.ndarray:
@@ -52,3 +54,32 @@ def quantize_weighted(x: np.ndarray, imatrix: np.ndarray, type_name: str) -> np.
     else:
         raise ValueError(f"no importance-weighted quantizer for {type_name}")
     return np.concatenate(parts, axis=1).reshape(rows, -1)
+
+
+def grid(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The affine grid of `blocks` (B, bytes) in `type_name`: (a, m), (B, 32) float32 each, level
+    q ∈ [0, LEVELS[type]] dequantizing to a·q − m (Q8_0's level q is its int8 q − 128)."""
+    b = np.asarray(blocks, dtype=np.uint8)
+    d = np.ascontiguousarray(b[:, 0:2]).view("<f2").reshape(-1).astype(F32)
+    if type_name in ("Q4_1", "Q5_1"):
+        m = -np.ascontiguousarray(b[:, 2:4]).view("<f2").reshape(-1).astype(F32)
+    else:
+        m = d * F32({"Q4_0": 8, "Q5_0": 16, "Q8_0": 128}[type_name])
+    return np.repeat(d[:, None], 32, axis=1), np.repeat(m[:, None], 32, axis=1)
+
+
+def with_levels(type_name: str, blocks: np.ndarray, L: np.ndarray) -> np.ndarray:
+    """`blocks` (B, bytes) with their levels replaced by L (B, 32), the scales kept."""
+    out = np.array(blocks, dtype=np.uint8)
+    L = np.asarray(L, np.int64)
+    at = 4 if type_name in ("Q4_1", "Q5_1") else 2
+    if type_name == "Q8_0":
+        out[:, 2:34] = (L - 128).astype(np.int8).view(np.uint8)
+    elif type_name in ("Q4_0", "Q4_1"):
+        out[:, at : at + 16] = _nibbles(L)
+    elif type_name in ("Q5_0", "Q5_1"):
+        out[:, at : at + 4] = _fifth_bits(L)
+        out[:, at + 4 : at + 20] = _nibbles(L)
+    else:
+        raise ValueError(f"no levels for {type_name}")
+    return out
