@@ -1420,9 +1420,10 @@ def quantize(
     ] = None,
     method: Annotated[
         str,
-        typer.Option("--method", help="plain (llama.cpp's rounding) or gptq (error-correcting: "
+        typer.Option("--method", help="plain (llama.cpp's rounding); gptq (error-correcting: "
                      "each matrix's rounding error fed forward through its Hessian from the "
-                     "--calibrate text; same blocks, same size, any llama.cpp reads it)."),  # fmt: skip
+                     "--calibrate text), awq (activation-aware scales folded into the norms) or "
+                     "awq+gptq (both) — same blocks, same size, any llama.cpp reads them."),  # fmt: skip
     ] = "plain",
     json_out: JsonFlag = False,
 ) -> None:

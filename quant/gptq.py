@@ -142,4 +142,4 @@ def quantize_gptq(weights: np.ndarray, hessian: np.ndarray, type_name: str, *,
 def layer_loss(weights: np.ndarray, dequantized: np.ndarray, hessian: np.ndarray) -> float:
     """‖(W − Q)X‖² per sample: tr((W − Q) H (W − Q)ᵀ), what GPTQ makes small."""
     d = np.asarray(weights, np.float64) - np.asarray(dequantized, np.float64)
-    return float(np.einsum("ij,jk,ik->", d, np.asarray(hessian, np.float64), d))
+    return float(((d @ np.asarray(hessian, np.float64)) * d).sum())

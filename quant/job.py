@@ -14,7 +14,7 @@ from localllm.quant.writer import QuantizeResult, TensorDone, quantize_file
 
 __all__ = ["METHODS", "QuantizeJob", "run_quantize"]
 
-METHODS = ("plain", "gptq")
+METHODS = ("plain", "gptq", "awq", "awq+gptq")
 
 
 @dataclass
@@ -36,8 +36,9 @@ def run_quantize(store: Any, src: str, file_type: str, *, output: Path | None = 
     """Quantize the model `src` (a store name or a GGUF path) to `file_type`. `calibrate`: a
     text to collect an importance matrix on (kept at `save_imatrix` when given), or an importance
     matrix file (llama-imatrix's GGUF or `.dat`). `method`: "plain" (llama.cpp's rounding) or
-    "gptq" (error-correcting, `gptq`: needs a --calibrate text, whose activations give each
-    matrix its Hessian)."""
+    "gptq" (error-correcting, `gptq`), "awq" (activation-aware scales folded into the norms,
+    `awq`) or "awq+gptq" (the scales, then GPTQ on the scaled matrices) — each needs a --calibrate
+    text, whose activations give each matrix its Hessian."""
     from localllm.models_registry.catalog import ensure_local
     from localllm.models_registry.names import name_from_file, parse_name
     from localllm.models_registry.store import sha256_file
@@ -56,16 +57,16 @@ def run_quantize(store: Any, src: str, file_type: str, *, output: Path | None = 
     kind = file_type.upper()
     if method not in METHODS:
         raise LocalLLMError(f"unknown --method {method} (known: {', '.join(METHODS)})")
-    imatrix = hessians = None
-    if method == "gptq" and calibrate is None:
-        raise LocalLLMError("--method gptq needs --calibrate TEXT: the activations its Hessians come "
+    imatrix = hessians = values = None
+    if method != "plain" and calibrate is None:
+        raise LocalLLMError(f"--method {method} needs --calibrate TEXT: the activations its Hessians come "
                             "from (e.g. a few thousand tokens of text like the model's use)")  # fmt: skip
     if calibrate is not None:
         from localllm.quant import imatrix as imatrix_file
 
         if imatrix_file.is_imatrix(calibrate):  # one llama-imatrix (or --save-imatrix) made
-            if method == "gptq":
-                raise LocalLLMError(f"--method gptq needs a text to --calibrate on: {Path(calibrate).name} "
+            if method != "plain":
+                raise LocalLLMError(f"--method {method} needs a text to --calibrate on: {Path(calibrate).name} "
                                     "is an importance matrix, which keeps no Hessians")  # fmt: skip
             imatrix = imatrix_file.read(calibrate).means()
         else:
@@ -75,18 +76,27 @@ def run_quantize(store: Any, src: str, file_type: str, *, output: Path | None = 
             if on_phase:
                 on_phase("calibrating")
             rows: dict[str, int] = {}
-            hessians = {} if method == "gptq" else None
+            hessians = {} if method != "plain" else None
             imatrix = collect_imatrix(path, read_text(Path(calibrate)), tokens=calibrate_tokens, rows=rows,
                                       hessians=hessians)  # fmt: skip
             if save_imatrix is not None:  # for llama-quantize --imatrix, or another run of ours
                 imatrix_file.write(save_imatrix, imatrix_file.Imatrix.from_means(
                     imatrix, rows, dataset=Path(calibrate).name, chunk_size=CHUNK))  # fmt: skip
+            if "awq" in method:  # the scaled tensors; their inputs' statistics under the scales
+                from localllm.quant.awq import fold, rescaled
+
+                if on_phase:
+                    on_phase("searching scales")
+                values, scales, _ = fold(str(path), kind, hessians or {})
+                imatrix = {**imatrix, **rescaled(imatrix, scales)}
+                hessians = {**hessians, **rescaled(hessians, scales)} if "gptq" in method else None
     elif save_imatrix is not None:
         raise LocalLLMError("--save-imatrix keeps the matrix --calibrate TEXT collects: give --calibrate")
     target = output if output is not None else store.temp_path()
     stop = cancel.is_set if cancel is not None else None
     result = quantize_file(path, target, kind, engine=engine, allow_requantize=allow_requantize,
-                           on_tensor=on_tensor, cancel=stop, imatrix=imatrix, hessians=hessians)  # fmt: skip
+                           on_tensor=on_tensor, cancel=stop, imatrix=imatrix, hessians=hessians,
+                           values=values)  # fmt: skip
     where = str(result.path)
     if output is None:
         if on_phase:

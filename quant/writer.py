@@ -211,13 +211,15 @@ def quantize_file(
     cancel: Callable[[], bool] | None = None,
     imatrix: Mapping[str, np.ndarray] | None = None,
     hessians: Mapping[str, np.ndarray] | None = None,
+    values: Mapping[str, np.ndarray] | None = None,
 ) -> QuantizeResult:
     """Quantize the GGUF `src` to `file_type` (a llama.cpp mix: Q4_K_M, Q8_0, ...) at `dst`.
 
     `imatrix`: tensor name → the importance of each of its input columns (`calibrate`); the
     tensors it names are quantized with it, as llama.cpp does with an importance matrix.
     `hessians`: tensor name → its input's E[x xᵀ] (`--method gptq`): the K-quant tensors it names
-    are quantized by GPTQ (`gptq`) into the same blocks; our engine only."""
+    are quantized by GPTQ (`gptq`) into the same blocks; our engine only. `values`: tensor name →
+    float32 values written instead of the file's (`--method awq`'s scaled tensors)."""
     from localllm.quant.mix import FILE_TYPES
 
     t0 = time.perf_counter()
@@ -241,8 +243,8 @@ def quantize_file(
             warnings.append(f"requantizing an already quantized model ({quantized}): quality suffers")
         plan = make_plan(f, file_type, has_imatrix=bool(imatrix))
         missing = sorted({t for _, t in plan.values() if t not in BLOCK})
-        if hessians and (engine == "llama.cpp" or missing):
-            raise LocalLLMError("--method gptq is our quantizer's: it needs --engine localllm"
+        if (hessians or values) and (engine == "llama.cpp" or missing):
+            raise LocalLLMError(f"--method {'gptq' if hessians else 'awq'} is our quantizer's: it needs --engine localllm"
                                 + (f" and has none for {', '.join(missing)}" if missing else ""))
         if engine == "auto":
             engine = "llama.cpp" if missing else "localllm"
@@ -262,7 +264,8 @@ def quantize_file(
                 if on_tensor:
                     on_tensor(done)
             else:
-                _write(f, tmp, plan, FILE_TYPES[file_type], on_tensor, cancel, imatrix or {}, hessians or {})
+                _write(f, tmp, plan, FILE_TYPES[file_type], on_tensor, cancel, imatrix or {}, hessians or {},
+                       values or {})
             verify(tmp, plan)
             os.replace(tmp, dst)
         except BaseException as e:
@@ -282,7 +285,8 @@ class Cancelled(LocalLLMError):
 
 def _write(f: GGUFFile, tmp: Path, plan: dict[str, tuple[tuple[int, ...], str]], file_type: int,
            on_tensor: Callable[[TensorDone], None] | None, cancel: Callable[[], bool] | None,
-           imatrix: Mapping[str, np.ndarray], hessians: Mapping[str, np.ndarray]) -> None:  # fmt: skip
+           imatrix: Mapping[str, np.ndarray], hessians: Mapping[str, np.ndarray],
+           values: Mapping[str, np.ndarray]) -> None:  # fmt: skip
     if f.byte_order != "<":
         raise LocalLLMError(f"{Path(f.path).name} is a big-endian GGUF: only little-endian ones are quantized")
     align = f.alignment
@@ -290,7 +294,7 @@ def _write(f: GGUFFile, tmp: Path, plan: dict[str, tuple[tuple[int, ...], str]],
     with open(tmp, "xb") as fh:
         _put(fh, _header(f, plan, file_type))
         t = time.perf_counter()
-        for i, (name, data) in enumerate(_tensors_out(f, plan, cancel, imatrix, hessians), 1):
+        for i, (name, data) in enumerate(_tensors_out(f, plan, cancel, imatrix, hessians, values), 1):
             shape, type_name = plan[name]
             if len(data) != _nbytes(shape, type_name):
                 raise LocalLLMError(f"{name}: {len(data)} bytes quantized, {_nbytes(shape, type_name)} planned")
@@ -310,13 +314,14 @@ PROCESS_VALUES = 32 * 2**20
 
 
 def quantized_bytes(f: GGUFFile, name: str, type_name: str, importance: np.ndarray | None = None,
-                    hessian: np.ndarray | None = None) -> bytes | memoryview:  # fmt: skip
-    """One tensor's bytes in `type_name` (its own bytes when it already is); with `hessian` (its
-    input's E[x xᵀ]) by GPTQ where `type_name` has a grid — but not the token embedding: its rows
-    are looked up, not multiplied, so rounding its values with feedback would only move them."""
-    if f.tensors[name].ggml_type.name == type_name:
+                    hessian: np.ndarray | None = None, values: np.ndarray | None = None) -> bytes | memoryview:  # fmt: skip
+    """One tensor's bytes in `type_name` (its own bytes when it already is and `values` does not
+    replace them); with `hessian` (its input's E[x xᵀ]) by GPTQ where `type_name` has a grid — but
+    not the token embedding: its rows are looked up, not multiplied, so rounding its values with
+    feedback would only move them."""
+    if values is None and f.tensors[name].ggml_type.name == type_name:
         return f.tensor_bytes(name)
-    values = _values(f, name)
+    values = _values(f, name) if values is None else values
     from localllm.quant import gptq
 
     if hessian is not None and type_name in gptq.TYPES and name != "token_embd.weight":
@@ -326,11 +331,11 @@ def quantized_bytes(f: GGUFFile, name: str, type_name: str, importance: np.ndarr
 
 def _tensors_out(f: GGUFFile, plan: dict[str, tuple[tuple[int, ...], str]],
                  cancel: Callable[[], bool] | None, imatrix: Mapping[str, np.ndarray],
-                 hessians: Mapping[str, np.ndarray] | None = None
-                 ) -> Iterator[tuple[str, bytes | memoryview]]:  # fmt: skip
-    """Each planned tensor's output bytes, in plan order: in this process for small models and
-    GPTQ (its matrix products take every core already), else by worker processes, tensor i by
-    worker i mod N."""
+                 hessians: Mapping[str, np.ndarray] | None = None,
+                 replaced: Mapping[str, np.ndarray] | None = None) -> Iterator[tuple[str, bytes | memoryview]]:  # fmt: skip
+    """Each planned tensor's output bytes, in plan order: in this process for small models, GPTQ
+    (its matrix products take every core already) and `replaced` values, else by worker
+    processes, tensor i by worker i mod N."""
 
     def stop() -> None:
         if cancel is not None and cancel():
@@ -339,10 +344,11 @@ def _tensors_out(f: GGUFFile, plan: dict[str, tuple[tuple[int, ...], str]],
     work = [(n, t) for n, (_, t) in plan.items()]
     values = sum(f.tensors[n].n_elements for n, t in work if f.tensors[n].ggml_type.name != t)
     n = min(os.cpu_count() or 1, len(work))
-    if n <= 1 or values < PROCESS_VALUES or hessians:
+    if n <= 1 or values < PROCESS_VALUES or hessians or replaced:
         for name, type_name in work:
             stop()
-            yield name, quantized_bytes(f, name, type_name, imatrix.get(name), (hessians or {}).get(name))
+            yield name, quantized_bytes(f, name, type_name, imatrix.get(name), (hessians or {}).get(name),
+                                        (replaced or {}).get(name))  # fmt: skip
         return
     import subprocess
     import sys
