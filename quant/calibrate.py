@@ -31,7 +31,7 @@ def _targets(model: Any, tied: bool) -> dict[Any, tuple[str, ...]]:
     for i, layer in enumerate(model.layers):
         att, ffn = getattr(layer, "attention", None), getattr(layer, "feed_forward", None)
         if not all(hasattr(m, a) for m, a in ((att, "wqkv"), (att, "wo"), (ffn, "w13"), (ffn, "w2"))):
-            raise LocalLLMError("--calibrate covers the Llama family (llama, qwen2, qwen3) for now; "
+            raise LocalLLMError("--calibrate covers the Llama family (llama, qwen2, qwen3) and Gemma 3 for now; "
                                 "this architecture's layers are built otherwise")  # fmt: skip
         b = f"blk.{i}."
         out[att.wqkv] = (b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight")

@@ -46,7 +46,8 @@ __all__ = [
 ]
 
 SUPPORTED_TYPES: tuple[str, ...] = (
-    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "IQ4_NL", "IQ4_XS",
 )  # fmt: skip
 
 
@@ -205,15 +206,80 @@ def _q6_k(b: torch.Tensor, o: torch.Tensor) -> Maps:
     return d.unsqueeze(-1), None
 
 
+def _two_bits(b: torch.Tensor, at: int, o: torch.Tensor) -> None:
+    """64 bytes of bit pairs at `at` → o (n, 256): per 128-value half, 32 bytes whose bit pairs
+    0-1, 2-3, 4-5, 6-7 give its 4 runs of 32 (Q2_K's and Q3_K's low bits)."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
+    o.view(-1, 2, 4, 32).copy_((b[:, at : at + 64].view(-1, 2, 1, 32) >> shifts) & 3)
+
+
+def _q2_k(b: torch.Tensor, o: torch.Tensor) -> Maps:
+    # 16 bytes of 4-bit scale | 4-bit min | 64 bytes of bit pairs | f16 d | f16 dmin
+    # x = d sc q - dmin m, 16 sub-blocks of 16
+    _two_bits(b, 16, o)
+    h = _halves(b)
+    sc = b[:, :16]
+    return (h[:, 40:41].float() * (sc & 0x0F)).unsqueeze(-1), (h[:, 41:42].float() * (sc >> 4)).neg_().unsqueeze(-1)
+
+
+def _q3_k(b: torch.Tensor, o: torch.Tensor) -> Maps:
+    # 32 bytes of third bits | 64 bytes of bit pairs | 12 bytes of 6-bit scales | f16 d
+    # x = d (sc - 32) (q - 4), 16 sub-blocks of 16; bit i of hmask byte j belongs to element 32 i + j.
+    # Scales: the low nibbles of bytes 96-103 are scales 0-7, their high nibbles 8-15; bytes
+    # 104-107 hold the top 2 bits, scale j's at bits 2 (j // 4) of byte 104 + j % 4.
+    _two_bits(b, 32, o)
+    shifts = torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)
+    third = (b[:, :32].unsqueeze(1) >> shifts) & 1  # (n, 8, 32)
+    o.view(-1, 8, 32).add_(third, alpha=4).sub_(4)
+    low = b[:, 96:104]
+    top = (b[:, 104:108].unsqueeze(1) >> (2 * shifts[:, :4])) & 3  # (n, 4 [j // 4], 4 [j % 4])
+    sc = torch.cat((low & 0x0F, low >> 4), dim=-1).int() | (top.reshape(-1, 16).int() << 4)
+    return (_halves(b)[:, 54:55].float() * (sc - 32)).unsqueeze(-1), None
+
+
+@functools.cache
+def _iq4_values(device: torch.device) -> torch.Tensor:
+    """IQ4_NL's 16 non-uniform levels (ggml's kvalues_iq4nl), float32."""
+    return torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                        dtype=torch.float32, device=device)  # fmt: skip
+
+
+def _iq4_nl(b: torch.Tensor, o: torch.Tensor) -> Maps:
+    # f16 d | 16 bytes of nibbles as Q4_0, each an index into the 16 levels; x = d level
+    lo, hi = _nibbles(b)
+    table = _iq4_values(b.device)
+    o[:, :16], o[:, 16:] = table[lo[:, 2:].long()], table[hi[:, 2:].long()]
+    return _d(b), None
+
+
+def _iq4_xs(b: torch.Tensor, o: torch.Tensor) -> Maps:
+    # f16 d | u16 of 2-bit scale highs | 4 bytes of 4-bit scale lows | 8 × 16 bytes of nibbles
+    # as IQ4_NL's; x = d (ls - 32) level, 8 sub-blocks of 32, ls = low | high << 4
+    lo, hi = _nibbles(b)
+    table = _iq4_values(b.device)
+    o4 = o.view(-1, 8, 2, 16)
+    o4[:, :, 0] = table[lo[:, 8:].long()].view(-1, 8, 16)
+    o4[:, :, 1] = table[hi[:, 8:].long()].view(-1, 8, 16)
+    h = b[:, 2:4].contiguous().view(torch.int16).int() & 0xFFFF  # (n, 1)
+    shifts = torch.arange(8, device=b.device).view(1, 8)
+    sl = b[:, 4:8].int()
+    ls = torch.stack((sl & 0x0F, sl >> 4), dim=-1).view(-1, 8) | (((h >> (2 * shifts)) & 3) << 4)
+    return (_halves(b)[:, 0:1].float() * (ls - 32)).unsqueeze(-1), None
+
+
 _DECODERS: dict[str, Callable[[torch.Tensor, torch.Tensor], Maps]] = {
     "Q8_0": _q8_0,
     "Q4_0": _q4_0,
     "Q4_1": _q4_1,
     "Q5_0": _q5_0,
     "Q5_1": _q5_1,
+    "Q2_K": _q2_k,
+    "Q3_K": _q3_k,
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
+    "IQ4_NL": _iq4_nl,
+    "IQ4_XS": _iq4_xs,
 }
 
 

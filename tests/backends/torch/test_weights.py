@@ -34,11 +34,12 @@ from localllm.gguf_file import GGML_TYPE_BY_NAME, GGUFFile  # noqa: E402
 
 from ggufs import write_small  # noqa: E402
 
-QUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+QUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 # byte offsets of each block's f16 fields (scales, mins): random bytes there could be NaN or inf
 F16_FIELDS = {
     "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
-    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
 }  # fmt: skip
 
 
@@ -324,13 +325,13 @@ def one_line(e: pytest.ExceptionInfo[WeightsError]) -> str:
 
 
 def test_unsupported_type_in_a_file(tmp_path: Path) -> None:
-    path = tmp_path / "q2k.gguf"
+    path = tmp_path / "iq2.gguf"
     w = gguf.GGUFWriter(str(path), arch="llama")
     w.add_tensor("ok.weight", np.ones(32, dtype=np.float32))
     w.add_tensor(
         "blk.0.attn_q.weight",
-        np.zeros((2, 84), dtype=np.uint8),
-        raw_dtype=gguf.GGMLQuantizationType.Q2_K,
+        np.zeros((2, 66), dtype=np.uint8),
+        raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS,
     )
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -341,13 +342,13 @@ def test_unsupported_type_in_a_file(tmp_path: Path) -> None:
             with pytest.raises(WeightsError) as e:
                 call()
             msg = one_line(e)
-            assert msg.startswith("q2k.gguf: tensor 'blk.0.attn_q.weight' has type Q2_K")
+            assert msg.startswith("iq2.gguf: tensor 'blk.0.attn_q.weight' has type IQ2_XXS")
             assert "cannot read" in msg and "Q4_K" in msg and "F32" in msg
-        with pytest.raises(WeightsError, match="Q2_K"):
+        with pytest.raises(WeightsError, match="IQ2_XXS"):
             raw(f, "blk.0.attn_q.weight")
         with pytest.raises(WeightsError) as e:
             tensor(f, "missing.weight")
-        assert "q2k.gguf" in one_line(e) and "'missing.weight'" in str(e.value)
+        assert "iq2.gguf" in one_line(e) and "'missing.weight'" in str(e.value)
 
 
 def test_big_endian_files_are_refused(tmp_path: Path) -> None:
@@ -364,8 +365,8 @@ def test_big_endian_files_are_refused(tmp_path: Path) -> None:
         ("Q4_K", 144 * 3, (2, 256), "432 bytes, but Q4_K [2, 256] needs 288"),  # too long
         ("F32", 4 * 10, (11,), "40 bytes, but F32 [11] needs 44"),
         ("Q8_0", 34, (33,), "a row of 33 is not a multiple of the Q8_0 block size 32"),
-        ("Q2_K", 84, (256,), "has type Q2_K, which the torch engine cannot read"),
-        ("IQ4_NL", 18, (32,), "has type IQ4_NL"),
+        ("IQ2_XXS", 66, (256,), "has type IQ2_XXS, which the torch engine cannot read"),
+        ("IQ3_S", 110, (256,), "has type IQ3_S"),
         ("Q9_9", 18, (32,), "has type Q9_9"),
         ("F32", 0, (0, 4), "empty or negative shape [0, 4]"),
     ],
