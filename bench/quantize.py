@@ -1,6 +1,6 @@
 """Quantization, side by side in one run (issue 15), JSON to bench/results/quantize.json.
 
-    .venv/bin/python bench/quantize.py [--types Q4_K_M,Q8_0,Q6_K] [--rounds 3] [--quick]
+    .venv/bin/python bench/quantize.py [--types all|Q4_K_M,Q8_0,...] [--rounds 3] [--quick] [--quality]
 
 - time: the default model dequantized to an F32 GGUF (our writer), then quantized to each type by
   `--engine localllm` (ours) and `--engine llama.cpp` (`llama_model_quantize`, all cores), in turn,
@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +96,10 @@ def gemma_source(work: Path) -> Path:
 
 
 def quality(store: Any, sources: dict[str, Path], work: Path, cal_tokens: int = 4096,
-            eval_tokens: int | None = None) -> dict[str, Any]:  # fmt: skip
-    """Each model's types × methods against its F32 source (see the module's docstring)."""
+            eval_tokens: int | None = None, keep: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Each model's types × methods against its F32 source (see the module's docstring); `keep`
+    is given the results so far after each one (a long run keeps what it measured)."""
+    from localllm.errors import LocalLLMError
     from localllm.evaluate import evaluate, read_text
     from localllm.quant.awq import fold, rescaled
     from localllm.quant.calibrate import collect_imatrix
@@ -109,6 +112,8 @@ def quality(store: Any, sources: dict[str, Path], work: Path, cal_tokens: int = 
                            "calibration_tokens": cal_tokens, "models": {}}  # fmt: skip
     text = read_text(held_out)
     for model, (types, scaled_types, n_eval) in QUALITY.items():
+        if model not in sources:
+            continue
         n_eval = eval_tokens or n_eval
         f32 = work / f"{model}-f32.gguf"
         quantize_file(sources[model], f32, "F32", allow_requantize=True)
@@ -138,8 +143,15 @@ def quality(store: Any, sources: dict[str, Path], work: Path, cal_tokens: int = 
                 seconds = time.perf_counter() - t0
                 name = f"q-{model}-{kind}-{method}".lower().replace("+", "-")
                 store.import_file(dst, name)
-                r = evaluate(name, text, options=LoadOptions(backend="llama.cpp"), limit=n_eval,
-                             ref=f"q-{model}-f32")  # fmt: skip
+                try:
+                    r = evaluate(name, text, options=LoadOptions(backend="llama.cpp"), limit=n_eval,
+                                 ref=f"q-{model}-f32")  # fmt: skip
+                except LocalLLMError as e:  # kept as measured: what refused it
+                    rows[kind][method] = {"error": str(e)}
+                    log(f"{model} {kind} {method}: {e}")
+                    store.remove(name)
+                    dst.unlink()
+                    continue
                 rows[kind][method] = {
                     **{k: r[k] for k in ("perplexity", "reference_perplexity", "kl_mean", "kl_p99", "top1_agreement")},
                     "bytes": made.nbytes, "bits_per_weight": made.bits_per_weight, "quantize_s": seconds,
@@ -149,19 +161,24 @@ def quality(store: Any, sources: dict[str, Path], work: Path, cal_tokens: int = 
                     f"{seconds:.1f} s")  # fmt: skip
                 store.remove(name)
                 dst.unlink()
+                if keep is not None:
+                    keep(out)
         f32.unlink()
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--types", default="Q4_K_M,Q8_0,Q6_K,Q5_K_M")
+    ap.add_argument("--types", default="all", help="comma-separated file types (all: every one but F32)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="one round of each type (a smoke run)")
     ap.add_argument("--calibration", action="store_true", help="only the calibration benefit")
     ap.add_argument("--quality", action="store_true", help="only the quality of every type and method")
+    ap.add_argument("--models", default="smollm2,gemma3", help="--quality: which models (the others' results are kept)")
     args = ap.parse_args()
-    types = args.types.split(",")
+    from localllm.quant.mix import FILE_TYPES
+
+    types = [t for t in FILE_TYPES if t != "F32"] if args.types == "all" else args.types.split(",")
     rounds = 1 if args.quick else args.rounds
     os.environ.setdefault("LOCALLLM_HOME", tempfile.mkdtemp(prefix="localllm-bench-quant-"))
     from localllm.models_registry.catalog import ensure_local
@@ -184,10 +201,20 @@ def main() -> None:
         if args.calibration:
             results["calibration"] = calibration(store, f32, work, *(QUICK_CALIBRATION if args.quick else ()))
         if args.quality:
-            sources = {"smollm2": src, "gemma3": gemma_source(work)}
-            results["quality"] = quality(store, sources, work, *(QUICK_CALIBRATION if args.quick else ()))
-            results["quality"]["machine"], results["quality"]["when"] = machine(), time.strftime("%Y-%m-%d %H:%M")
-        save("quantize", results, quick=args.quick)
+            wanted = args.models.split(",")
+            sources = {m: p for m, p in (("smollm2", src), ("gemma3", None)) if m in wanted}
+            if "gemma3" in sources:
+                sources["gemma3"] = gemma_source(work)
+            before = (results.get("quality") or {}).get("models", {})
+
+            def keep(part: dict[str, Any]) -> None:
+                results["quality"] = {**part, "models": {**before, **part["models"]}, "machine": machine(),
+                                      "when": time.strftime("%Y-%m-%d %H:%M")}  # fmt: skip
+                save("quantize", results, quick=args.quick)
+
+            keep(quality(store, sources, work, *(QUICK_CALIBRATION if args.quick else ()), keep=keep))
+        else:
+            save("quantize", results, quick=args.quick)
         return
     for kind in types:
         times: dict[str, list[float]] = {"localllm": [], "llama.cpp": []}

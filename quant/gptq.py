@@ -55,10 +55,15 @@ def _inverse_factor(hessian: np.ndarray, damp: float) -> tuple[np.ndarray, np.nd
 Rounder = Callable[[int, np.ndarray], tuple[np.ndarray, np.ndarray]]
 
 
-def _rounder(type_name: str, blocks: np.ndarray) -> tuple[Any, Rounder]:
-    """The format's module and, for `blocks` (rows, bytes) just chosen, a function rounding column
-    c's values onto their grid: (levels, the values they dequantize to)."""
-    module = importlib.import_module(f"localllm.quant.{FORMATS[type_name][0]}")
+def _module(type_name: str) -> Any:
+    """The module that has `type_name`'s grid and level packing."""
+    return importlib.import_module(f"localllm.quant.{FORMATS[type_name][0]}")
+
+
+def _rounder(type_name: str, blocks: np.ndarray) -> Rounder:
+    """For `blocks` (rows, bytes) just chosen, a function rounding column c's values onto their
+    grid: (levels, the values they dequantize to)."""
+    module = _module(type_name)
     if type_name.startswith("IQ4"):  # a non-uniform table of 16 values times each scale
         scale = module.grid(type_name, blocks)
 
@@ -68,7 +73,7 @@ def _rounder(type_name: str, blocks: np.ndarray) -> tuple[Any, Rounder]:
                 q = module.best_index(np.where(s != 0, col / s, 0).astype(np.float32))
             return q, s * module.KVALUES[q]
 
-        return module, table
+        return table
     a, m = module.grid(type_name, blocks)
     top = module.LEVELS[type_name]
 
@@ -78,7 +83,7 @@ def _rounder(type_name: str, blocks: np.ndarray) -> tuple[Any, Rounder]:
             q = np.where(ac != 0, np.clip(np.rint((col + mc) / ac), 0, top), 0)  # a zero scale: all −m
         return q.astype(np.int32), ac * q - mc
 
-    return module, affine
+    return affine
 
 
 def quantize_gptq(weights: np.ndarray, hessian: np.ndarray, type_name: str, *,
@@ -112,7 +117,7 @@ def quantize_gptq(weights: np.ndarray, hessian: np.ndarray, type_name: str, *,
 
     def choose(b: int, values: np.ndarray) -> None:
         blocks[b] = quantize(values, type_name, importance[b * width : (b + 1) * width])
-        rounders[b] = _rounder(type_name, blocks[b])[1]
+        rounders[b] = _rounder(type_name, blocks[b])
 
     if act_order:
         back = np.argsort(order)
@@ -134,7 +139,7 @@ def quantize_gptq(weights: np.ndarray, hessian: np.ndarray, type_name: str, *,
                 w[:, p + 1 : g1] -= np.outer(e, u[p, p + 1 : g1])
             w[:, g1:c1] -= err[:, g0 - c0 : g1 - c0] @ u[g0:g1, g1:c1]
         w[:, c1:] -= err @ u[c0:c1, c1:]
-    module = importlib.import_module(f"localllm.quant.{FORMATS[type_name][0]}")
+    module = _module(type_name)
     return np.concatenate([module.with_levels(type_name, blocks[b], levels[:, b * width : (b + 1) * width])
                            for b in range(nb)], axis=1)  # fmt: skip
 

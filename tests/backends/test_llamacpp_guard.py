@@ -316,6 +316,8 @@ def test_logits_disagree() -> None:
     assert guard.logits_disagree([0.5, 3.0, -1.001], same) == ""  # rounding between kernels
     assert guard.logits_disagree([0.5, 3.0, -0.5], same) == ""  # KL 0.006 nats: noise
     assert "differ by" in guard.logits_disagree([4.0, 3.0, -1.0], same)  # another argmax
+    assert guard.logits_disagree([2.9, 3.0, -1.0], [3.0, 2.9, -1.0]) == ""  # a near-tie flipped
+    assert "differ by" in guard.logits_disagree([3.0, 1.9, -1.0], [1.9, 3.0, -1.0])  # 1.1 nats behind
     said = guard.logits_disagree([0.5, 3.0, 2.5], same)  # same argmax, KL 0.37 nats
     assert "differ by 3.5 (scale 3; KL 0.37 nats)" in said, said
     assert "not finite" in guard.logits_disagree([float("nan"), 3.0, -1.0], same)
