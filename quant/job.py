@@ -58,6 +58,8 @@ def run_quantize(store: Any, src: str, file_type: str, *, output: Path | None = 
     if method not in METHODS:
         raise LocalLLMError(f"unknown --method {method} (known: {', '.join(METHODS)})")
     imatrix = hessians = values = None
+    if method != "plain" and engine == "llama.cpp":
+        raise LocalLLMError(f"--method {method} is our quantizer's: it needs --engine localllm (or auto)")
     if method != "plain" and calibrate is None:
         raise LocalLLMError(f"--method {method} needs --calibrate TEXT: the activations its Hessians come "
                             "from (e.g. a few thousand tokens of text like the model's use)")  # fmt: skip
