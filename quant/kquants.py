@@ -195,14 +195,16 @@ def _finish(x: np.ndarray, d: np.ndarray, dmin: np.ndarray, ls: np.ndarray, lm: 
 
 
 def _make_qp_quants(x: np.ndarray, qw: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """`make_qp_quants` for every group at once: x ≥ 0 (the sub-blocks' scales or mins) and qw,
-    (n, G) position-major → (scale (G,), L (n, G) float levels). Its last search changes levels one
-    position at a time against running sums, so that loop runs over positions, in order."""
+    """`make_qp_quants` for every group at once: x (the sub-blocks' scales or mins, ≥ 0; IQ2_XXS's
+    magnitudes, one of them perhaps negated) and qw, (n, G) position-major → (scale (G,), L (n, G)
+    float levels). Its last search changes levels one position at a time against running sums, so
+    that loop runs over positions, in order. C keeps the levels in uint8: a negative level is read
+    back as 256 + it where the C reads L[i] (the first error sum, the refinement), as here."""
     mx = np.maximum(x.max(axis=0), F32(0))
     zero = mx < GROUP_MAX_EPS
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         iscale = F32(nmax) / mx
-        L = np.rint(iscale * x)
+        L = np.mod(np.rint(iscale * x), F32(256))
         scale = F32(1) / iscale
         diff = x - scale * L
         best = (qw * diff * diff).sum(axis=0)
@@ -219,13 +221,14 @@ def _make_qp_quants(x: np.ndarray, qw: np.ndarray, nmax: int) -> tuple[np.ndarra
         wx = qw * x
         sumlx = (wx * L).sum(axis=0)
         suml2 = (qw * L * L).sum(axis=0)
-        sumlx, suml2 = _refine(x, qw, L, sumlx, suml2, ~zero, 0, nmax, old_sl2=True)
+        L = np.mod(L, F32(256))
+        sumlx, suml2 = _refine(x, qw, L, sumlx, suml2, ~zero, None, nmax, old_sl2=True)
         scale = np.where(suml2 > 0, sumlx / suml2, F32(0)).astype(F32)
     return np.where(zero, F32(0), scale).astype(F32), np.where(zero, F32(0), L)
 
 
 def _refine(x: np.ndarray, w: np.ndarray, L: np.ndarray, sumlx: np.ndarray, suml2: np.ndarray,
-            active: np.ndarray, lo: int, hi: int, *, old_sl2: bool) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+            active: np.ndarray, lo: int | None, hi: int, *, old_sl2: bool) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """The level-by-level refinement make_qp_quants and make_q3_quants share: up to 5 passes over
     the positions, in order, each moving one level to x·Σ(wl²)/Σ(wxl) of the others when that
     raises Σ(wxl)²/Σ(wl²) — on every group at once, a group stopping after a pass that changed
@@ -237,12 +240,12 @@ def _refine(x: np.ndarray, w: np.ndarray, L: np.ndarray, sumlx: np.ndarray, suml
             wi, xi, li = w[i], x[i], L[i]
             slx = sumlx - wi * xi * li
             sl2 = suml2 - wi * li * li
-            new = np.clip(np.rint(xi * sl2 / slx), lo, hi).astype(F32)
+            new = np.clip(np.rint(xi * sl2 / slx), lo, hi).astype(F32)  # lo None: no floor
             slx2 = slx + wi * xi * new
             sl22 = sl2 + wi * new * new
             take = (active & (slx > 0) & ((sl2 if old_sl2 else sl22) > 0) & (new != li)
                     & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22))  # fmt: skip
-            L[i] = np.where(take, new, li)
+            L[i] = np.where(take, new if lo is not None else np.mod(new, F32(256)), li)
             sumlx = np.where(take, slx2, sumlx)
             suml2 = np.where(take, sl22, suml2)
             changed |= take

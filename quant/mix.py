@@ -14,8 +14,11 @@ type overrides, no `only_copy` — with or without an importance matrix. The par
   block; attn_v and ffn_down → more bits in the layers `use_more_bits` picks (Q4_K_M, Q5_K_M) or in
   the first layers (Q4_K_S); Q2_K's and Q3_K_*'s attn_v (by GQA), ffn_down and attn_output bumps;
   IQ4_NL's and IQ4_XS's (attn_v by GQA, the first eighth of ffn_down without an importance
-  matrix); the 8-expert and 70B-model bumps. Branches only for other file types (Q2_K_S, IQ1-3_*, MXFP4, TQ*)
-  and for Falcon / GLM5-next / BailingMoE3 are left out.
+  matrix); IQ2_XXS's and IQ2_XS's (output Q5_K, token_embd Q2_K, attn_v Q2_K or Q4_K by GQA / experts,
+  the first eighth of ffn_down Q2_K); the 8-expert and 70B-model bumps. Branches only for other
+  file types (Q2_K_S, IQ1_*, IQ2_S/M, IQ3_*, MXFP4, TQ*) and for Falcon / GLM5-next / BailingMoE3
+  are left out.
+- `needs_imatrix`: `tensor_requires_imatrix` — IQ2_XXS / IQ2_XS tensors but token_embd and output.
 - `_fallback`: `tensor_type_fallback` — a row length ne[0] that is not a multiple of the block size:
   Q2_K, Q3_K → Q4_0, Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, IQ4_XS → IQ4_NL; a 32-block type
   stays; then F16 if
@@ -35,14 +38,14 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-__all__ = ["FILE_TYPES", "choose_types", "default_type"]
+__all__ = ["FILE_TYPES", "NEEDS_IMATRIX", "choose_types", "default_type", "needs_imatrix"]
 
 # enum llama_ftype (llama.h)
 FILE_TYPES: dict[str, int] = {
     "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9,
     "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13,
-    "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30,
-    "BF16": 32,
+    "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "IQ2_XXS": 19, "IQ2_XS": 20,
+    "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32,
 }  # fmt: skip
 
 # llama_ftype_get_default_type
@@ -50,7 +53,7 @@ _DEFAULT_TYPE = {
     "F32": "F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
     "Q5_1": "Q5_1", "Q8_0": "Q8_0", "Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K",
     "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
-    "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS",
+    "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS", "IQ2_XXS": "IQ2_XXS", "IQ2_XS": "IQ2_XS",
 }  # fmt: skip
 
 # ggml_blck_size of the types these file types can produce
@@ -58,12 +61,20 @@ _BLOCK = {
     "F32": 1, "F16": 1, "BF16": 1,
     "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32,
     "Q2_K": 256, "Q3_K": 256, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "IQ4_NL": 32, "IQ4_XS": 256,
+    "IQ2_XXS": 256, "IQ2_XS": 256,
 }  # fmt: skip
 _NOT_QUANTIZED = ("F32", "F16", "BF16")
 
 # tensor_type_fallback's table for the 256-block types reachable here
 _FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0",
-             "IQ4_XS": "IQ4_NL"}  # fmt: skip
+             "IQ4_XS": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL"}  # fmt: skip
+
+# the file types of the 2-bit i-quants this port has (llama.cpp's branches for IQ2_XXS, IQ2_XS,
+# IQ2_S, IQ2_M, IQ1_S, IQ1_M share their shape; only the first two are file types here)
+_IQ2 = ("IQ2_XXS", "IQ2_XS")
+
+# tensor_requires_imatrix: ggml refuses to quantize these types without an importance matrix
+NEEDS_IMATRIX = ("IQ2_XXS", "IQ2_XS")
 
 # archs whose rules (not ported) differ from the generic ones for these file types
 _UNPORTED_ARCHS = ("falcon", "glm5-next", "bailingmoe3")
@@ -90,6 +101,13 @@ def _ftype(file_type: str) -> str:
     if file_type not in FILE_TYPES:
         raise ValueError(f"unknown file type {file_type!r} (known: {', '.join(FILE_TYPES)})")
     return file_type
+
+
+def needs_imatrix(types: dict[str, str]) -> list[str]:
+    """`tensor_requires_imatrix`: the tensors (name → chosen type) that ggml quantizes only with an
+    importance matrix — every one of the very-low-bit types but token_embd / output."""
+    return [name for name, t in types.items() if t in NEEDS_IMATRIX
+            and name not in ("token_embd.weight", "per_layer_token_embd.weight", "output.weight")]  # fmt: skip
 
 
 def default_type(file_type: str) -> str:
@@ -204,10 +222,25 @@ def _type_impl(qs: _State, new_type: str, name: str, ne0: int, category: str) ->
         # tied embeddings: token_embd is also the output, so it gets the output's type
         if ne0 % _BLOCK[new_type] != 0:
             new_type = "Q8_0"
+        elif ftype in _IQ2:
+            new_type = "Q5_K"
         elif new_type != "Q8_0":
             new_type = "Q6_K"
     elif category == "TOKEN_EMBD":
-        pass  # only the IQ*/TQ*/Q2_0 file types change an untied token_embd
+        if ftype in _IQ2:  # (and the IQ1/IQ3/TQ file types, not ported)
+            new_type = "Q2_K"
+    elif ftype in _IQ2:
+        if _is_attn_v(category):
+            new_type = "Q4_K" if qs.n_gqa >= 4 or qs.n_expert >= 4 else "Q2_K"
+            qs.i_attention_wv += 1
+        elif qs.n_expert == 8 and category == "ATTENTION_K":
+            new_type = "Q4_K"
+        elif category == "FFN_DOWN":
+            if qs.i_ffn_down < qs.n_ffn_down // 8:
+                new_type = "Q2_K"
+            qs.i_ffn_down += 1
+        elif category == "ATTENTION_OUTPUT" and qs.n_expert == 8:
+            new_type = "Q5_K"
     elif _is_attn_v(category):  # attn_qkv and attn_kv_b too: their own branch below is dead
         if ftype == "Q2_K":
             new_type = "Q4_K" if qs.n_gqa >= 4 else "Q3_K"

@@ -242,6 +242,7 @@ def quantize_file(
         if quantized:
             warnings.append(f"requantizing an already quantized model ({quantized}): quality suffers")
         plan = make_plan(f, file_type, has_imatrix=bool(imatrix))
+        _check_imatrix(plan, imatrix or {}, file_type)
         missing = sorted({t for _, t in plan.values() if t not in BLOCK})
         if (hessians or values) and (engine == "llama.cpp" or missing):
             raise LocalLLMError(f"--method {'gptq' if hessians else 'awq'} is our quantizer's: it needs --engine localllm"
@@ -277,6 +278,20 @@ def quantize_file(
     return QuantizeResult(dst, file_type, engine, {n: t for n, (_, t) in plan.items()},
                           dst.stat().st_size, need, n_params, time.perf_counter() - t0,
                           warnings)  # fmt: skip
+
+
+def _check_imatrix(plan: dict[str, tuple[tuple[int, ...], str]], imatrix: Mapping[str, np.ndarray],
+                   file_type: str) -> None:  # fmt: skip
+    """Refuse, before writing anything, a very-low-bit tensor with no importance matrix (llama.cpp
+    bails out mid-file: "the result will be garbage")."""
+    from localllm.quant.mix import needs_imatrix
+
+    lacking = [n for n in needs_imatrix({n: t for n, (_, t) in plan.items()}) if n not in imatrix]
+    if lacking:
+        what = "has no entry for " + lacking[0] if imatrix else "needs an importance matrix"
+        raise LocalLLMError(f"{file_type} {what} ({plan[lacking[0]][1]} tensors would be garbage without one): "
+                            f"give --calibrate TEXT, e.g. `localllm quantize MODEL --type {file_type} "
+                            "--calibrate text.txt`, or an .imatrix file from llama-imatrix")  # fmt: skip
 
 
 class Cancelled(LocalLLMError):
@@ -326,6 +341,15 @@ def quantized_bytes(f: GGUFFile, name: str, type_name: str, importance: np.ndarr
 
     if hessian is not None and type_name in gptq.TYPES and name != "token_embd.weight":
         return gptq.quantize_gptq(values.reshape(-1, values.shape[-1]), hessian, type_name).reshape(-1).data
+    n0 = values.shape[-1]
+    if importance is not None and np.size(importance) != n0:  # one row per expert, as llama.cpp's (ne0·ne2)
+        rows = values.reshape(-1, n0)
+        per = np.asarray(importance, np.float32).reshape(-1, n0)
+        if rows.shape[0] % per.shape[0]:
+            raise LocalLLMError(f"the importance matrix of {name} has {per.size} values, not a multiple of "
+                                f"its {n0}-value rows per expert")  # fmt: skip
+        experts = rows.reshape(per.shape[0], -1, n0)
+        return np.concatenate([quantize(v, type_name, w) for v, w in zip(experts, per, strict=True)]).reshape(-1).data
     return quantize(values, type_name, importance).reshape(-1).data
 
 

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from localllm.gguf_file import GGUFFile
-from localllm.quant.mix import FILE_TYPES, choose_types, default_type
-from localllm.quant.writer import quantize_file
+from localllm.quant.mix import FILE_TYPES, NEEDS_IMATRIX, choose_types, default_type, needs_imatrix
+from localllm.errors import LocalLLMError
+from localllm.quant.writer import _imatrix_entries, quantize_file
 
 from conftest import need
 from ggufs import tokenizer_metadata, write_tiny_llama
@@ -141,7 +142,12 @@ def llamacpp_types(src: Path, dst: Path, file_type: str, *, reader: bool = False
     p = llama_cpp.llama_model_quantize_default_params()
     p.ftype = FILE_TYPES[file_type]
     p.nthread = 2
+    alive = None
+    if file_type in NEEDS_IMATRIX:  # llama.cpp refuses these without one
+        alive = _imatrix_entries(llama_cpp, importance(src))
+        p.imatrix = ctypes.cast(alive[0], type(p.imatrix))
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(p))
+    del alive
     assert rc == 0, f"llama_model_quantize {src.name} → {file_type} failed ({rc})"
     metadata, tensors = header(dst)
     assert metadata["general.file_type"] == FILE_TYPES[file_type]
@@ -163,7 +169,7 @@ def ours(src: Path, file_type: str) -> dict[str, str]:
     hp = {k.removeprefix(f"{arch}."): v for k, v in metadata.items() if k.startswith(f"{arch}.")}
     return choose_types(file_type, tensors, arch=arch, n_layer=hp["block_count"],
                         n_head=hp["attention.head_count"], n_head_kv=hp["attention.head_count_kv"],
-                        n_expert=hp.get("expert_count", 0))  # fmt: skip
+                        n_expert=hp.get("expert_count", 0), has_imatrix=file_type in NEEDS_IMATRIX)  # fmt: skip
 
 
 def check(src: Path, dst: Path, file_type: str, *, reader: bool = False,
@@ -250,8 +256,8 @@ def importance(src: Path, seed: int = 5) -> dict[str, np.ndarray]:
     """A made-up importance matrix: a positive weight for each input column of every matrix."""
     rng = np.random.default_rng(seed)
     _, tensors = header(src)
-    return {name: (rng.random(shape[0]) * 4 + 0.05).astype(np.float32)
-            for name, shape, _ in tensors if len(shape) == 2 and name.endswith("weight")}  # fmt: skip
+    return {name: (rng.random(shape[0] * (shape[2] if len(shape) == 3 else 1)) * 4 + 0.05).astype(np.float32)
+            for name, shape, _ in tensors if len(shape) in (2, 3) and name.endswith("weight")}  # fmt: skip
 
 
 @pytest.mark.parametrize("file_type", ["Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_S", "Q6_K",
@@ -274,3 +280,34 @@ def test_with_an_importance_matrix_ours_is_llamacpps(file_type: str, models: dic
         assert guarded == {"blk.0.ffn_down.weight", "blk.1.ffn_down.weight"}  # 16 layers / 8
         assert {mine.types[n] for n in guarded} == {file_type.replace("_0", "_1")}
         assert not any("ffn_down" in n and t != file_type for n, t in plain.types.items())
+
+
+@pytest.mark.parametrize("file_type", ["IQ2_XXS", "IQ2_XS"])
+@pytest.mark.parametrize("model", ["untied16", "odd", "moe8"])
+def test_2bit_iquant_files_are_llamacpps_byte_for_byte(file_type: str, model: str, models: dict[str, Path],
+                                                       tmp_path: Path) -> None:  # fmt: skip
+    """The same importance matrix to both quantizers: the same file — IQ2 tensors, the Q2_K / Q4_K /
+    Q5_K bumps, the IQ4_NL fallback of rows that do not fit 256 ("odd"), the 8-expert rules."""
+    src = models[model]
+    imatrix = importance(src)
+    mine = quantize_file(src, tmp_path / "ours.gguf", file_type, engine="localllm", imatrix=imatrix)
+    theirs = quantize_file(src, tmp_path / "theirs.gguf", file_type, engine="llama.cpp", imatrix=imatrix)
+    differ = same_tensors(mine.path, theirs.path)
+    assert not differ, f"{model} {file_type}: {len(differ)} tensors differ, e.g. {differ[:3]}"
+    assert ("IQ4_NL" if model == "odd" else file_type) in set(mine.types.values())  # odd: no row fits 256
+    assert model == "odd" or needs_imatrix(mine.types) and "output.weight" not in needs_imatrix(mine.types)
+
+
+def test_2bit_iquants_without_an_importance_matrix_are_refused_before_writing(models: dict[str, Path],
+                                                                             tmp_path: Path) -> None:  # fmt: skip
+    """llama.cpp bails out mid-file ("the result will be garbage"); ours refuses first, naming the
+    option that makes one, and keeps nothing; an imatrix that lacks a tensor is named too."""
+    src = models["untied16"]
+    out = tmp_path / "out.gguf"
+    with pytest.raises(LocalLLMError, match=r"IQ2_XXS needs an importance matrix.*--calibrate"):
+        quantize_file(src, out, "IQ2_XXS", engine="localllm")
+    partial = importance(src)
+    del partial["blk.3.ffn_up.weight"]
+    with pytest.raises(LocalLLMError, match="has no entry for blk.3.ffn_up.weight"):
+        quantize_file(src, out, "IQ2_XS", engine="localllm", imatrix=partial)
+    assert list(tmp_path.iterdir()) == []

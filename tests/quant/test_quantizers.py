@@ -89,7 +89,9 @@ def test_round_trip_error_is_bounded(type_name: str) -> None:
 def test_rows_that_do_not_fit_the_block_are_refused() -> None:
     with pytest.raises(ValueError, match="multiple of 256"):
         quantize(np.zeros((2, 576), np.float32), "Q4_K")
-    with pytest.raises(ValueError, match="no quantizer for IQ2_XS"):
+    with pytest.raises(ValueError, match="no quantizer for IQ2_S"):
+        quantize(np.zeros((2, 512), np.float32), "IQ2_S")
+    with pytest.raises(ValueError, match="IQ2_XS needs an importance matrix"):
         quantize(np.zeros((2, 512), np.float32), "IQ2_XS")
     assert set(BLOCK) >= set(TYPES)
 
@@ -138,3 +140,37 @@ def test_quantize_takes_an_importance_matrix(type_name: str) -> None:
     assert np.array_equal(quantize(x, type_name, imatrix), theirs)
     with pytest.raises(ValueError, match="importance matrix has 256 columns"):
         quantize(x, "Q4_K", imatrix[:256])
+
+
+@pytest.mark.parametrize("type_name", ["IQ2_XXS", "IQ2_XS"])
+def test_2bit_iquants_are_byte_identical(type_name: str) -> None:
+    """`quantize_row_iq2_xxs_impl` / `_xs_impl` (grid search with neighbour lists, sign parity,
+    make_qp_quants on values one of which may be negative): ours give ggml's bytes on every input,
+    in pieces of rows, and decode (gguf's dequantizer) to within the type's error."""
+    need("gguf", "pip install -e '.[dev]'")
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(17)
+    for name, x in inputs().items():
+        imatrix = (rng.uniform(0.01, 5, x.shape[1]) ** 2).astype(np.float32)
+        theirs = ggml_quantize(x, type_name, row_bytes(type_name, x.shape[1]), imatrix)
+        ours = quantize(x, type_name, imatrix)
+        bad = np.nonzero((ours != theirs).any(axis=1))[0]
+        assert ours.shape == theirs.shape and not len(bad), f"{type_name} {name}: rows {bad[:8]} differ"
+    x = (rng.standard_normal((300, 512)) * 0.02).astype(np.float32)  # several pieces
+    imatrix = rng.uniform(0.1, 3, 512).astype(np.float32)
+    ours = quantize(x, type_name, imatrix)
+    assert np.array_equal(ours, ggml_quantize(x, type_name, row_bytes(type_name, 512), imatrix))
+    back = dequantize(ours, GGMLQuantizationType[type_name]).reshape(x.shape)
+    rel = float(np.sqrt(np.mean((back - x) ** 2) / np.mean(x**2)))
+    assert 0.2 < rel < {"IQ2_XXS": 0.45, "IQ2_XS": 0.4}[type_name], rel
+
+
+@pytest.mark.parametrize("type_name", ["IQ2_XXS", "IQ2_XS"])
+def test_2bit_iquants_on_real_weights(type_name: str, default_model_path: Path) -> None:
+    rng = np.random.default_rng(18)
+    for name, x in real_weights(default_model_path).items():
+        imatrix = rng.uniform(0.05, 4, x.shape[1]).astype(np.float32)
+        theirs = ggml_quantize(x, type_name, row_bytes(type_name, x.shape[1]), imatrix)
+        assert np.array_equal(quantize(x, type_name, imatrix), theirs), f"{type_name} {name}"
