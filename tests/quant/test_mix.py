@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from localllm.errors import LocalLLMError
 from localllm.gguf_file import GGUFFile
 from localllm.quant.mix import FILE_TYPES, NEEDS_IMATRIX, choose_types, default_type, needs_imatrix
-from localllm.errors import LocalLLMError
 from localllm.quant.writer import _imatrix_entries, quantize_file
 
 from conftest import need
