@@ -66,22 +66,32 @@ def _base3(levels: np.ndarray) -> np.ndarray:
 def _nearest(xv: np.ndarray, wa: np.ndarray, scale: np.ndarray, codes: np.ndarray, type_name: str) -> np.ndarray:
     """`iq2_find_best_neighbour` for K groups at once: xv, wa (K, 8), scale (K,), codes (K,) of their
     levels, off the grid → the chosen grid index (K,): the first of the smallest Σ w·(s·q − x)² in
-    the list. The lists are ragged: gathered flat, reduced per segment."""
+    the list. The lists are ragged: gathered flat, reduced per segment. A level is one of three, so
+    each group's 24 terms w·(s·q − x)² are computed once (as the C computes each) and a candidate's
+    distance adds its eight terms in the C's order."""
     levels, _, flat, start, count = tables(type_name)
     cnt = count[codes]
     first = np.cumsum(cnt) - cnt
     total = int(cnt.sum())
     seg = np.repeat(np.arange(len(codes)), cnt)
     cand = flat[np.repeat(start[codes] - first, cnt) + np.arange(total)]
-    gpos = 2 * levels[cand].astype(F32) + 1  # (total, 8)
-    xs, ws, s = xv[seg], wa[seg], scale[seg]
+    q = np.array([1, 3, 5], F32)
+    diff = scale[:, None, None] * q - xv[:, :, None]  # (K, 8, 3)
+    terms = (wa[:, :, None] * diff * diff).reshape(-1)
+    base = (seg * 24).astype(np.int32)
+    offsets = _offsets(type_name)
     d2 = np.zeros(total, F32)
     for i in range(8):
-        diff = s * gpos[:, i] - xs[:, i]
-        d2 = d2 + ws[:, i] * diff * diff
+        d2 = d2 + terms[base + offsets[i][cand]]
     best = np.minimum.reduceat(d2, first)
-    at = np.where(d2 == best[seg], np.arange(total), total)
-    return cand[np.minimum.reduceat(at, first)]
+    pick = np.where(d2 == best[seg], np.arange(total), total)
+    return cand[np.minimum.reduceat(pick, first)]
+
+
+@cache
+def _offsets(type_name: str) -> np.ndarray:
+    """(8, grid): where each grid point's position i finds its term among a group's 24 (3·i + level)."""
+    return np.ascontiguousarray((3 * np.arange(8) + tables(type_name)[0]).T, dtype=np.int32)
 
 
 def _snap(L: np.ndarray, xv: np.ndarray, wa: np.ndarray, scale: np.ndarray,

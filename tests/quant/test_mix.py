@@ -94,6 +94,8 @@ def models(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -
     out["tied12"] = tiny("tied12", n_embd=256, n_ff=768, n_layer=12, n_head=4, n_kv_head=1)
     # rows of 80 (not a multiple of 32: F16 fallbacks) and 96 (Q5_0 / Q5_1 / Q8_0 fallbacks)
     out["odd"] = tiny("odd", n_embd=80, n_ff=96, n_layer=3, n_head=4, n_kv_head=2)
+    # 8 layers, tied: the 2-bit i-quants' mix on few enough values to quantize in seconds
+    out["small8"] = tiny("small8", n_embd=256, n_ff=512, n_layer=8, n_head=4, n_kv_head=2)
     # 80 layers, n_head != n_head_kv: llama.cpp calls it a 70B model (attn_v Q4_K → Q5_K)
     out["l80"] = tiny("l80", n_embd=256, n_ff=256, n_layer=80, n_head=4, n_kv_head=1)
     # 8 experts (Mixtral-style 3-D expert tensors and a router that stays F32)
@@ -283,11 +285,13 @@ def test_with_an_importance_matrix_ours_is_llamacpps(file_type: str, models: dic
 
 
 @pytest.mark.parametrize("file_type", ["IQ2_XXS", "IQ2_XS"])
-@pytest.mark.parametrize("model", ["untied16", "odd", "moe8"])
+@pytest.mark.parametrize("model", ["small8", "odd", pytest.param("untied16", marks=pytest.mark.slow),
+                                   pytest.param("moe8", marks=pytest.mark.slow)])  # fmt: skip
 def test_2bit_iquant_files_are_llamacpps_byte_for_byte(file_type: str, model: str, models: dict[str, Path],
                                                        tmp_path: Path) -> None:  # fmt: skip
     """The same importance matrix to both quantizers: the same file — IQ2 tensors, the Q2_K / Q4_K /
-    Q5_K bumps, the IQ4_NL fallback of rows that do not fit 256 ("odd"), the 8-expert rules."""
+    Q5_K bumps, the IQ4_NL fallback of rows that do not fit 256 ("odd"), the 8-expert rules and
+    per-expert importance rows ("moe8", slow: 1-2 minutes each; the suite checks those rows below)."""
     src = models[model]
     imatrix = importance(src)
     mine = quantize_file(src, tmp_path / "ours.gguf", file_type, engine="localllm", imatrix=imatrix)
@@ -311,3 +315,24 @@ def test_2bit_iquants_without_an_importance_matrix_are_refused_before_writing(mo
     with pytest.raises(LocalLLMError, match="has no entry for blk.3.ffn_up.weight"):
         quantize_file(src, out, "IQ2_XS", engine="localllm", imatrix=partial)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_expert_tensors_take_one_importance_row_per_expert(models: dict[str, Path]) -> None:
+    """A 3-D expert tensor with llama.cpp's ne0·ne2 importance values: each expert quantized with its
+    own row, as `llama_model_quantize` does (ggml's quantizer per expert slice is the oracle)."""
+    from ggml_oracle import ggml_quantize
+
+    from localllm.quant import row_bytes
+    from localllm.quant.writer import quantized_bytes
+
+    name = "blk.1.ffn_up_exps.weight"
+    with GGUFFile(models["moe8"]) as f:
+        values = np.frombuffer(f.tensor_bytes(name), "<f4").reshape(8, 512, 256)
+        per = np.random.default_rng(4).uniform(0.1, 3, (8, 256)).astype(np.float32)
+        for type_name in ("IQ2_XXS", "Q4_K"):
+            mine = np.frombuffer(quantized_bytes(f, name, type_name, per.reshape(-1)), np.uint8)
+            theirs = np.concatenate([ggml_quantize(v, type_name, row_bytes(type_name, 256), w).reshape(-1)
+                                     for v, w in zip(values, per, strict=True)])  # fmt: skip
+            assert np.array_equal(mine, theirs), type_name
+        with pytest.raises(LocalLLMError, match="not a multiple of its 256-value rows"):
+            quantized_bytes(f, name, "Q4_K", per.reshape(-1)[:768])
