@@ -320,10 +320,10 @@ def test_2bit_iquants_without_an_importance_matrix_are_refused_before_writing(mo
 def test_expert_tensors_take_one_importance_row_per_expert(models: dict[str, Path]) -> None:
     """A 3-D expert tensor with llama.cpp's ne0·ne2 importance values: each expert quantized with its
     own row, as `llama_model_quantize` does (ggml's quantizer per expert slice is the oracle)."""
-    from ggml_oracle import ggml_quantize
-
     from localllm.quant import row_bytes
     from localllm.quant.writer import quantized_bytes
+
+    from ggml_oracle import ggml_quantize
 
     name = "blk.1.ffn_up_exps.weight"
     with GGUFFile(models["moe8"]) as f:
