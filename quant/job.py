@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from localllm.errors import LocalLLMError
-from localllm.quant.mix import NEEDS_IMATRIX
+from localllm.quant.mix import IMATRIX_FILE_TYPES
 from localllm.quant.writer import QuantizeResult, TensorDone, quantize_file
 
 __all__ = ["METHODS", "QuantizeJob", "run_quantize"]
@@ -64,7 +64,7 @@ def run_quantize(store: Any, src: str, file_type: str, *, output: Path | None = 
     if method != "plain" and calibrate is None:
         raise LocalLLMError(f"--method {method} needs --calibrate TEXT: the activations its Hessians come "
                             "from (e.g. a few thousand tokens of text like the model's use)")  # fmt: skip
-    if calibrate is None and kind in NEEDS_IMATRIX:  # before anything is read
+    if calibrate is None and kind in IMATRIX_FILE_TYPES:  # before anything is read
         raise LocalLLMError(f"{kind} needs an importance matrix: give --calibrate TEXT (a few thousand tokens "
                             f"of text like the model's use), e.g. `localllm quantize {src} --type {kind} "
                             "--calibrate text.txt`, or an .imatrix file from llama-imatrix")  # fmt: skip

@@ -14,11 +14,14 @@ type overrides, no `only_copy` — with or without an importance matrix. The par
   block; attn_v and ffn_down → more bits in the layers `use_more_bits` picks (Q4_K_M, Q5_K_M) or in
   the first layers (Q4_K_S); Q2_K's and Q3_K_*'s attn_v (by GQA), ffn_down and attn_output bumps;
   IQ4_NL's and IQ4_XS's (attn_v by GQA, the first eighth of ffn_down without an importance
-  matrix); IQ2_XXS's and IQ2_XS's (output Q5_K, token_embd Q2_K, attn_v Q2_K or Q4_K by GQA / experts,
-  the first eighth of ffn_down Q2_K); the 8-expert and 70B-model bumps. Branches only for other
-  file types (Q2_K_S, IQ1_*, IQ2_S/M, IQ3_*, MXFP4, TQ*) and for Falcon / GLM5-next / BailingMoE3
-  are left out.
-- `needs_imatrix`: `tensor_requires_imatrix` — IQ2_XXS / IQ2_XS tensors but token_embd and output.
+  matrix); the i-quant file types' (IQ2_XXS/XS/S/M: output Q5_K, token_embd Q2_K or IQ3_S, attn_v
+  Q2_K / IQ3_S / Q4_K by GQA and experts, the first eighth of ffn_down; IQ3_XXS: attn_q/k IQ2_S,
+  attn_v and attn_output IQ3_S, ffn_down Q3_K/Q4_K without an importance matrix; IQ3_XS: attn_q/k
+  and the middle layers' ffn_gate/ffn_up IQ3_XXS, counted per category; IQ3_S / IQ3_M; Q2_K_S); the
+  8-expert and 70B-model bumps. Branches only for other file types (IQ1_*, MXFP4, TQ*) and for
+  Falcon / GLM5-next / BailingMoE3 are left out.
+- `needs_imatrix`: `tensor_requires_imatrix` — IQ2_XXS/XS/S and IQ3_XXS tensors, and Q2_K ones in a
+  Q2_K_S file, but token_embd and output.
 - `_fallback`: `tensor_type_fallback` — a row length ne[0] that is not a multiple of the block size:
   Q2_K, Q3_K → Q4_0, Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, IQ4_XS → IQ4_NL; a 32-block type
   stays; then F16 if
@@ -38,14 +41,15 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-__all__ = ["FILE_TYPES", "NEEDS_IMATRIX", "choose_types", "default_type", "needs_imatrix"]
+__all__ = ["FILE_TYPES", "IMATRIX_FILE_TYPES", "NEEDS_IMATRIX", "choose_types", "default_type", "needs_imatrix"]
 
 # enum llama_ftype (llama.h)
 FILE_TYPES: dict[str, int] = {
     "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9,
     "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13,
     "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "IQ2_XXS": 19, "IQ2_XS": 20,
-    "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32,
+    "Q2_K_S": 21, "IQ3_XS": 22, "IQ3_XXS": 23, "IQ4_NL": 25, "IQ3_S": 26, "IQ3_M": 27, "IQ2_S": 28,
+    "IQ2_M": 29, "IQ4_XS": 30, "BF16": 32,
 }  # fmt: skip
 
 # llama_ftype_get_default_type
@@ -53,7 +57,9 @@ _DEFAULT_TYPE = {
     "F32": "F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
     "Q5_1": "Q5_1", "Q8_0": "Q8_0", "Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K",
     "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
-    "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS", "IQ2_XXS": "IQ2_XXS", "IQ2_XS": "IQ2_XS",
+    "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS", "IQ2_XXS": "IQ2_XXS", "IQ2_XS": "IQ2_XS", "Q2_K_S": "Q2_K",
+    "IQ3_XS": "IQ3_S", "IQ3_XXS": "IQ3_XXS", "IQ3_S": "IQ3_S", "IQ3_M": "IQ3_S", "IQ2_S": "IQ2_XS",
+    "IQ2_M": "IQ2_S",
 }  # fmt: skip
 
 # ggml_blck_size of the types these file types can produce
@@ -61,20 +67,25 @@ _BLOCK = {
     "F32": 1, "F16": 1, "BF16": 1,
     "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32,
     "Q2_K": 256, "Q3_K": 256, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "IQ4_NL": 32, "IQ4_XS": 256,
-    "IQ2_XXS": 256, "IQ2_XS": 256,
+    "IQ2_XXS": 256, "IQ2_XS": 256, "IQ2_S": 256, "IQ3_XXS": 256, "IQ3_S": 256,
 }  # fmt: skip
 _NOT_QUANTIZED = ("F32", "F16", "BF16")
 
 # tensor_type_fallback's table for the 256-block types reachable here
 _FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0",
-             "IQ4_XS": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL"}  # fmt: skip
+             "IQ4_XS": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL", "IQ2_S": "IQ4_NL",
+             "IQ3_XXS": "IQ4_NL", "IQ3_S": "IQ4_NL"}  # fmt: skip
 
-# the file types of the 2-bit i-quants this port has (llama.cpp's branches for IQ2_XXS, IQ2_XS,
-# IQ2_S, IQ2_M, IQ1_S, IQ1_M share their shape; only the first two are file types here)
-_IQ2 = ("IQ2_XXS", "IQ2_XS")
+# the 2-bit file types of llama.cpp's i-quant branch (IQ1_S / IQ1_M share it: not ported)
+_IQ2 = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M")
+# the file types whose output (and tied token_embd) is Q5_K rather than Q6_K
+_LOW_OUTPUT = ("IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ2_S", "IQ2_M")
 
-# tensor_requires_imatrix: ggml refuses to quantize these types without an importance matrix
-NEEDS_IMATRIX = ("IQ2_XXS", "IQ2_XS")
+# tensor_requires_imatrix: ggml refuses to quantize these types without an importance matrix (and
+# Q2_K in a Q2_K_S file)
+NEEDS_IMATRIX = ("IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S")
+# the file types that put one of those in a model's layers: quantized only with an importance matrix
+IMATRIX_FILE_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "Q2_K_S")
 
 # archs whose rules (not ported) differ from the generic ones for these file types
 _UNPORTED_ARCHS = ("falcon", "glm5-next", "bailingmoe3")
@@ -103,10 +114,12 @@ def _ftype(file_type: str) -> str:
     return file_type
 
 
-def needs_imatrix(types: dict[str, str]) -> list[str]:
-    """`tensor_requires_imatrix`: the tensors (name → chosen type) that ggml quantizes only with an
-    importance matrix — every one of the very-low-bit types but token_embd / output."""
-    return [name for name, t in types.items() if t in NEEDS_IMATRIX
+def needs_imatrix(types: dict[str, str], file_type: str = "") -> list[str]:
+    """`tensor_requires_imatrix`: the tensors (name → chosen type) that llama.cpp quantizes only with
+    an importance matrix — every one of the very-low-bit types, and Q2_K in a Q2_K_S file, but
+    token_embd / output."""
+    wanted = NEEDS_IMATRIX + (("Q2_K",) if file_type.upper() == "Q2_K_S" else ())
+    return [name for name, t in types.items() if t in wanted
             and name not in ("token_embd.weight", "per_layer_token_embd.weight", "output.weight")]  # fmt: skip
 
 
@@ -199,6 +212,8 @@ class _State:
         self.n_ffn_down = n_layer  # hparams.n_layer_all
         self.i_attention_wv = 0
         self.i_ffn_down = 0
+        self.i_ffn_gate = 0
+        self.i_ffn_up = 0
         self.has_tied_embeddings = tied
 
     def layer_info(self, i_layer: int, name: str) -> tuple[int, int]:
@@ -222,28 +237,40 @@ def _type_impl(qs: _State, new_type: str, name: str, ne0: int, category: str) ->
         # tied embeddings: token_embd is also the output, so it gets the output's type
         if ne0 % _BLOCK[new_type] != 0:
             new_type = "Q8_0"
-        elif ftype in _IQ2:
+        elif ftype in _LOW_OUTPUT:
             new_type = "Q5_K"
         elif new_type != "Q8_0":
             new_type = "Q6_K"
     elif category == "TOKEN_EMBD":
-        if ftype in _IQ2:  # (and the IQ1/IQ3/TQ file types, not ported)
+        if ftype in ("IQ2_XXS", "IQ2_XS"):  # (and IQ1_S / IQ1_M, not ported)
             new_type = "Q2_K"
+        elif ftype in ("IQ2_S", "IQ2_M", "IQ3_XXS"):
+            new_type = "IQ3_S"
     elif ftype in _IQ2:
+        s_types = ftype in ("IQ2_S", "IQ2_M")
         if _is_attn_v(category):
-            new_type = "Q4_K" if qs.n_gqa >= 4 or qs.n_expert >= 4 else "Q2_K"
+            new_type = "Q4_K" if qs.n_gqa >= 4 or qs.n_expert >= 4 else "IQ3_S" if s_types else "Q2_K"
             qs.i_attention_wv += 1
         elif qs.n_expert == 8 and category == "ATTENTION_K":
             new_type = "Q4_K"
         elif category == "FFN_DOWN":
             if qs.i_ffn_down < qs.n_ffn_down // 8:
-                new_type = "Q2_K"
+                new_type = "IQ3_S" if s_types else "Q2_K"
             qs.i_ffn_down += 1
-        elif category == "ATTENTION_OUTPUT" and qs.n_expert == 8:
-            new_type = "Q5_K"
+        elif category == "ATTENTION_OUTPUT":
+            if qs.n_expert == 8:
+                new_type = "Q5_K"
+            elif s_types:
+                new_type = "IQ3_S"
     elif _is_attn_v(category):  # attn_qkv and attn_kv_b too: their own branch below is dead
         if ftype == "Q2_K":
             new_type = "Q4_K" if qs.n_gqa >= 4 else "Q3_K"
+        elif ftype == "Q2_K_S" and qs.n_gqa >= 4:
+            new_type = "Q4_K"
+        elif ftype == "IQ3_XXS":
+            new_type = "Q4_K" if qs.n_gqa >= 4 else "IQ3_XXS" if qs.has_imatrix else "IQ3_S"
+        elif ftype in ("IQ3_XS", "IQ3_S") and qs.n_gqa >= 4 or ftype == "IQ3_M":
+            new_type = "Q4_K"
         elif ftype == "Q3_K_M":
             new_type = "Q5_K" if qs.i_attention_wv < 2 else "Q4_K"
         elif ftype == "Q3_K_L" or (ftype in ("IQ4_NL", "IQ4_XS") and qs.n_gqa >= 4):
@@ -260,12 +287,28 @@ def _type_impl(qs: _State, new_type: str, name: str, ne0: int, category: str) ->
     elif category == "ATTENTION_K":
         if qs.n_expert == 8:
             new_type = "Q8_0"
+        elif ftype == "IQ3_XS":
+            new_type = "IQ3_XXS"
+        elif ftype == "IQ3_XXS":
+            new_type = "IQ2_S"
+    elif category == "ATTENTION_Q":
+        if ftype == "IQ3_XS":
+            new_type = "IQ3_XXS"
+        elif ftype == "IQ3_XXS":
+            new_type = "IQ2_S"
     elif category == "FFN_DOWN":
         i_layer, n_layer = qs.layer_info(qs.i_ffn_down, name)
         if ftype == "Q2_K":
             new_type = "Q3_K"
+        elif ftype == "Q2_K_S":
+            if i_layer < n_layer // 8:
+                new_type = "Q4_K"
+        elif ftype == "IQ3_XXS" and not qs.has_imatrix:
+            new_type = "Q4_K" if i_layer < n_layer // 8 else "Q3_K"
         elif ftype == "Q3_K_M":  # (falcon's Q3_K branch: falcon is not ported)
             new_type = "Q5_K" if i_layer < n_layer // 16 else "Q4_K"
+        elif ftype == "IQ3_M" and (i_layer < n_layer // 8 or (qs.n_expert == 8 and _use_more_bits(i_layer, n_layer))):
+            new_type = "Q4_K"
         elif ftype == "Q3_K_L":
             new_type = "Q5_K"
         elif ftype == "Q4_K_M":
@@ -284,13 +327,18 @@ def _type_impl(qs: _State, new_type: str, name: str, ne0: int, category: str) ->
         qs.i_ffn_down += 1
     elif category == "ATTENTION_OUTPUT":
         if qs.n_expert == 8:
-            if ftype in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ4_NL", "IQ4_XS"):
+            if ftype in ("Q2_K", "IQ3_XS", "IQ3_XXS", "Q3_K_S", "Q3_K_M", "IQ4_NL", "Q4_K_S", "Q4_K_M", "IQ3_S",
+                         "IQ3_M", "IQ4_XS"):  # fmt: skip
                 new_type = "Q5_K"
-        elif ftype in ("Q2_K", "Q3_K_M", "Q3_K_L"):
-            new_type = {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K", "Q3_K_L": "Q5_K"}[ftype]
+        elif ftype in ("Q2_K", "IQ3_XXS", "Q3_K_M", "Q3_K_L", "IQ3_M"):
+            new_type = {"Q2_K": "Q3_K", "IQ3_XXS": "IQ3_S", "Q3_K_M": "Q4_K", "Q3_K_L": "Q5_K", "IQ3_M": "Q4_K"}[ftype]
     elif category in ("FFN_GATE", "FFN_UP"):
-        # only IQ3_XS changes these; layer_info still rejects unparsable names with experts
-        qs.layer_info(0, name)
+        # IQ3_XS's middle layers go to IQ3_XXS (counted per category, like ffn_down)
+        counter = "i_ffn_gate" if category == "FFN_GATE" else "i_ffn_up"
+        i_layer, n_layer = qs.layer_info(getattr(qs, counter), name)
+        if ftype == "IQ3_XS" and n_layer // 8 <= i_layer < 7 * n_layer // 8:
+            new_type = "IQ3_XXS"
+        setattr(qs, counter, getattr(qs, counter) + 1)
     return new_type
 
 

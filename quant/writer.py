@@ -286,7 +286,7 @@ def _check_imatrix(plan: dict[str, tuple[tuple[int, ...], str]], imatrix: Mappin
     bails out mid-file: "the result will be garbage")."""
     from localllm.quant.mix import needs_imatrix
 
-    lacking = [n for n in needs_imatrix({n: t for n, (_, t) in plan.items()}) if n not in imatrix]
+    lacking = [n for n in needs_imatrix({n: t for n, (_, t) in plan.items()}, file_type) if n not in imatrix]
     if lacking:
         what = "has no entry for " + lacking[0] if imatrix else "needs an importance matrix"
         raise LocalLLMError(f"{file_type} {what} ({plan[lacking[0]][1]} tensors would be garbage without one): "

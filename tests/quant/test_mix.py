@@ -15,7 +15,13 @@ import pytest
 
 from localllm.errors import LocalLLMError
 from localllm.gguf_file import GGUFFile
-from localllm.quant.mix import FILE_TYPES, NEEDS_IMATRIX, choose_types, default_type, needs_imatrix
+from localllm.quant.mix import (
+    FILE_TYPES,
+    IMATRIX_FILE_TYPES,
+    choose_types,
+    default_type,
+    needs_imatrix,
+)
 from localllm.quant.writer import _imatrix_entries, quantize_file
 
 from conftest import need
@@ -145,7 +151,7 @@ def llamacpp_types(src: Path, dst: Path, file_type: str, *, reader: bool = False
     p.ftype = FILE_TYPES[file_type]
     p.nthread = 2
     alive = None
-    if file_type in NEEDS_IMATRIX:  # llama.cpp refuses these without one
+    if file_type in IMATRIX_FILE_TYPES:  # llama.cpp refuses these without one
         alive = _imatrix_entries(llama_cpp, importance(src))
         p.imatrix = ctypes.cast(alive[0], type(p.imatrix))
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(p))
@@ -171,7 +177,7 @@ def ours(src: Path, file_type: str) -> dict[str, str]:
     hp = {k.removeprefix(f"{arch}."): v for k, v in metadata.items() if k.startswith(f"{arch}.")}
     return choose_types(file_type, tensors, arch=arch, n_layer=hp["block_count"],
                         n_head=hp["attention.head_count"], n_head_kv=hp["attention.head_count_kv"],
-                        n_expert=hp.get("expert_count", 0), has_imatrix=file_type in NEEDS_IMATRIX)  # fmt: skip
+                        n_expert=hp.get("expert_count", 0), has_imatrix=file_type in IMATRIX_FILE_TYPES)  # fmt: skip
 
 
 def check(src: Path, dst: Path, file_type: str, *, reader: bool = False,
@@ -223,8 +229,8 @@ def test_file_types() -> None:
     assert default_type("Q4_K_M") == default_type("Q4_K_S") == "Q4_K"
     assert default_type("Q5_K_M") == "Q5_K" and default_type("Q8_0") == "Q8_0"
     assert FILE_TYPES["Q4_K_M"] == 15 and FILE_TYPES["F32"] == 0
-    with pytest.raises(ValueError, match="unknown file type 'Q2_K_S'"):
-        choose_types("Q2_K_S", [], arch="llama", n_layer=1, n_head=1, n_head_kv=1)
+    with pytest.raises(ValueError, match="unknown file type 'IQ1_S'"):
+        choose_types("IQ1_S", [], arch="llama", n_layer=1, n_head=1, n_head_kv=1)
     with pytest.raises(ValueError, match="unknown file type"):
         default_type("q4_k_m")
 
