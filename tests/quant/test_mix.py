@@ -290,32 +290,59 @@ def test_with_an_importance_matrix_ours_is_llamacpps(file_type: str, models: dic
         assert not any("ffn_down" in n and t != file_type for n, t in plain.types.items())
 
 
-@pytest.mark.parametrize("file_type", ["IQ2_XXS", "IQ2_XS"])
-@pytest.mark.parametrize("model", ["small8", "odd", pytest.param("untied16", marks=pytest.mark.slow),
-                                   pytest.param("moe8", marks=pytest.mark.slow)])  # fmt: skip
-def test_2bit_iquant_files_are_llamacpps_byte_for_byte(file_type: str, model: str, models: dict[str, Path],
-                                                       tmp_path: Path) -> None:  # fmt: skip
-    """The same importance matrix to both quantizers: the same file — IQ2 tensors, the Q2_K / Q4_K /
-    Q5_K bumps, the IQ4_NL fallback of rows that do not fit 256 ("odd"), the 8-expert rules and
-    per-expert importance rows ("moe8", slow: 1-2 minutes each; the suite checks those rows below)."""
+IQ_FILES = ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M", "Q2_K_S"]
+# on the 8-layer model in the default suite: between them every lattice type, make_qp_quants's path
+# (IQ2_XXS) and Q2_K_S's Q2_K with an importance matrix; the rest, and the larger models, under -m slow
+IQ_FAST = ("IQ2_XXS", "IQ2_M", "IQ3_XS", "Q2_K_S")
+
+
+def _iq_cases() -> list[object]:
+    cases: list[object] = []
+    for file_type in IQ_FILES:
+        for model in ("small8", "odd", "untied16", "moe8"):
+            fast = model == "odd" or (model == "small8" and file_type in IQ_FAST)
+            cases.append(pytest.param(model, file_type, marks=() if fast else pytest.mark.slow))
+    return cases
+
+
+@pytest.mark.parametrize(("model", "file_type"), _iq_cases())
+def test_iquant_files_are_llamacpps_byte_for_byte(file_type: str, model: str, models: dict[str, Path],
+                                                  tmp_path: Path) -> None:  # fmt: skip
+    """The same importance matrix to both quantizers: the same file — the i-quant tensors, the Q2_K /
+    IQ3_S / Q4_K / Q5_K bumps, the IQ4_NL fallback of rows that do not fit 256 ("odd"), the 8-expert
+    rules and per-expert importance rows ("moe8"; the suite checks those rows below too). IQ3_S and
+    IQ3_M need no importance matrix: without one, the same file too."""
     src = models[model]
     imatrix = importance(src)
     mine = quantize_file(src, tmp_path / "ours.gguf", file_type, engine="localllm", imatrix=imatrix)
     theirs = quantize_file(src, tmp_path / "theirs.gguf", file_type, engine="llama.cpp", imatrix=imatrix)
     differ = same_tensors(mine.path, theirs.path)
     assert not differ, f"{model} {file_type}: {len(differ)} tensors differ, e.g. {differ[:3]}"
-    assert ("IQ4_NL" if model == "odd" else file_type) in set(mine.types.values())  # odd: no row fits 256
-    assert model == "odd" or needs_imatrix(mine.types) and "output.weight" not in needs_imatrix(mine.types)
+    kinds = set(mine.types.values())
+    fallback = "Q4_0" if file_type == "Q2_K_S" else "IQ4_NL"  # odd: no row fits 256 values
+    assert (fallback if model == "odd" else default_type(file_type)) in kinds
+    if file_type in IMATRIX_FILE_TYPES and model != "odd":
+        assert needs_imatrix(mine.types, file_type) and "output.weight" not in needs_imatrix(mine.types, file_type)
+    if file_type in ("IQ3_S", "IQ3_M") and model != "moe8":
+        mine = quantize_file(src, tmp_path / "ours-plain.gguf", file_type, engine="localllm")
+        theirs = quantize_file(src, tmp_path / "theirs-plain.gguf", file_type, engine="llama.cpp")
+        assert not same_tensors(mine.path, theirs.path)
 
 
-def test_2bit_iquants_without_an_importance_matrix_are_refused_before_writing(models: dict[str, Path],
-                                                                             tmp_path: Path) -> None:  # fmt: skip
-    """llama.cpp bails out mid-file ("the result will be garbage"); ours refuses first, naming the
-    option that makes one, and keeps nothing; an imatrix that lacks a tensor is named too."""
+@pytest.mark.parametrize("file_type", IMATRIX_FILE_TYPES)
+def test_iquants_without_an_importance_matrix_are_refused_before_writing(file_type: str, models: dict[str, Path],
+                                                                         tmp_path: Path) -> None:  # fmt: skip
+    """llama.cpp bails out mid-file ("the result will be garbage"); ours refuses first — either
+    engine — naming the option that makes one, and keeps nothing; an imatrix that lacks a tensor is
+    named too."""
     src = models["untied16"]
     out = tmp_path / "out.gguf"
-    with pytest.raises(LocalLLMError, match=r"IQ2_XXS needs an importance matrix.*--calibrate"):
-        quantize_file(src, out, "IQ2_XXS", engine="localllm")
+    for engine in ("localllm", "llama.cpp"):
+        with pytest.raises(LocalLLMError, match=rf"{file_type} needs an importance matrix \((IQ|Q2_K).*--calibrate"):
+            quantize_file(src, out, file_type, engine=engine)
+    assert list(tmp_path.iterdir()) == []
+    if file_type != "IQ2_XS":
+        return
     partial = importance(src)
     del partial["blk.3.ffn_up.weight"]
     with pytest.raises(LocalLLMError, match="has no entry for blk.3.ffn_up.weight"):
