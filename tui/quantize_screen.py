@@ -21,12 +21,14 @@ from textual.widgets.option_list import Option
 from localllm.errors import LocalLLMError
 
 TYPES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q5_K_S", "Q6_K", "Q8_0", "IQ4_XS", "IQ4_NL", "Q3_K_L", "Q3_K_M",
-         "Q3_K_S", "Q2_K", "Q5_1", "Q5_0", "Q4_1", "Q4_0", "BF16", "F16")  # fmt: skip
+         "Q3_K_S", "IQ3_M", "IQ3_S", "IQ3_XS", "IQ3_XXS", "Q2_K", "Q2_K_S", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS",
+         "Q5_1", "Q5_0", "Q4_1", "Q4_0", "BF16", "F16")  # fmt: skip
 
 
 def type_choices(path: Path) -> list[tuple[str, str]]:
     """(type, label with the weights' size after quantizing) for the picker."""
     from localllm.model_info import human_bytes
+    from localllm.quant.mix import IMATRIX_FILE_TYPES
     from localllm.quant.writer import estimate_bytes
 
     out = []
@@ -35,6 +37,8 @@ def type_choices(path: Path) -> list[tuple[str, str]]:
             size = f"weights {human_bytes(estimate_bytes(path, t))}"
         except LocalLLMError as e:
             size = str(e)
+        if t in IMATRIX_FILE_TYPES:
+            size += " (needs a calibration text)"
         out.append((t, f"{t:<7} {size}"))
     return out
 

@@ -164,6 +164,18 @@ def test_cli_quantize_registers_in_the_store(f32_llama: Path, tmp_path: Path) ->
     assert "tiny-f32:q8_0" in listed.stdout
 
 
+def test_cli_refuses_an_iquant_without_a_calibration_text(f32_llama: Path) -> None:
+    """One line naming the option, exit 1, nothing registered."""
+    done = subprocess.run([sys.executable, "-m", "localllm", "quantize", str(f32_llama), "--type", "iq2_xs"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "IQ2_XS needs an importance matrix" in lines[0] and "--calibrate" in lines[0]
+    listed = subprocess.run([sys.executable, "-m", "localllm", "list", "--json"], capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert "iq2_xs" not in listed.stdout
+
+
 def test_worker_processes_write_the_same_bytes(f32_llama: Path, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """Large models go through one worker process per core: the same bytes, in order; a cancel

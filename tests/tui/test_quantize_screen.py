@@ -35,6 +35,9 @@ def test_quantize_from_the_models_screen(tiny_llama: Path, corpus_dir: Path, tmp
             labels = [str(options.get_option_at_index(i).prompt) for i in range(options.option_count)]
             assert labels[0].startswith("Q4_K_M") and "weights" in labels[0]
             assert any(label.startswith("Q8_0") for label in labels)
+            needs = [lab for lab in labels if "needs a calibration text" in lab]
+            assert {lab.split()[0] for lab in needs} == {"IQ3_XS", "IQ3_XXS", "Q2_K_S", "IQ2_M", "IQ2_S", "IQ2_XS",
+                                                          "IQ2_XXS"}  # fmt: skip
             options.highlighted = [i for i, lab in enumerate(labels) if lab.startswith("Q4_0")][0]
             screen.query_one("#eval").value = str(corpus_dir / "alice.txt")
             screen.query_one("#calibrate").value = str(corpus_dir / "tinyshakespeare.txt")
