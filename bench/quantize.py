@@ -5,13 +5,16 @@
 - time: the default model dequantized to an F32 GGUF (our writer), then quantized to each type by
   `--engine localllm` (ours) and `--engine llama.cpp` (`llama_model_quantize`, all cores), in turn,
   `--rounds` times; the medians and their ratio; every pair's tensor data compared byte for byte.
+  The types that need an importance matrix get the same one (4,096 tokens of tinyshakespeare) on
+  both sides. `--types A,B`: only those remeasured, the others' timings kept.
 - calibration (`--calibration`): Q4_K_M and Q4_0 with and without `--calibrate` on one text
   (tinyshakespeare), each measured against the F32 source on another (alice): KL mean and p99,
   top-1 agreement, perplexity — through `localllm eval --ref`'s evaluation.
 - quality (`--quality`): every method on every type of `QUALITY` on the default model and Gemma 3
   270M (both dequantized to F32): plain rounding, llama.cpp's quantizer with the importance matrix
   of the calibration text (`imatrix`), `--method gptq`, and on Q4_K_M and Q3_K_M `awq` and
-  `awq+gptq` — KL mean and p99, top-1, perplexity against the F32 source on held-out text, file
+  `awq+gptq` (the i-quants that need an importance matrix: only `imatrix`; IQ3_S / IQ3_M: plain and
+  imatrix) — KL mean and p99, top-1, perplexity against the F32 source on held-out text, file
   size and bits per weight, quantizing seconds (calibration apart); a size-vs-KL plot in
   BENCHMARKS.md. Kept in the same JSON (`quality`); a timing run keeps the last one.
 - `--quick`: one round of every type, then the calibration with 256 calibration and 128
@@ -84,7 +87,8 @@ def calibration(store: Any, f32: Path, work: Path, cal_tokens: int = 4096,
 
 # model → (types, the types that also get awq and awq+gptq, evaluation tokens)
 QUALITY = {
-    "smollm2": (("Q2_K", "Q3_K_M", "Q4_K_S", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS"), ("Q4_K_M", "Q3_K_M"), 1024),
+    "smollm2": (("Q2_K", "Q3_K_M", "Q4_K_S", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "IQ3_M", "IQ3_S", "IQ3_XS",
+                 "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "Q2_K_S"), ("Q4_K_M", "Q3_K_M"), 1024),
     "gemma3": (("Q3_K_M", "Q4_K_S", "Q4_K_M"), ("Q4_K_M", "Q3_K_M"), 512),
 }  # fmt: skip
 
@@ -95,10 +99,24 @@ def gemma_source(work: Path) -> Path:
     return Path(assemble(work / "gemma-3-270m-q4_k_m.gguf"))
 
 
+def methods(kind: str, scaled_types: tuple[str, ...]) -> list[str]:
+    """What `--quality` measures for a type: the i-quants that need an importance matrix have no
+    plain rounding, and GPTQ has no grid for the lattice i-quants."""
+    from localllm.quant.mix import IMATRIX_FILE_TYPES
+
+    if kind in IMATRIX_FILE_TYPES:
+        return ["imatrix"]
+    if kind.startswith("IQ3"):
+        return ["plain", "imatrix"]
+    return ["plain", "imatrix", "gptq"] + (["awq", "awq+gptq"] if kind in scaled_types else [])
+
+
 def quality(store: Any, sources: dict[str, Path], work: Path, cal_tokens: int = 4096,
-            eval_tokens: int | None = None, keep: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:  # fmt: skip
+            eval_tokens: int | None = None, keep: Callable[[dict[str, Any]], None] | None = None,
+            only: set[str] | None = None, before: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """Each model's types × methods against its F32 source (see the module's docstring); `keep`
-    is given the results so far after each one (a long run keeps what it measured)."""
+    is given the results so far after each one (a long run keeps what it measured). `only`: these
+    types, the others' rows kept from `before` (the previous results' models)."""
     from localllm.errors import LocalLLMError
     from localllm.evaluate import evaluate, read_text
     from localllm.quant.awq import fold, rescaled
@@ -122,13 +140,14 @@ def quality(store: Any, sources: dict[str, Path], work: Path, cal_tokens: int = 
         t0 = time.perf_counter()
         hessians: dict[str, Any] = {}
         imatrix = collect_imatrix(f32, read_text(held_in), tokens=cal_tokens, hessians=hessians)
-        rows: dict[str, Any] = {}
+        rows: dict[str, Any] = dict(((before or {}).get(model) or {}).get("types") or {}) if only else {}
         entry = {"eval_tokens": n_eval, "calibration_s": time.perf_counter() - t0, "types": rows}
         out["models"][model] = entry
         for kind in types:
-            methods = ["plain", "imatrix", "gptq"] + (["awq", "awq+gptq"] if kind in scaled_types else [])
+            if only and kind not in only:
+                continue
             rows[kind] = {}
-            for method in methods:
+            for method in methods(kind, scaled_types):
                 dst = work / f"{model}-{kind}-{method}.gguf"
                 t0 = time.perf_counter()
                 im, hs, values = (imatrix if method != "plain" else None), None, None
@@ -176,7 +195,7 @@ def main() -> None:
     ap.add_argument("--quality", action="store_true", help="only the quality of every type and method")
     ap.add_argument("--models", default="smollm2,gemma3", help="--quality: which models (the others' results are kept)")
     args = ap.parse_args()
-    from localllm.quant.mix import FILE_TYPES
+    from localllm.quant.mix import FILE_TYPES, IMATRIX_FILE_TYPES
 
     types = [t for t in FILE_TYPES if t != "F32"] if args.types == "all" else args.types.split(",")
     rounds = 1 if args.quick else args.rounds
@@ -212,11 +231,23 @@ def main() -> None:
                                       "when": time.strftime("%Y-%m-%d %H:%M")}  # fmt: skip
                 save("quantize", results, quick=args.quick)
 
-            keep(quality(store, sources, work, *(QUICK_CALIBRATION if args.quick else ()), keep=keep))
+            only = None if args.types == "all" else set(types)
+            keep(quality(store, sources, work, *(QUICK_CALIBRATION if args.quick else ()), keep=keep, only=only,
+                         before=before))  # fmt: skip
         else:
             save("quantize", results, quick=args.quick)
         return
+    if args.types != "all":  # a few types remeasured: the others' timings kept
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            results["types"] = json.loads(results_path("quantize", args.quick).read_text())["types"]
+    imatrix = None
     for kind in types:
+        if kind in IMATRIX_FILE_TYPES and imatrix is None:  # both engines get the same one
+            from localllm.evaluate import read_text
+            from localllm.quant.calibrate import collect_imatrix
+
+            log("calibrating on tinyshakespeare (4,096 tokens) for the types that need an importance matrix ...")
+            imatrix = collect_imatrix(f32, read_text(corpus_dir() / "tinyshakespeare.txt"), tokens=4096)
         times: dict[str, list[float]] = {"localllm": [], "llama.cpp": []}
         identical = True
         for r in range(rounds):
@@ -224,7 +255,8 @@ def main() -> None:
             for engine in ("localllm", "llama.cpp"):
                 dst = work / f"{kind}-{engine}.gguf"
                 t0 = time.perf_counter()
-                res = quantize_file(f32, dst, kind, engine=engine)
+                res = quantize_file(f32, dst, kind, engine=engine,
+                                    imatrix=imatrix if kind in IMATRIX_FILE_TYPES else None)  # fmt: skip
                 times[engine].append(time.perf_counter() - t0)
                 outs[engine] = res
             a, b = (tensor_data(outs[e].path) for e in ("localllm", "llama.cpp"))
@@ -237,6 +269,7 @@ def main() -> None:
             "seconds": times, "median_localllm_s": ours, "median_llamacpp_s": theirs,
             "ratio": ours / theirs, "identical": identical,
             "bytes": outs["localllm"].nbytes, "bits_per_weight": outs["localllm"].bits_per_weight,
+            "importance_matrix": kind in IMATRIX_FILE_TYPES,
         }  # fmt: skip
     if args.quick:  # a smoke run of both parts, as the full results hold both
         results["calibration"] = calibration(store, f32, work, *QUICK_CALIBRATION)

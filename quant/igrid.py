@@ -63,6 +63,8 @@ SPECS = {
 }  # fmt: skip
 TYPES = tuple(SPECS)
 BLOCK_BYTES = {t: s.nbytes for t, s in SPECS.items()}
+# each grid: (values per point, levels, points, neighbour distances kept) — IQ1_S's too (`iq1`)
+GRIDS = {t: (s.dims, s.kmax, s.grid, s.nwant) for t, s in SPECS.items()} | {"IQ1_S": (8, 3, 2048, 3)}
 
 
 def _code(levels: np.ndarray, kmax: int) -> np.ndarray:
@@ -82,50 +84,51 @@ def tables(
     group's dims·kmax (kmax·i + level))."""
     from gguf import quants
 
-    sp = SPECS[type_name]
+    dims, kmax, n_grid, nwant = GRIDS[type_name]
     q = getattr(quants, type_name)
     q.init_grid()
-    values = np.asarray(q.grid, F32).reshape(-1, sp.dims)
+    values = np.asarray(q.grid, F32).reshape(-1, dims)
     levels = np.searchsorted(np.asarray(q.grid_map, F32), values).astype(np.int8)
-    assert levels.shape == (sp.grid, sp.dims) and levels.max() < sp.kmax
-    n_codes = sp.kmax**sp.dims
+    assert levels.shape == (n_grid, dims) and levels.max() < kmax
+    n_codes = kmax**dims
     kmap = np.full(n_codes, -1, np.int32)
-    kmap[_code(levels, sp.kmax)] = np.arange(sp.grid, dtype=np.int32)
-    points = (np.arange(n_codes)[:, None] // sp.kmax ** np.arange(sp.dims)) % sp.kmax
+    kmap[_code(levels, kmax)] = np.arange(n_grid, dtype=np.int32)
+    points = (np.arange(n_codes)[:, None] // kmax ** np.arange(dims)) % kmax
     d2 = ((2 * points[:, None, :] - 2 * levels[None, :, :].astype(np.int64)) ** 2).sum(axis=2)
-    order = np.argsort(d2 * sp.grid + np.arange(sp.grid), axis=1)  # by distance, then index
+    order = np.argsort(d2 * n_grid + np.arange(n_grid), axis=1)  # by distance, then index
     sd = np.take_along_axis(d2, order, axis=1)
     rank = np.concatenate(
         [np.zeros((len(sd), 1), np.int64), np.cumsum(np.diff(sd, axis=1) > 0, axis=1)], axis=1
     )
-    keep = (rank < sp.nwant) & (kmap < 0)[:, None]
+    keep = (rank < nwant) & (kmap < 0)[:, None]
     count = keep.sum(axis=1)
     start = np.concatenate([[0], np.cumsum(count)[:-1]])
-    offsets = np.ascontiguousarray((sp.kmax * np.arange(sp.dims) + levels).T, dtype=np.int32)
+    offsets = np.ascontiguousarray((kmax * np.arange(dims) + levels).T, dtype=np.int32)
     return levels, kmap, order[keep].astype(np.int32), start, count, offsets
 
 
-def _nearest(
-    xv: np.ndarray, wa: np.ndarray, scale: np.ndarray, codes: np.ndarray, type_name: str
-) -> np.ndarray:
-    """`iq2_find_best_neighbour` / `iq3_find_best_neighbour` for K groups at once: xv, wa (K, dims),
-    scale (K,), codes (K,) of their levels, off the grid → the chosen grid index (K,): the first of
-    the smallest Σ w·(s·q − x)² in the list. The lists are ragged: gathered flat, reduced per
-    segment. Each group's dims·kmax terms w·(s·q − x)² are computed once (as the C computes each)
-    and a candidate's distance adds its terms in the C's order."""
-    sp = SPECS[type_name]
+def _nearest(xv: np.ndarray, wa: np.ndarray, scale: np.ndarray, codes: np.ndarray, type_name: str,
+             qv: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+    """`iq2_find_best_neighbour` / `iq3_find_best_neighbour` (and IQ1_S's `iq1_find_best_neighbour2`)
+    for K groups at once: xv, wa (K, dims), scale (K,), codes (K,) of their levels, off the grid →
+    the chosen grid index (K,): the first of the smallest Σ w·(s·q − x)² in the list. The lists are
+    ragged: gathered flat, reduced per segment. Each group's dims·levels terms w·(s·q − x)² are
+    computed once (as the C computes each) and a candidate's distance adds its terms in the C's
+    order. `qv` (K, levels): each group's value of each level (IQ1_S's shifted −1, 0, 1), else the
+    odd numbers 1, 3, 5, …"""
+    dims, kmax = GRIDS[type_name][:2]
     _, _, flat, start, count, offsets = tables(type_name)
     cnt = count[codes]
     first = np.cumsum(cnt) - cnt
     total = int(cnt.sum())
     seg = np.repeat(np.arange(len(codes)), cnt)
     cand = flat[np.repeat(start[codes] - first, cnt) + np.arange(total)]
-    q = (2 * np.arange(sp.kmax) + 1).astype(F32)
-    diff = scale[:, None, None] * q - xv[:, :, None]  # (K, dims, kmax)
+    q = (2 * np.arange(kmax) + 1).astype(F32) if qv is None else qv[:, None, :]
+    diff = scale[:, None, None] * q - xv[:, :, None]  # (K, dims, levels)
     terms = (wa[:, :, None] * diff * diff).reshape(-1)
-    base = (seg * (sp.dims * sp.kmax)).astype(np.int32)
+    base = (seg * (dims * kmax)).astype(np.int32)
     d2 = np.zeros(total, F32)
-    for i in range(sp.dims):
+    for i in range(dims):
         d2 = d2 + terms[base + offsets[i][cand]]
     best = np.minimum.reduceat(d2, first)
     pick = np.where(d2 == best[seg], np.arange(total), total)
@@ -136,7 +139,7 @@ def _snap(L: np.ndarray, xv: np.ndarray, wa: np.ndarray, scale: np.ndarray,
           type_name: str) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """Groups' levels L (K, dims) onto the grid: (levels, on grid (K,) — True where L was)."""
     levels, kmap = tables(type_name)[:2]
-    codes = _code(L, SPECS[type_name].kmax)
+    codes = _code(L, GRIDS[type_name][1])
     off = kmap[codes] < 0
     if off.any():
         L = L.copy()
@@ -145,8 +148,9 @@ def _snap(L: np.ndarray, xv: np.ndarray, wa: np.ndarray, scale: np.ndarray,
 
 
 def _sums(w: np.ndarray, xval: np.ndarray, L: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Σ w·x·q and Σ w·q·q over each block, in order; (n, N) position-major, q = 2L + 1."""
-    q = 2 * L.astype(F32) + 1
+    """Σ w·x·q and Σ w·q·q over each block, in order; (n, N) position-major, q = 2L + 1. All
+    C-contiguous: numpy would add along a contiguous axis pairwise."""
+    q = 2 * np.ascontiguousarray(L, dtype=F32) + 1
     wq = w * q
     return (w * xval * q).sum(axis=0), (wq * q).sum(axis=0)
 

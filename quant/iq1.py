@@ -1,0 +1,124 @@
+"""IQ1_S: 1.56 bits per weight — values −1, 0, 1 (shifted by ±1/8) on a grid of 2048 8-vectors,
+byte-identical to ggml.
+
+A port of `quantize_row_iq1_s_impl` (ggml-quants.c, llama-cpp-python 0.3.36). Each block of 32 values
+is solved exactly: its values sorted (stably, as glibc's qsort sorts these small arrays), every pair
+of boundaries (i1 ≤ i2) splits them into the levels −1, 0, 1, and for both shifts (+1/8, −1/8) the best
+weighted scale is Σwxq / Σwq² — the pair and shift with the largest Σ(wxq)²/Σwq² win, tried in
+the C's order with its strict comparison. Groups of 8 that fall off the grid take the nearest of
+their listed neighbours (`igrid._nearest`, the 3 smallest distances), and the scale is refitted.
+Then a 3-bit scale and the shift's sign per block against one f16 per super-block. Needs an
+importance matrix, as ggml does. Vectorized over every block at once; the boundary search runs its
+561 pairs in order, each on every block.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from localllm.quant.igrid import _code, _nearest, tables
+from localllm.quant.kquants import _f16_bytes
+
+__all__ = ["BLOCK_BYTES", "quantize_iq1_s"]
+
+F32 = np.float32
+BLOCK_BYTES = {"IQ1_S": 50}
+DELTA = F32(0.125)  # IQ1S_DELTA
+X_P = np.array([-1 + DELTA, DELTA, 1 + DELTA], F32)
+X_M = np.array([-1 - DELTA, -DELTA, 1 - DELTA], F32)
+EPS = F32(1e-12)  # GROUP_MAX_EPS_IQ1_S
+
+
+def quantize_iq1_s(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
+    """float32 values (a multiple of 256) → IQ1_S blocks (M, 50); `qw`: per-value importance
+    (required)."""
+    if qw is None:
+        raise ValueError("IQ1_S needs an importance matrix")
+    x = np.asarray(x, F32)
+    if x.size % 256:
+        raise ValueError(f"IQ1_S needs a multiple of 256 values, not {x.size}")
+    x = x.reshape(-1, 256)
+    m = x.shape[0]
+    sup = np.ascontiguousarray(x.T)
+    sigma2 = (F32(2) * (sup * sup).sum(axis=0)) / F32(256)
+    weight = np.asarray(qw, F32).reshape(m, 256) * np.sqrt(sigma2[:, None] + x * x)
+
+    nb = m * 8
+    xb, wb = x.reshape(nb, 32), weight.reshape(nb, 32)
+    zero = np.abs(xb).max(axis=1) < EPS
+    order = np.argsort(xb, axis=1, kind="stable")
+    xs = np.take_along_axis(xb, order, axis=1).T  # (32, NB) sorted, position-major
+    ws = np.take_along_axis(wb, order, axis=1).T
+    sumx = np.zeros((33, nb), F32)
+    sumw = np.zeros((33, nb), F32)
+    for j in range(32):
+        sumx[j + 1] = sumx[j] + ws[j] * xs[j]
+        sumw[j + 1] = sumw[j] + ws[j]
+
+    best = np.full(nb, -np.finfo(F32).max, F32)
+    scale = np.abs(xb).max(axis=1)
+    b1 = np.full(nb, -1, np.int32)
+    b2 = np.full(nb, -1, np.int32)
+    shift = np.zeros(nb, np.int8)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        for i1 in range(33):
+            for i2 in range(i1, 33):
+                for xx, sh in ((X_P, 1), (X_M, -1)):
+                    sumqx = (sumx[i1] - sumx[0]) * xx[0] + (sumx[i2] - sumx[i1]) * xx[1] + (sumx[32] - sumx[i2]) * xx[2]
+                    sumq2 = ((sumw[i1] - sumw[0]) * xx[0] * xx[0] + (sumw[i2] - sumw[i1]) * xx[1] * xx[1]
+                             + (sumw[32] - sumw[i2]) * xx[2] * xx[2])  # fmt: skip
+                    better = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
+                    if better.any():
+                        scale = np.where(better, sumqx / sumq2, scale).astype(F32)
+                        best = np.where(better, scale * sumqx, best).astype(F32)
+                        b1 = np.where(better, i1, b1)
+                        b2 = np.where(better, i2, b2)
+                        shift = np.where(better, sh, shift).astype(np.int8)
+    skip = zero | (b1 < 0) | (shift == 0)
+    rank = np.arange(32)[None, :]
+    ls = np.where(rank < b1[:, None], 0, np.where(rank < b2[:, None], 1, 2)).astype(np.int8)  # sorted order
+    L = np.empty_like(ls)
+    np.put_along_axis(L, order, ls, axis=1)
+    neg = ~skip & (scale < 0)
+    L = np.where(neg[:, None], 2 - L, L).astype(np.int8)
+    scale = np.where(neg, -scale, scale).astype(F32)
+    shift = np.where(neg, -shift, shift).astype(np.int8)
+
+    # groups of 8 onto the grid
+    levels, kmap = tables("IQ1_S")[:2]
+    groups = L.reshape(-1, 8)
+    codes = _code(groups, 3)
+    gi = kmap[codes]
+    live_g = np.repeat(~skip, 4)
+    off = (gi < 0) & live_g
+    qv = np.where((np.repeat(shift, 4) == 1)[:, None], X_P, X_M).astype(F32)  # (G, 3)
+    if off.any():
+        gi[off] = _nearest(xb.reshape(-1, 8)[off], wb.reshape(-1, 8)[off], np.repeat(scale, 4)[off],
+                           codes[off], "IQ1_S", qv[off])  # fmt: skip
+    refit = ~skip & off.reshape(nb, 4).any(axis=1)
+    if refit.any():
+        # position-major and C-contiguous: numpy adds along a contiguous axis pairwise, not in order
+        q = np.ascontiguousarray(np.take_along_axis(qv, levels[np.maximum(gi, 0)].astype(np.int64), axis=1)
+                                 .reshape(nb, 32).T)  # fmt: skip
+        wq = np.ascontiguousarray(wb.T) * q
+        sumqx = (wq * np.ascontiguousarray(xb.T)).sum(axis=0)
+        sumq2 = (wq * q).sum(axis=0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scale = np.where(refit & (sumqx > 0) & (sumq2 > 0), sumqx / sumq2, scale).astype(F32)
+    gi = np.where(live_g, gi, 0).astype(np.uint32).reshape(nb, 4)
+    scale = np.where(skip, F32(0), scale).astype(F32)
+    shift = np.where(skip, 1, shift)
+
+    scales = scale.reshape(m, 8)
+    max_scale = np.maximum(scales.max(axis=1), F32(0))
+    live = max_scale > 0
+    d = (max_scale / F32(15)).astype(F32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        idd = F32(1) / d
+        ls3 = np.clip(np.rint(F32(0.5) * (idd[:, None] * scales - F32(1))), 0, 7).astype(np.uint32)
+    ls3 |= np.where(shift.reshape(m, 8) == -1, 8, 0).astype(np.uint32)
+    ls3 = np.where(live[:, None], ls3, 0)
+    dh = np.where(live, d * F32(1.125), F32(0)).astype(F32)
+    qs = (gi & 255).astype(np.uint8).reshape(m, 32)
+    qh = ((gi >> 8) << (3 * np.arange(4, dtype=np.uint32))).sum(axis=1, dtype=np.uint32).reshape(m, 8) | (ls3 << 12)
+    return np.concatenate([_f16_bytes(dh), qs, qh.astype("<u2").view(np.uint8).reshape(m, 16)], axis=1)
