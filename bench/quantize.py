@@ -88,7 +88,8 @@ def calibration(store: Any, f32: Path, work: Path, cal_tokens: int = 4096,
 # model → (types, the types that also get awq and awq+gptq, evaluation tokens)
 QUALITY = {
     "smollm2": (("Q2_K", "Q3_K_M", "Q4_K_S", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "IQ3_M", "IQ3_S", "IQ3_XS",
-                 "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "Q2_K_S"), ("Q4_K_M", "Q3_K_M"), 1024),
+                 "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "Q2_K_S", "IQ1_M", "IQ1_S"), ("Q4_K_M", "Q3_K_M"),
+                1024),
     "gemma3": (("Q3_K_M", "Q4_K_S", "Q4_K_M"), ("Q4_K_M", "Q3_K_M"), 512),
 }  # fmt: skip
 

@@ -1382,7 +1382,7 @@ def quantize(
     type_name: Annotated[
         str, typer.Option("--type", help="Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S, Q6_K, Q8_0, IQ4_XS, IQ4_NL, Q3_K_L, Q3_K_M, Q3_K_S, "
                      "Q2_K, Q5_1, Q5_0, Q4_1, Q4_0, BF16, F16, F32; IQ3_M, IQ3_S, IQ3_XS, IQ3_XXS, IQ2_M, IQ2_S, "
-                     "IQ2_XS, IQ2_XXS, Q2_K_S (all but IQ3_M/IQ3_S need --calibrate).")
+                     "IQ2_XS, IQ2_XXS, Q2_K_S, IQ1_M, IQ1_S (all but IQ3_M/IQ3_S need --calibrate).")
     ],
     output: Annotated[
         Path | None, typer.Option("--output", help="Write the GGUF here instead of the store.")

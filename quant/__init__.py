@@ -4,7 +4,7 @@ importance matrices, reports.
 `quantize(values, type)` turns float32 rows into a GGML type's blocks, byte-identical to llama.cpp's
 reference quantization: the legacy types through the `gguf` package (checked byte-exact against
 ggml in the tests), the K-quants, IQ4_NL / IQ4_XS and the lattice i-quants IQ2_XXS / IQ2_XS /
-IQ2_S / IQ3_XXS / IQ3_S and IQ1_S (IQ2_XXS, IQ2_XS, IQ1_S only with an importance matrix) through
+IQ2_S / IQ3_XXS / IQ3_S and IQ1_S / IQ1_M (IQ2_XXS, IQ2_XS, IQ1_S only with an importance matrix) through
 our ports (`kquants`, `iquants`, `igrid`, `iq1`).
 """
 
@@ -25,6 +25,7 @@ BLOCK = {
     "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
     "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "IQ2_XXS": (256, 66), "IQ2_XS": (256, 74),
     "IQ2_S": (256, 82), "IQ3_XXS": (256, 98), "IQ3_S": (256, 110), "IQ1_S": (256, 50),
+    "IQ1_M": (256, 56),
 }  # fmt: skip
 TYPES = tuple(BLOCK)
 
@@ -62,7 +63,7 @@ def quantize(values: np.ndarray, type_name: str, imatrix: np.ndarray | None = No
 
 
 WEIGHTED = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-            "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S")
+            "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
 
 
 def _weighted(rows: np.ndarray, type_name: str, imatrix: np.ndarray) -> np.ndarray:
@@ -89,7 +90,7 @@ _BLOCKWISE = {
     "IQ4_XS": ("iquants", "quantize_iq4_xs"), "IQ2_XXS": ("igrid", "quantize_iq2_xxs"),
     "IQ2_XS": ("igrid", "quantize_iq2_xs"), "IQ2_S": ("igrid", "quantize_iq2_s"),
     "IQ3_XXS": ("igrid", "quantize_iq3_xxs"), "IQ3_S": ("igrid", "quantize_iq3_s"),
-    "IQ1_S": ("iq1", "quantize_iq1_s"),
+    "IQ1_S": ("iq1", "quantize_iq1_s"), "IQ1_M": ("iq1", "quantize_iq1_m"),
 }  # fmt: skip
 
 

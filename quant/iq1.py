@@ -19,10 +19,10 @@ import numpy as np
 from localllm.quant.igrid import _code, _nearest, tables
 from localllm.quant.kquants import _f16_bytes
 
-__all__ = ["BLOCK_BYTES", "quantize_iq1_s"]
+__all__ = ["BLOCK_BYTES", "quantize_iq1_m", "quantize_iq1_s"]
 
 F32 = np.float32
-BLOCK_BYTES = {"IQ1_S": 50}
+BLOCK_BYTES = {"IQ1_S": 50, "IQ1_M": 56}
 DELTA = F32(0.125)  # IQ1S_DELTA
 X_P = np.array([-1 + DELTA, DELTA, 1 + DELTA], F32)
 X_M = np.array([-1 - DELTA, -DELTA, 1 - DELTA], F32)
@@ -122,3 +122,127 @@ def quantize_iq1_s(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
     qs = (gi & 255).astype(np.uint8).reshape(m, 32)
     qh = ((gi >> 8) << (3 * np.arange(4, dtype=np.uint32))).sum(axis=1, dtype=np.uint32).reshape(m, 8) | (ls3 << 12)
     return np.concatenate([_f16_bytes(dh), qs, qh.astype("<u2").view(np.uint8).reshape(m, 16)], axis=1)
+
+
+EPS_M = F32(1e-7)  # GROUP_MAX_EPS_IQ1_M
+MASKS = np.array([0x00, 0x80, 0x08, 0x88], np.uint32)  # the shifts of a block's two halves: ++, +-, -+, --
+
+
+def quantize_iq1_m(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
+    """float32 values (a multiple of 256) → IQ1_M blocks (M, 56): `quantize_row_iq1_m_impl` — blocks
+    of 16 whose two halves each take their own shift, a 3-bit scale per block and the super-block's
+    f16 scale refitted over every value and spread over the scales' top bits. `qw`: per-value
+    importance (without: x², as ggml)."""
+    x = np.asarray(x, F32)
+    if x.size % 256:
+        raise ValueError(f"IQ1_M needs a multiple of 256 values, not {x.size}")
+    x = x.reshape(-1, 256)
+    m = x.shape[0]
+    sup = np.ascontiguousarray(x.T)
+    sigma2 = (F32(2) * (sup * sup).sum(axis=0)) / F32(256)
+    if qw is not None:
+        weight = np.asarray(qw, F32).reshape(m, 256) * np.sqrt(sigma2[:, None] + x * x)
+    else:
+        weight = x * x
+
+    nb = m * 16
+    xb, wb = x.reshape(nb, 16), weight.reshape(nb, 16)
+    zero = np.abs(xb).max(axis=1) < EPS_M
+    order = np.argsort(xb, axis=1, kind="stable")
+    xs = np.take_along_axis(xb, order, axis=1).T
+    ws = np.take_along_axis(wb, order, axis=1).T
+    half = (order >= 8).T  # (16, NB): the sorted value's half
+    px = np.zeros((2, 17, nb), F32)
+    pw = np.zeros((2, 17, nb), F32)
+    for j in range(16):
+        for h in (0, 1):
+            mine = half[j] == bool(h)
+            px[h, j + 1] = np.where(mine, px[h, j] + ws[j] * xs[j], px[h, j])
+            pw[h, j + 1] = np.where(mine, pw[h, j] + ws[j], pw[h, j])
+    txs, tws = px[:, 16], pw[:, 16]
+    p2, m2 = X_P[2], X_M[2]
+    cp1, cp2 = X_P[0] * X_P[0] - X_P[1] * X_P[1], X_P[1] * X_P[1] - X_P[2] * X_P[2]
+    cm1, cm2 = X_M[0] * X_M[0] - X_M[1] * X_M[1], X_M[1] * X_M[1] - X_M[2] * X_M[2]
+
+    best = np.full(nb, -np.finfo(F32).max, F32)
+    scale = np.abs(xb).max(axis=1)
+    b1 = np.full(nb, -1, np.int32)
+    b2 = np.full(nb, -1, np.int32)
+    bk = np.full(nb, -1, np.int8)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        for i1 in range(17):
+            for i2 in range(i1, 17):
+                qx_p, qx_m, q2_p, q2_m = [], [], [], []
+                for h in (0, 1):
+                    sx = px[h, i1] + px[h, i2]
+                    qx_p.append(txs[h] * p2 - sx)
+                    qx_m.append(txs[h] * m2 - sx)
+                    q2_p.append(tws[h] * p2 * p2 + pw[h, i1] * cp1 + pw[h, i2] * cp2)
+                    q2_m.append(tws[h] * m2 * m2 + pw[h, i1] * cm1 + pw[h, i2] * cm2)
+                sums = ((qx_p[0] + qx_p[1], q2_p[0] + q2_p[1]), (qx_p[0] + qx_m[1], q2_p[0] + q2_m[1]),
+                        (qx_m[0] + qx_p[1], q2_m[0] + q2_p[1]), (qx_m[0] + qx_m[1], q2_m[0] + q2_m[1]))  # fmt: skip
+                for k, (sumqx, sumq2) in enumerate(sums):
+                    better = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
+                    if better.any():
+                        scale = np.where(better, sumqx / sumq2, scale).astype(F32)
+                        best = np.where(better, scale * sumqx, best).astype(F32)
+                        b1 = np.where(better, i1, b1)
+                        b2 = np.where(better, i2, b2)
+                        bk = np.where(better, k, bk).astype(np.int8)
+    skip = zero | (b1 < 0) | (bk < 0)
+    rank = np.arange(16)[None, :]
+    ls = np.where(rank < b1[:, None], 0, np.where(rank < b2[:, None], 1, 2)).astype(np.int8)
+    L = np.empty_like(ls)
+    np.put_along_axis(L, order, ls, axis=1)
+    neg = ~skip & (scale < 0)
+    L = np.where(neg[:, None], 2 - L, L).astype(np.int8)
+    scale = np.where(neg, -scale, scale).astype(F32)
+    bk = np.where(neg, 3 - bk, bk).astype(np.int8)
+    bk = np.where(skip, 0, bk).astype(np.int8)
+
+    levels, kmap = tables("IQ1_S")[:2]
+    codes = _code(L.reshape(-1, 8), 3)
+    gi = kmap[codes]
+    live_g = np.repeat(~skip, 2)
+    off = (gi < 0) & live_g
+    # each half's values: k = 0 takes x_p when the shift pair is ++ or +-, k = 1 when ++ or -+
+    plus = np.stack([bk < 2, bk % 2 == 0], axis=1).reshape(-1)  # (G,)
+    qv = np.where(plus[:, None], X_P, X_M).astype(F32)
+    if off.any():
+        gi[off] = _nearest(xb.reshape(-1, 8)[off], wb.reshape(-1, 8)[off], np.repeat(scale, 2)[off],
+                           codes[off], "IQ1_S", qv[off])  # fmt: skip
+    refit = ~skip & off.reshape(nb, 2).any(axis=1)
+    if refit.any():
+        q = np.ascontiguousarray(np.take_along_axis(qv, levels[np.maximum(gi, 0)].astype(np.int64), axis=1)
+                                 .reshape(nb, 16).T)  # fmt: skip
+        wq = np.ascontiguousarray(wb.T) * q
+        sumqx = (wq * np.ascontiguousarray(xb.T)).sum(axis=0)
+        sumq2 = (wq * q).sum(axis=0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scale = np.where(refit & (sumqx > 0) & (sumq2 > 0), sumqx / sumq2, scale).astype(F32)
+    gi = np.where(live_g, gi, 0).astype(np.uint32).reshape(nb, 2)
+    scale = np.where(skip, F32(0), scale).astype(F32)
+
+    scales = scale.reshape(m, 16)
+    max_scale = np.maximum(scales.max(axis=1), F32(0))
+    live = max_scale > 0
+    d = (max_scale / F32(15)).astype(F32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        idd = F32(1) / d
+        l3 = np.clip(np.rint(F32(0.5) * (idd[:, None] * scales - F32(1))), 0, 7).astype(np.uint32)  # (M, 16)
+    # the super-block scale refitted over all 256 values, the skipped blocks' grid point 0 included
+    q = np.take_along_axis(qv, levels[gi.reshape(-1)].astype(np.int64), axis=1).reshape(m, 256)
+    q = q * np.repeat((2 * l3 + 1).astype(F32), 16, axis=1)
+    wq = np.ascontiguousarray(weight.T) * np.ascontiguousarray(q.T)
+    sumqx = (wq * sup).sum(axis=0)
+    sumq2 = (wq * np.ascontiguousarray(q.T)).sum(axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        d = np.where(sumq2 > 0, sumqx / sumq2, d).astype(F32)
+    bits = (d * F32(1.1125)).astype("<f2").view(np.uint16).astype(np.uint32)
+    sc = (l3.reshape(m, 4, 4) << (3 * np.arange(4, dtype=np.uint32))).sum(axis=2, dtype=np.uint32)
+    sc |= ((bits[:, None] >> (4 * np.arange(4, dtype=np.uint32))) & 0xF) << 12
+    sc = np.where(live[:, None], sc, 0).astype("<u2")
+    qs = (gi & 255).astype(np.uint8).reshape(m, 32)
+    qh = ((gi[:, 0] >> 8) | ((gi[:, 1] >> 8) << 4)).reshape(m, 16)
+    qh = qh | np.where(live[:, None], MASKS[bk.astype(np.int64).reshape(m, 16)], 0)
+    return np.concatenate([qs, qh.astype(np.uint8), sc.view(np.uint8).reshape(m, 8)], axis=1)

@@ -18,9 +18,9 @@ type overrides, no `only_copy` — with or without an importance matrix. The par
   Q2_K / IQ3_S / Q4_K by GQA and experts, the first eighth of ffn_down; IQ3_XXS: attn_q/k IQ2_S,
   attn_v and attn_output IQ3_S, ffn_down Q3_K/Q4_K without an importance matrix; IQ3_XS: attn_q/k
   and the middle layers' ffn_gate/ffn_up IQ3_XXS, counted per category; IQ3_S / IQ3_M; Q2_K_S;
-  IQ1_S: as IQ2_XXS, attn_output IQ2_XXS); the 8-expert and 70B-model bumps. Branches only for
-  other file types (IQ1_M, MXFP4, TQ*) and for Falcon / GLM5-next / BailingMoE3 are left out.
-- `needs_imatrix`: `tensor_requires_imatrix` — IQ1_S, IQ2_XXS/XS/S and IQ3_XXS tensors, and Q2_K
+  IQ1_S / IQ1_M: as IQ2_XXS, attn_output IQ2_XXS); the 8-expert and 70B-model bumps. Branches only
+  for other file types (MXFP4, TQ*, Q2_0) and for Falcon / GLM5-next / BailingMoE3 are left out.
+- `needs_imatrix`: `tensor_requires_imatrix` — IQ1_S/M, IQ2_XXS/XS/S and IQ3_XXS tensors, and Q2_K
   ones in a Q2_K_S file, but token_embd and output.
 - `_fallback`: `tensor_type_fallback` — a row length ne[0] that is not a multiple of the block size:
   Q2_K, Q3_K → Q4_0, Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, IQ4_XS → IQ4_NL; a 32-block type
@@ -49,7 +49,7 @@ FILE_TYPES: dict[str, int] = {
     "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13,
     "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "IQ2_XXS": 19, "IQ2_XS": 20,
     "Q2_K_S": 21, "IQ3_XS": 22, "IQ3_XXS": 23, "IQ1_S": 24, "IQ4_NL": 25, "IQ3_S": 26, "IQ3_M": 27, "IQ2_S": 28,
-    "IQ2_M": 29, "IQ4_XS": 30, "BF16": 32,
+    "IQ2_M": 29, "IQ4_XS": 30, "IQ1_M": 31, "BF16": 32,
 }  # fmt: skip
 
 # llama_ftype_get_default_type
@@ -59,7 +59,7 @@ _DEFAULT_TYPE = {
     "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
     "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS", "IQ2_XXS": "IQ2_XXS", "IQ2_XS": "IQ2_XS", "Q2_K_S": "Q2_K",
     "IQ3_XS": "IQ3_S", "IQ3_XXS": "IQ3_XXS", "IQ3_S": "IQ3_S", "IQ3_M": "IQ3_S", "IQ2_S": "IQ2_XS",
-    "IQ2_M": "IQ2_S", "IQ1_S": "IQ1_S",
+    "IQ2_M": "IQ2_S", "IQ1_S": "IQ1_S", "IQ1_M": "IQ1_M",
 }  # fmt: skip
 
 # ggml_blck_size of the types these file types can produce
@@ -67,25 +67,26 @@ _BLOCK = {
     "F32": 1, "F16": 1, "BF16": 1,
     "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32,
     "Q2_K": 256, "Q3_K": 256, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "IQ4_NL": 32, "IQ4_XS": 256,
-    "IQ2_XXS": 256, "IQ2_XS": 256, "IQ2_S": 256, "IQ3_XXS": 256, "IQ3_S": 256, "IQ1_S": 256,
+    "IQ2_XXS": 256, "IQ2_XS": 256, "IQ2_S": 256, "IQ3_XXS": 256, "IQ3_S": 256, "IQ1_S": 256, "IQ1_M": 256,
 }  # fmt: skip
 _NOT_QUANTIZED = ("F32", "F16", "BF16")
 
 # tensor_type_fallback's table for the 256-block types reachable here
 _FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0",
              "IQ4_XS": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL", "IQ2_S": "IQ4_NL",
-             "IQ3_XXS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ1_S": "IQ4_NL"}  # fmt: skip
+             "IQ3_XXS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ1_S": "IQ4_NL",
+             "IQ1_M": "IQ4_NL"}  # fmt: skip
 
-# the file types of llama.cpp's 1- and 2-bit i-quant branch (IQ1_M shares it: not ported)
-_IQ2 = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S")
+# the file types of llama.cpp's 1- and 2-bit i-quant branch
+_IQ2 = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M")
 # the file types whose output (and tied token_embd) is Q5_K rather than Q6_K
-_LOW_OUTPUT = ("IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ2_S", "IQ2_M", "IQ1_S")
+_LOW_OUTPUT = ("IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M")
 
 # tensor_requires_imatrix: ggml refuses to quantize these types without an importance matrix (and
 # Q2_K in a Q2_K_S file)
-NEEDS_IMATRIX = ("IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S")
+NEEDS_IMATRIX = ("IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 # the file types that put one of those in a model's layers: quantized only with an importance matrix
-IMATRIX_FILE_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "Q2_K_S", "IQ1_S")
+IMATRIX_FILE_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "Q2_K_S", "IQ1_S", "IQ1_M")
 
 # archs whose rules (not ported) differ from the generic ones for these file types
 _UNPORTED_ARCHS = ("falcon", "glm5-next", "bailingmoe3")
@@ -242,7 +243,7 @@ def _type_impl(qs: _State, new_type: str, name: str, ne0: int, category: str) ->
         elif new_type != "Q8_0":
             new_type = "Q6_K"
     elif category == "TOKEN_EMBD":
-        if ftype in ("IQ2_XXS", "IQ2_XS", "IQ1_S"):  # (and IQ1_M, not ported)
+        if ftype in ("IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ1_M"):
             new_type = "Q2_K"
         elif ftype in ("IQ2_S", "IQ2_M", "IQ3_XXS"):
             new_type = "IQ3_S"
@@ -260,7 +261,7 @@ def _type_impl(qs: _State, new_type: str, name: str, ne0: int, category: str) ->
         elif category == "ATTENTION_OUTPUT":
             if qs.n_expert == 8:
                 new_type = "Q5_K"
-            elif ftype == "IQ1_S":
+            elif ftype in ("IQ1_S", "IQ1_M"):
                 new_type = "IQ2_XXS"
             elif s_types:
                 new_type = "IQ3_S"

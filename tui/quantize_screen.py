@@ -22,7 +22,7 @@ from localllm.errors import LocalLLMError
 
 TYPES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q5_K_S", "Q6_K", "Q8_0", "IQ4_XS", "IQ4_NL", "Q3_K_L", "Q3_K_M",
          "Q3_K_S", "IQ3_M", "IQ3_S", "IQ3_XS", "IQ3_XXS", "Q2_K", "Q2_K_S", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS",
-         "Q5_1", "Q5_0", "Q4_1", "Q4_0", "BF16", "F16")  # fmt: skip
+         "IQ1_M", "IQ1_S", "Q5_1", "Q5_0", "Q4_1", "Q4_0", "BF16", "F16")  # fmt: skip
 
 
 def type_choices(path: Path) -> list[tuple[str, str]]:

@@ -229,8 +229,8 @@ def test_file_types() -> None:
     assert default_type("Q4_K_M") == default_type("Q4_K_S") == "Q4_K"
     assert default_type("Q5_K_M") == "Q5_K" and default_type("Q8_0") == "Q8_0"
     assert FILE_TYPES["Q4_K_M"] == 15 and FILE_TYPES["F32"] == 0
-    with pytest.raises(ValueError, match="unknown file type 'IQ1_M'"):
-        choose_types("IQ1_M", [], arch="llama", n_layer=1, n_head=1, n_head_kv=1)
+    with pytest.raises(ValueError, match="unknown file type 'TQ1_0'"):
+        choose_types("TQ1_0", [], arch="llama", n_layer=1, n_head=1, n_head_kv=1)
     with pytest.raises(ValueError, match="unknown file type"):
         default_type("q4_k_m")
 
@@ -290,7 +290,7 @@ def test_with_an_importance_matrix_ours_is_llamacpps(file_type: str, models: dic
         assert not any("ffn_down" in n and t != file_type for n, t in plain.types.items())
 
 
-IQ_FILES = ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M", "Q2_K_S", "IQ1_S"]
+IQ_FILES = ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M", "Q2_K_S", "IQ1_S", "IQ1_M"]
 # on the 8-layer model in the default suite: between them every lattice type, make_qp_quants's path
 # (IQ2_XXS) and Q2_K_S's Q2_K with an importance matrix; the rest, and the larger models, under -m slow
 IQ_FAST = ("IQ2_XXS", "IQ2_M", "IQ3_XS", "Q2_K_S", "IQ1_S")

@@ -37,7 +37,7 @@ def test_quantize_from_the_models_screen(tiny_llama: Path, corpus_dir: Path, tmp
             assert any(label.startswith("Q8_0") for label in labels)
             needs = [lab for lab in labels if "needs a calibration text" in lab]
             assert {lab.split()[0] for lab in needs} == {"IQ3_XS", "IQ3_XXS", "Q2_K_S", "IQ2_M", "IQ2_S", "IQ2_XS",
-                                                          "IQ2_XXS"}  # fmt: skip
+                                                          "IQ2_XXS", "IQ1_M", "IQ1_S"}  # fmt: skip
             options.highlighted = [i for i, lab in enumerate(labels) if lab.startswith("Q4_0")][0]
             screen.query_one("#eval").value = str(corpus_dir / "alice.txt")
             screen.query_one("#calibrate").value = str(corpus_dir / "tinyshakespeare.txt")
