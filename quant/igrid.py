@@ -16,6 +16,7 @@ The grids come from the `gguf` package (its dequantization tables, level by leve
 are rebuilt as ggml builds them (every grid point at the `nwant` smallest distances, in (distance,
 index) order). Vectorized over every block at once, float32 operations in C's order (see `kquants`).
 IQ2_XXS and IQ2_XS need an importance matrix (ggml asserts one); the others take one if given.
+IQ1_S and IQ1_M (`iq1`) use these grid tables and neighbour search too.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import numpy as np
 
 from localllm.quant.kquants import _f16_bytes, _make_qp_quants
 
-__all__ = ["BLOCK_BYTES", "TYPES", "quantize"]
+__all__ = ["BLOCK_BYTES", "TYPES", "quantize", "quantize_iq2_s", "quantize_iq2_xs", "quantize_iq2_xxs",
+           "quantize_iq3_s", "quantize_iq3_xxs", "tables"]
 
 F32 = np.float32
 
@@ -48,9 +50,8 @@ class Spec:
     eps: float  # a block whose largest magnitude is below this is left zero (0: only all zeros)
     sigma: int  # the weight's σ² is this · Σx² / 256
     fudge: float  # the f16 scale is max_scale / 31 times this
-    unweighted: (
-        str  # the weight without an importance matrix: "x2" or "sigma" (¼σ² + x²); "" needs one
-    )
+    # the weight without an importance matrix: "x2" or "sigma" (¼σ² + x²); "": ggml requires one
+    unweighted: str
     nbytes: int
 
 
