@@ -343,13 +343,14 @@ def quantized_bytes(f: GGUFFile, name: str, type_name: str, importance: np.ndarr
         return gptq.quantize_gptq(values.reshape(-1, values.shape[-1]), hessian, type_name).reshape(-1).data
     n0 = values.shape[-1]
     if importance is not None and np.size(importance) != n0:  # one row per expert, as llama.cpp's (ne0·ne2)
-        rows = values.reshape(-1, n0)
-        per = np.asarray(importance, np.float32).reshape(-1, n0)
-        if rows.shape[0] % per.shape[0]:
-            raise LocalLLMError(f"the importance matrix of {name} has {per.size} values, not a multiple of "
-                                f"its {n0}-value rows per expert")  # fmt: skip
-        experts = rows.reshape(per.shape[0], -1, n0)
-        return np.concatenate([quantize(v, type_name, w) for v, w in zip(experts, per, strict=True)]).reshape(-1).data
+        shape = f.tensors[name].shape
+        experts = int(shape[2]) if len(shape) >= 3 else 1
+        if np.size(importance) != n0 * experts:
+            raise LocalLLMError(f"the importance matrix of {name} has {np.size(importance)} values; its rows "
+                                f"need {n0}" + (f" for each of {experts} experts" if experts > 1 else ""))  # fmt: skip
+        per = np.asarray(importance, np.float32).reshape(experts, n0)
+        slices = values.reshape(experts, -1, n0)
+        return np.concatenate([quantize(v, type_name, w) for v, w in zip(slices, per, strict=True)]).reshape(-1).data
     return quantize(values, type_name, importance).reshape(-1).data
 
 

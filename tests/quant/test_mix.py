@@ -367,5 +367,7 @@ def test_expert_tensors_take_one_importance_row_per_expert(models: dict[str, Pat
             theirs = np.concatenate([ggml_quantize(v, type_name, row_bytes(type_name, 256), w).reshape(-1)
                                      for v, w in zip(values, per, strict=True)])  # fmt: skip
             assert np.array_equal(mine, theirs), type_name
-        with pytest.raises(LocalLLMError, match="not a multiple of its 256-value rows"):
+        with pytest.raises(LocalLLMError, match="has 768 values; its rows need 256 for each of 8 experts"):
             quantized_bytes(f, name, "Q4_K", per.reshape(-1)[:768])
+        with pytest.raises(LocalLLMError, match="has 512 values; its rows need 256$"):
+            quantized_bytes(f, "blk.1.attn_q.weight", "Q4_K", per.reshape(-1)[:512])
