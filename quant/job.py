@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from localllm.errors import LocalLLMError
-from localllm.quant.mix import IMATRIX_FILE_TYPES
+from localllm.quant.mix import FILE_TYPES, IMATRIX_FILE_TYPES, default_type
 from localllm.quant.writer import QuantizeResult, TensorDone, quantize_file
 
 __all__ = ["METHODS", "QuantizeJob", "run_quantize"]
@@ -64,6 +64,12 @@ def run_quantize(store: Any, src: str, file_type: str, *, output: Path | None = 
     if method != "plain" and calibrate is None:
         raise LocalLLMError(f"--method {method} needs --calibrate TEXT: the activations its Hessians come "
                             "from (e.g. a few thousand tokens of text like the model's use)")  # fmt: skip
+    if "gptq" in method and kind in FILE_TYPES:
+        from localllm.quant.gptq import TYPES as GPTQ_TYPES
+
+        if default_type(kind) not in GPTQ_TYPES:  # no grid to feed the error through: say so, not round plainly
+            raise LocalLLMError(f"--method {method} has no grid for {kind}'s {default_type(kind)} blocks (it writes "
+                                f"{', '.join(GPTQ_TYPES)}): use --method plain or awq with --calibrate")  # fmt: skip
     if calibrate is None and kind in IMATRIX_FILE_TYPES:  # before anything is read
         raise LocalLLMError(f"{kind} needs an importance matrix: give --calibrate TEXT (a few thousand tokens "
                             f"of text like the model's use), e.g. `localllm quantize {src} --type {kind} "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -174,6 +175,16 @@ def test_cli_refuses_an_iquant_without_a_calibration_text(f32_llama: Path) -> No
     listed = subprocess.run([sys.executable, "-m", "localllm", "list", "--json"], capture_output=True,
                             text=True, timeout=60)  # fmt: skip
     assert "iq2_xs" not in listed.stdout
+
+
+def test_gptq_on_a_type_without_a_grid_is_refused_before_calibrating(f32_llama: Path, tmp_path: Path) -> None:
+    from localllm.errors import LocalLLMError
+    from localllm.quant.job import run_quantize
+
+    text = tmp_path / "never-read.txt"  # does not exist: the refusal comes first
+    for method in ("gptq", "awq+gptq"):
+        with pytest.raises(LocalLLMError, match=rf"--method {re.escape(method)} has no grid for IQ2_XS's IQ2_XS"):
+            run_quantize(None, str(f32_llama), "IQ2_XS", calibrate=text, method=method)
 
 
 def test_worker_processes_write_the_same_bytes(f32_llama: Path, tmp_path: Path,
