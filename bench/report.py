@@ -307,7 +307,8 @@ def plot_server(d: dict, ax: Any) -> None:
 def rows_quantize(d: dict) -> list[Row]:
     out: list[Row] = []
     for t, r in d.get("types", {}).items():
-        out.append((f"{t}: seconds, ours (identical bytes: {fmt(r.get('identical'))})", r.get("median_localllm_s"),
+        im = ", both given one importance matrix" if r.get("importance_matrix") else ""
+        out.append((f"{t}: seconds, ours (identical bytes: {fmt(r.get('identical'))}{im})", r.get("median_localllm_s"),
                     "llama.cpp's quantize", r.get("median_llamacpp_s"), False, "≤ 1.5x" if t == "Q4_K_M" else None))  # fmt: skip
     for t, r in (d.get("calibration") or {}).items():
         if isinstance(r, dict) and "calibrated" in r:
@@ -578,7 +579,8 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict], list[Row]], Callable[[dict,
      plot_server),
     ("ceiling", "Decode ceiling and cost (`localllm bench`)", "how close to the hardware's limit, and what it costs",
      rows_ceiling, plot_ceiling),
-    ("quantize", "Quantization", "every type byte-identical to llama.cpp; Q4_K_M within 1.5x its time; calibration helps",
+    ("quantize", "Quantization", "every type byte-identical to llama.cpp; Q4_K_M within 1.5x its time; calibration helps "
+     "(SmolLM2's 576-wide rows fit no 256-block: most of its matrices fall back to a 32-block type)",
      rows_quantize, None),
     ("quantize#quality", "Quantization quality: plain, imatrix, GPTQ, AWQ",
      "`--method gptq` Q4_K_M 25% below llama.cpp's imatrix Q4_K_M in KL; Q3_K_M-gptq at most llama.cpp's imatrix "
