@@ -29,37 +29,119 @@ X_M = np.array([-1 - DELTA, -DELTA, 1 - DELTA], F32)
 EPS = F32(1e-12)  # GROUP_MAX_EPS_IQ1_S
 
 
+def _weights(x: np.ndarray, qw: np.ndarray | None, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(super-blocks (M, 256), the same position-major (256, M), each value's weight: its importance
+    · √(σ² + x²) with σ² = 2·Σx²/256, or x² without one)."""
+    x = np.asarray(x, F32)
+    if x.size % 256:
+        raise ValueError(f"{type_name} needs a multiple of 256 values, not {x.size}")
+    x = x.reshape(-1, 256)
+    sup = np.ascontiguousarray(x.T)
+    sigma2 = (F32(2) * (sup * sup).sum(axis=0)) / F32(256)
+    if qw is None:
+        return x, sup, x * x
+    return x, sup, np.asarray(qw, F32).reshape(x.shape) * np.sqrt(sigma2[:, None] + x * x)
+
+
+def _blocks(x: np.ndarray, weight: np.ndarray, n: int, eps: np.float32) -> tuple[np.ndarray, ...]:
+    """Blocks of n: (values (B, n), weights, skipped (largest |x| below eps), each block's sort order
+    — stable, as glibc's qsort sorts these small arrays —, the sorted values and weights (n, B))."""
+    xb, wb = x.reshape(-1, n), weight.reshape(-1, n)
+    order = np.argsort(xb, axis=1, kind="stable")
+    return (xb, wb, np.abs(xb).max(axis=1) < eps, order, np.take_along_axis(xb, order, axis=1).T,
+            np.take_along_axis(wb, order, axis=1).T)  # fmt: skip
+
+
+class _Best:
+    """The boundary search's running choice for every block: a candidate (Σwxq, Σwq² for boundaries
+    i1, i2 and a shift `tag`) replaces it when Σwq² > 0 and (Σwxq)² > best·Σwq² — the C's strict
+    test, in its order; best starts at −FLT_MAX."""
+
+    def __init__(self, scale: np.ndarray) -> None:
+        nb = len(scale)
+        self.score = np.full(nb, -np.finfo(F32).max, F32)
+        self.scale = scale.astype(F32)
+        self.b1 = np.full(nb, -1, np.int32)
+        self.b2 = np.full(nb, -1, np.int32)
+        self.tag = np.zeros(nb, np.int8)
+
+    def offer(self, sumqx: np.ndarray, sumq2: np.ndarray, i1: int, i2: int, tag: int) -> None:
+        better = (sumq2 > 0) & (sumqx * sumqx > self.score * sumq2)
+        if better.any():
+            self.scale = np.where(better, sumqx / sumq2, self.scale).astype(F32)
+            self.score = np.where(better, self.scale * sumqx, self.score).astype(F32)
+            self.b1 = np.where(better, i1, self.b1)
+            self.b2 = np.where(better, i2, self.b2)
+            self.tag = np.where(better, tag, self.tag).astype(np.int8)
+
+
+def _scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Block scales (M, blocks) → (d = max / 15, each block's 3-bit scale nearest_int(½(s/d − 1)),
+    live: the super-block has a scale above 0)."""
+    max_scale = np.maximum(scales.max(axis=1), F32(0))
+    d = (max_scale / F32(15)).astype(F32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        idd = F32(1) / d
+        ls = np.clip(np.rint(F32(0.5) * (idd[:, None] * scales - F32(1))), 0, 7).astype(np.uint32)
+    return d, ls, max_scale > 0
+
+
+def _split(order: np.ndarray, b1: np.ndarray, b2: np.ndarray, skip: np.ndarray,
+           scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """Each block's levels from its chosen boundaries (sorted positions below b1: 0, below b2: 1,
+    else 2, put back in place), mirrored (2 − L) where the scale came out negative; (L, negative)."""
+    rank = np.arange(order.shape[1])[None, :]
+    ls = np.where(rank < b1[:, None], 0, np.where(rank < b2[:, None], 1, 2)).astype(np.int8)
+    L = np.empty_like(ls)
+    np.put_along_axis(L, order, ls, axis=1)
+    neg = ~skip & (scale < 0)
+    return np.where(neg[:, None], 2 - L, L).astype(np.int8), neg
+
+
+def _onto_grid(xb: np.ndarray, wb: np.ndarray, L: np.ndarray, scale: np.ndarray, skip: np.ndarray,
+               qv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """Each group of 8 levels onto the 2048-point grid — off it, the nearest of its neighbours
+    (`iq1_find_best_neighbour2`, values qv (G, 3) per group) — and the block's scale refitted
+    where a group moved: (grid indices (blocks, groups), scale)."""
+    nb, n = xb.shape
+    per = n // 8
+    levels, kmap = tables("IQ1_S")[:2]
+    codes = _code(L.reshape(-1, 8), 3)
+    gi = kmap[codes]
+    live_g = np.repeat(~skip, per)
+    off = (gi < 0) & live_g
+    if off.any():
+        gi[off] = _nearest(xb.reshape(-1, 8)[off], wb.reshape(-1, 8)[off], np.repeat(scale, per)[off],
+                           codes[off], "IQ1_S", qv[off])  # fmt: skip
+    refit = ~skip & off.reshape(nb, per).any(axis=1)
+    if refit.any():
+        # position-major and C-contiguous: numpy adds along a contiguous axis pairwise, not in order
+        q = np.ascontiguousarray(np.take_along_axis(qv, levels[np.maximum(gi, 0)].astype(np.int64), axis=1)
+                                 .reshape(nb, n).T)  # fmt: skip
+        wq = np.ascontiguousarray(wb.T) * q
+        sumqx = (wq * np.ascontiguousarray(xb.T)).sum(axis=0)
+        sumq2 = (wq * q).sum(axis=0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scale = np.where(refit & (sumqx > 0) & (sumq2 > 0), sumqx / sumq2, scale).astype(F32)
+    return np.where(live_g, gi, 0).astype(np.uint32).reshape(nb, per), scale
+
+
 def quantize_iq1_s(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
     """float32 values (a multiple of 256) → IQ1_S blocks (M, 50); `qw`: per-value importance
     (required)."""
     if qw is None:
         raise ValueError("IQ1_S needs an importance matrix")
-    x = np.asarray(x, F32)
-    if x.size % 256:
-        raise ValueError(f"IQ1_S needs a multiple of 256 values, not {x.size}")
-    x = x.reshape(-1, 256)
+    x, sup, weight = _weights(x, qw, "IQ1_S")
     m = x.shape[0]
-    sup = np.ascontiguousarray(x.T)
-    sigma2 = (F32(2) * (sup * sup).sum(axis=0)) / F32(256)
-    weight = np.asarray(qw, F32).reshape(m, 256) * np.sqrt(sigma2[:, None] + x * x)
-
     nb = m * 8
-    xb, wb = x.reshape(nb, 32), weight.reshape(nb, 32)
-    zero = np.abs(xb).max(axis=1) < EPS
-    order = np.argsort(xb, axis=1, kind="stable")
-    xs = np.take_along_axis(xb, order, axis=1).T  # (32, NB) sorted, position-major
-    ws = np.take_along_axis(wb, order, axis=1).T
+    xb, wb, zero, order, xs, ws = _blocks(x, weight, 32, EPS)
     sumx = np.zeros((33, nb), F32)
     sumw = np.zeros((33, nb), F32)
     for j in range(32):
         sumx[j + 1] = sumx[j] + ws[j] * xs[j]
         sumw[j + 1] = sumw[j] + ws[j]
 
-    best = np.full(nb, -np.finfo(F32).max, F32)
-    scale = np.abs(xb).max(axis=1)
-    b1 = np.full(nb, -1, np.int32)
-    b2 = np.full(nb, -1, np.int32)
-    shift = np.zeros(nb, np.int8)
+    best = _Best(np.abs(xb).max(axis=1))
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for i1 in range(33):
             for i2 in range(i1, 33):
@@ -67,55 +149,18 @@ def quantize_iq1_s(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
                     sumqx = (sumx[i1] - sumx[0]) * xx[0] + (sumx[i2] - sumx[i1]) * xx[1] + (sumx[32] - sumx[i2]) * xx[2]
                     sumq2 = ((sumw[i1] - sumw[0]) * xx[0] * xx[0] + (sumw[i2] - sumw[i1]) * xx[1] * xx[1]
                              + (sumw[32] - sumw[i2]) * xx[2] * xx[2])  # fmt: skip
-                    better = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
-                    if better.any():
-                        scale = np.where(better, sumqx / sumq2, scale).astype(F32)
-                        best = np.where(better, scale * sumqx, best).astype(F32)
-                        b1 = np.where(better, i1, b1)
-                        b2 = np.where(better, i2, b2)
-                        shift = np.where(better, sh, shift).astype(np.int8)
-    skip = zero | (b1 < 0) | (shift == 0)
-    rank = np.arange(32)[None, :]
-    ls = np.where(rank < b1[:, None], 0, np.where(rank < b2[:, None], 1, 2)).astype(np.int8)  # sorted order
-    L = np.empty_like(ls)
-    np.put_along_axis(L, order, ls, axis=1)
-    neg = ~skip & (scale < 0)
-    L = np.where(neg[:, None], 2 - L, L).astype(np.int8)
+                    best.offer(sumqx, sumq2, i1, i2, sh)
+    scale, b1, b2, shift = best.scale, best.b1, best.b2, best.tag
+    skip = zero | (b1 < 0)
+    L, neg = _split(order, b1, b2, skip, scale)
     scale = np.where(neg, -scale, scale).astype(F32)
     shift = np.where(neg, -shift, shift).astype(np.int8)
-
-    # groups of 8 onto the grid
-    levels, kmap = tables("IQ1_S")[:2]
-    groups = L.reshape(-1, 8)
-    codes = _code(groups, 3)
-    gi = kmap[codes]
-    live_g = np.repeat(~skip, 4)
-    off = (gi < 0) & live_g
     qv = np.where((np.repeat(shift, 4) == 1)[:, None], X_P, X_M).astype(F32)  # (G, 3)
-    if off.any():
-        gi[off] = _nearest(xb.reshape(-1, 8)[off], wb.reshape(-1, 8)[off], np.repeat(scale, 4)[off],
-                           codes[off], "IQ1_S", qv[off])  # fmt: skip
-    refit = ~skip & off.reshape(nb, 4).any(axis=1)
-    if refit.any():
-        # position-major and C-contiguous: numpy adds along a contiguous axis pairwise, not in order
-        q = np.ascontiguousarray(np.take_along_axis(qv, levels[np.maximum(gi, 0)].astype(np.int64), axis=1)
-                                 .reshape(nb, 32).T)  # fmt: skip
-        wq = np.ascontiguousarray(wb.T) * q
-        sumqx = (wq * np.ascontiguousarray(xb.T)).sum(axis=0)
-        sumq2 = (wq * q).sum(axis=0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            scale = np.where(refit & (sumqx > 0) & (sumq2 > 0), sumqx / sumq2, scale).astype(F32)
-    gi = np.where(live_g, gi, 0).astype(np.uint32).reshape(nb, 4)
+    gi, scale = _onto_grid(xb, wb, L, scale, skip, qv)
     scale = np.where(skip, F32(0), scale).astype(F32)
     shift = np.where(skip, 1, shift)
 
-    scales = scale.reshape(m, 8)
-    max_scale = np.maximum(scales.max(axis=1), F32(0))
-    live = max_scale > 0
-    d = (max_scale / F32(15)).astype(F32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        idd = F32(1) / d
-        ls3 = np.clip(np.rint(F32(0.5) * (idd[:, None] * scales - F32(1))), 0, 7).astype(np.uint32)
+    d, ls3, live = _scales(scale.reshape(m, 8))
     ls3 |= np.where(shift.reshape(m, 8) == -1, 8, 0).astype(np.uint32)
     ls3 = np.where(live[:, None], ls3, 0)
     dh = np.where(live, d * F32(1.125), F32(0)).astype(F32)
@@ -133,24 +178,10 @@ def quantize_iq1_m(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
     of 16 whose two halves each take their own shift, a 3-bit scale per block and the super-block's
     f16 scale refitted over every value and spread over the scales' top bits. `qw`: per-value
     importance (without: x², as ggml)."""
-    x = np.asarray(x, F32)
-    if x.size % 256:
-        raise ValueError(f"IQ1_M needs a multiple of 256 values, not {x.size}")
-    x = x.reshape(-1, 256)
+    x, sup, weight = _weights(x, qw, "IQ1_M")
     m = x.shape[0]
-    sup = np.ascontiguousarray(x.T)
-    sigma2 = (F32(2) * (sup * sup).sum(axis=0)) / F32(256)
-    if qw is not None:
-        weight = np.asarray(qw, F32).reshape(m, 256) * np.sqrt(sigma2[:, None] + x * x)
-    else:
-        weight = x * x
-
     nb = m * 16
-    xb, wb = x.reshape(nb, 16), weight.reshape(nb, 16)
-    zero = np.abs(xb).max(axis=1) < EPS_M
-    order = np.argsort(xb, axis=1, kind="stable")
-    xs = np.take_along_axis(xb, order, axis=1).T
-    ws = np.take_along_axis(wb, order, axis=1).T
+    xb, wb, zero, order, xs, ws = _blocks(x, weight, 16, EPS_M)
     half = (order >= 8).T  # (16, NB): the sorted value's half
     px = np.zeros((2, 17, nb), F32)
     pw = np.zeros((2, 17, nb), F32)
@@ -164,11 +195,7 @@ def quantize_iq1_m(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
     cp1, cp2 = X_P[0] * X_P[0] - X_P[1] * X_P[1], X_P[1] * X_P[1] - X_P[2] * X_P[2]
     cm1, cm2 = X_M[0] * X_M[0] - X_M[1] * X_M[1], X_M[1] * X_M[1] - X_M[2] * X_M[2]
 
-    best = np.full(nb, -np.finfo(F32).max, F32)
-    scale = np.abs(xb).max(axis=1)
-    b1 = np.full(nb, -1, np.int32)
-    b2 = np.full(nb, -1, np.int32)
-    bk = np.full(nb, -1, np.int8)
+    best = _Best(np.abs(xb).max(axis=1))
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for i1 in range(17):
             for i2 in range(i1, 17):
@@ -182,54 +209,21 @@ def quantize_iq1_m(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
                 sums = ((qx_p[0] + qx_p[1], q2_p[0] + q2_p[1]), (qx_p[0] + qx_m[1], q2_p[0] + q2_m[1]),
                         (qx_m[0] + qx_p[1], q2_m[0] + q2_p[1]), (qx_m[0] + qx_m[1], q2_m[0] + q2_m[1]))  # fmt: skip
                 for k, (sumqx, sumq2) in enumerate(sums):
-                    better = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
-                    if better.any():
-                        scale = np.where(better, sumqx / sumq2, scale).astype(F32)
-                        best = np.where(better, scale * sumqx, best).astype(F32)
-                        b1 = np.where(better, i1, b1)
-                        b2 = np.where(better, i2, b2)
-                        bk = np.where(better, k, bk).astype(np.int8)
-    skip = zero | (b1 < 0) | (bk < 0)
-    rank = np.arange(16)[None, :]
-    ls = np.where(rank < b1[:, None], 0, np.where(rank < b2[:, None], 1, 2)).astype(np.int8)
-    L = np.empty_like(ls)
-    np.put_along_axis(L, order, ls, axis=1)
-    neg = ~skip & (scale < 0)
-    L = np.where(neg[:, None], 2 - L, L).astype(np.int8)
+                    best.offer(sumqx, sumq2, i1, i2, k)
+    scale, b1, b2, bk = best.scale, best.b1, best.b2, best.tag
+    skip = zero | (b1 < 0)
+    L, neg = _split(order, b1, b2, skip, scale)
     scale = np.where(neg, -scale, scale).astype(F32)
     bk = np.where(neg, 3 - bk, bk).astype(np.int8)
     bk = np.where(skip, 0, bk).astype(np.int8)
-
-    levels, kmap = tables("IQ1_S")[:2]
-    codes = _code(L.reshape(-1, 8), 3)
-    gi = kmap[codes]
-    live_g = np.repeat(~skip, 2)
-    off = (gi < 0) & live_g
     # each half's values: k = 0 takes x_p when the shift pair is ++ or +-, k = 1 when ++ or -+
     plus = np.stack([bk < 2, bk % 2 == 0], axis=1).reshape(-1)  # (G,)
     qv = np.where(plus[:, None], X_P, X_M).astype(F32)
-    if off.any():
-        gi[off] = _nearest(xb.reshape(-1, 8)[off], wb.reshape(-1, 8)[off], np.repeat(scale, 2)[off],
-                           codes[off], "IQ1_S", qv[off])  # fmt: skip
-    refit = ~skip & off.reshape(nb, 2).any(axis=1)
-    if refit.any():
-        q = np.ascontiguousarray(np.take_along_axis(qv, levels[np.maximum(gi, 0)].astype(np.int64), axis=1)
-                                 .reshape(nb, 16).T)  # fmt: skip
-        wq = np.ascontiguousarray(wb.T) * q
-        sumqx = (wq * np.ascontiguousarray(xb.T)).sum(axis=0)
-        sumq2 = (wq * q).sum(axis=0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            scale = np.where(refit & (sumqx > 0) & (sumq2 > 0), sumqx / sumq2, scale).astype(F32)
-    gi = np.where(live_g, gi, 0).astype(np.uint32).reshape(nb, 2)
+    gi, scale = _onto_grid(xb, wb, L, scale, skip, qv)
     scale = np.where(skip, F32(0), scale).astype(F32)
+    levels = tables("IQ1_S")[0]
 
-    scales = scale.reshape(m, 16)
-    max_scale = np.maximum(scales.max(axis=1), F32(0))
-    live = max_scale > 0
-    d = (max_scale / F32(15)).astype(F32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        idd = F32(1) / d
-        l3 = np.clip(np.rint(F32(0.5) * (idd[:, None] * scales - F32(1))), 0, 7).astype(np.uint32)  # (M, 16)
+    d, l3, live = _scales(scale.reshape(m, 16))
     # the super-block scale refitted over all 256 values, the skipped blocks' grid point 0 included
     q = np.take_along_axis(qv, levels[gi.reshape(-1)].astype(np.int64), axis=1).reshape(m, 256)
     q = q * np.repeat((2 * l3 + 1).astype(F32), 16, axis=1)
