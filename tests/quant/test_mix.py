@@ -100,7 +100,7 @@ def models(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -
     out["tied12"] = tiny("tied12", n_embd=256, n_ff=768, n_layer=12, n_head=4, n_kv_head=1)
     # rows of 80 (not a multiple of 32: F16 fallbacks) and 96 (Q5_0 / Q5_1 / Q8_0 fallbacks)
     out["odd"] = tiny("odd", n_embd=80, n_ff=96, n_layer=3, n_head=4, n_kv_head=2)
-    # 8 layers, tied: the 2-bit i-quants' mix on few enough values to quantize in seconds
+    # 8 layers, tied: the i-quant file types on few enough values to quantize in seconds
     out["small8"] = tiny("small8", n_embd=256, n_ff=512, n_layer=8, n_head=4, n_kv_head=2)
     # 80 layers, n_head != n_head_kv: llama.cpp calls it a 70B model (attn_v Q4_K → Q5_K)
     out["l80"] = tiny("l80", n_embd=256, n_ff=256, n_layer=80, n_head=4, n_kv_head=1)
