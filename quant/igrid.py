@@ -28,7 +28,7 @@ import numpy as np
 
 from localllm.quant.kquants import _f16_bytes, _make_qp_quants
 
-__all__ = ["BLOCK_BYTES", "TYPES", "quantize", "quantize_iq2_s", "quantize_iq2_xs", "quantize_iq2_xxs",
+__all__ = ["TYPES", "quantize", "quantize_iq2_s", "quantize_iq2_xs", "quantize_iq2_xxs",
            "quantize_iq3_s", "quantize_iq3_xxs", "tables"]
 
 F32 = np.float32
@@ -52,18 +52,16 @@ class Spec:
     fudge: float  # the f16 scale is max_scale / 31 times this
     # the weight without an importance matrix: "x2" or "sigma" (¼σ² + x²); "": ggml requires one
     unweighted: str
-    nbytes: int
 
 
 SPECS = {
-    "IQ2_XXS": Spec(8, 3, 32, 256, 2, 6, 0.1, True, "qp", "all", True, 1e-15, 1, 1.0, "", 66),
-    "IQ2_XS": Spec(8, 3, 16, 512, 2, 9, 0.1, True, "max", "off", True, 1e-15, 1, 1.0, "", 74),
-    "IQ2_S": Spec(8, 3, 16, 1024, 1, 9, 0.1, False, "max", "off", True, 1e-8, 2, 0.9875, "sigma", 82),
-    "IQ3_XXS": Spec(4, 8, 32, 256, 2, 15, 0.2, True, "max", "off", True, 1e-8, 2, 1.0125, "x2", 98),
-    "IQ3_S": Spec(4, 8, 32, 512, 3, 9, 0.2, False, "max", "all_if_off", False, 0.0, 2, 1.033, "x2", 110),
+    "IQ2_XXS": Spec(8, 3, 32, 256, 2, 6, 0.1, True, "qp", "all", True, 1e-15, 1, 1.0, ""),
+    "IQ2_XS": Spec(8, 3, 16, 512, 2, 9, 0.1, True, "max", "off", True, 1e-15, 1, 1.0, ""),
+    "IQ2_S": Spec(8, 3, 16, 1024, 1, 9, 0.1, False, "max", "off", True, 1e-8, 2, 0.9875, "sigma"),
+    "IQ3_XXS": Spec(4, 8, 32, 256, 2, 15, 0.2, True, "max", "off", True, 1e-8, 2, 1.0125, "x2"),
+    "IQ3_S": Spec(4, 8, 32, 512, 3, 9, 0.2, False, "max", "all_if_off", False, 0.0, 2, 1.033, "x2"),
 }  # fmt: skip
 TYPES = tuple(SPECS)
-BLOCK_BYTES = {t: s.nbytes for t, s in SPECS.items()}
 # each grid: (values per point, levels, points, neighbour distances kept) — IQ1_S's too (`iq1`)
 GRIDS = {t: (s.dims, s.kmax, s.grid, s.nwant) for t, s in SPECS.items()} | {"IQ1_S": (8, 3, 2048, 3)}
 

@@ -19,10 +19,9 @@ import numpy as np
 from localllm.quant.igrid import _code, _nearest, tables
 from localllm.quant.kquants import _f16_bytes
 
-__all__ = ["BLOCK_BYTES", "quantize_iq1_m", "quantize_iq1_s"]
+__all__ = ["quantize_iq1_m", "quantize_iq1_s"]
 
 F32 = np.float32
-BLOCK_BYTES = {"IQ1_S": 50, "IQ1_M": 56}
 DELTA = F32(0.125)  # IQ1S_DELTA
 X_P = np.array([-1 + DELTA, DELTA, 1 + DELTA], F32)
 X_M = np.array([-1 - DELTA, -DELTA, 1 - DELTA], F32)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from localllm.errors import LocalLLMError
-from localllm.quant.mix import FILE_TYPES, IMATRIX_FILE_TYPES, default_type
+from localllm.quant.mix import FILE_TYPES, default_type
 from localllm.quant.writer import QuantizeResult, TensorDone, quantize_file
 
 __all__ = ["METHODS", "QuantizeJob", "run_quantize"]
@@ -70,10 +70,6 @@ def run_quantize(store: Any, src: str, file_type: str, *, output: Path | None = 
         if default_type(kind) not in GPTQ_TYPES:  # no grid to feed the error through: say so, not round plainly
             raise LocalLLMError(f"--method {method} has no grid for {kind}'s {default_type(kind)} blocks (it writes "
                                 f"{', '.join(GPTQ_TYPES)}): use --method plain or awq with --calibrate")  # fmt: skip
-    if calibrate is None and kind in IMATRIX_FILE_TYPES:  # before anything is read
-        raise LocalLLMError(f"{kind} needs an importance matrix: give --calibrate TEXT (a few thousand tokens "
-                            f"of text like the model's use), e.g. `localllm quantize {src} --type {kind} "
-                            "--calibrate text.txt`, or an .imatrix file from llama-imatrix")  # fmt: skip
     if calibrate is not None:
         from localllm.quant import imatrix as imatrix_file
 

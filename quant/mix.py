@@ -41,6 +41,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from localllm.quant import BLOCK
+
 __all__ = ["FILE_TYPES", "IMATRIX_FILE_TYPES", "NEEDS_IMATRIX", "choose_types", "default_type", "needs_imatrix"]
 
 # enum llama_ftype (llama.h)
@@ -63,12 +65,7 @@ _DEFAULT_TYPE = {
 }  # fmt: skip
 
 # ggml_blck_size of the types these file types can produce
-_BLOCK = {
-    "F32": 1, "F16": 1, "BF16": 1,
-    "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32,
-    "Q2_K": 256, "Q3_K": 256, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "IQ4_NL": 32, "IQ4_XS": 256,
-    "IQ2_XXS": 256, "IQ2_XS": 256, "IQ2_S": 256, "IQ3_XXS": 256, "IQ3_S": 256, "IQ1_S": 256, "IQ1_M": 256,
-}  # fmt: skip
+_BLOCK = {t: per for t, (per, _) in BLOCK.items()}
 _NOT_QUANTIZED = ("F32", "F16", "BF16")
 
 # tensor_type_fallback's table for the 256-block types reachable here
