@@ -376,14 +376,37 @@ def _json(text: str) -> Any:
         return None
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+def _unique(calls: list[ToolCall]) -> list[ToolCall]:
+    """The calls without repeats (same name and arguments): a small model often writes one call
+    again and again until it is stopped."""
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for c in calls:
+        if (c.name, c.arguments) not in seen:
+            seen.add((c.name, c.arguments))
+            out.append(c)
+    return out
+
+
+def repeats_call(text: str) -> bool:
+    """Whether the last complete `<tool_call>` block of `text` repeats an earlier one."""
+    bodies = [_json(b) for b in _HERMES.findall(text)]
+    return len(bodies) > 1 and bodies[-1] is not None and bodies[-1] in bodies[:-1]
+
+
+def parse_tool_calls(text: str, cut: bool = False) -> tuple[str, list[ToolCall]]:
     """Split model output into (content, tool calls) for Hermes/Qwen `<tool_call>`, Llama 3 JSON
-    and Mistral `[TOOL_CALLS]` outputs. Anything malformed stays plain text with no calls."""
+    and Mistral `[TOOL_CALLS]` outputs; repeated calls come back once. Anything malformed stays
+    plain text with no calls. `cut`: the output was cut short (a token limit), so an unclosed
+    `<tool_call>` at its end is a call that never finished — dropped, not made content."""
     if "<tool_call>" in text:
+        start = text.rfind("<tool_call>")
+        if cut and "</tool_call>" not in text[start:]:
+            text = text[:start]
         bodies = _HERMES.findall(text)
         calls = _calls([_json(b) for b in bodies]) if bodies else None
         if calls:
-            return _HERMES.sub("", text).strip(), calls
+            return _HERMES.sub("", text).strip(), _unique(calls)
         return text, []
     stripped = text.strip()
     if stripped.startswith(_MISTRAL):

@@ -17,6 +17,7 @@ from localllm.chat import (
     _cpu_seconds,
     parse_tool_calls,
     render_limited,
+    repeats_call,
 )
 from localllm.errors import TemplateError
 from localllm.gguf_file import read_gguf
@@ -188,6 +189,30 @@ def test_tool_call_formats(text: str, content: str, calls: list) -> None:
 )
 def test_malformed_tool_calls_stay_text(text: str) -> None:
     assert parse_tool_calls(text) == (text, [])
+
+
+W = '<tool_call>\n{"name": "w", "arguments": {"city": "Paris"}}\n</tool_call>'
+T = '<tool_call>\n{"name": "t", "arguments": {}}\n</tool_call>'
+
+
+def test_repeated_calls_come_back_once_and_a_call_cut_short_is_dropped() -> None:
+    # a small model repeats a forced call until the token limit (issue 39: instructor and
+    # pydantic-ai got the markup as content with finish "length")
+    assert _calls("\n".join([W, T, W, T])) == ("", [("w", {"city": "Paris"}), ("t", {})])
+    cut = "\n".join([W, '<tool_call>\n{"name": "t", "argu'])
+    assert _calls(cut) == ('<tool_call>\n{"name": "t", "argu', [("w", {"city": "Paris"})])  # not cut: text
+    content, calls = parse_tool_calls(cut, cut=True)
+    assert content == "" and [c.name for c in calls] == ["w"]
+    content, calls = parse_tool_calls('Checking. <tool_call>\n{"name": "t"', cut=True)
+    assert (content, calls) == ("Checking. ", [])  # no complete call: the markup still never shows
+    assert parse_tool_calls("a < b", cut=True) == ("a < b", [])
+
+
+def test_a_repeated_call_is_seen_when_it_closes() -> None:
+    assert not repeats_call(W) and not repeats_call(W + T)
+    assert not repeats_call(W + T + W[:-3])  # not closed yet
+    assert repeats_call(W + T + W) and repeats_call(W + W)
+    assert not repeats_call(W + W.replace("Paris", "Rome"))
 
 
 def test_tool_call_round_trip_to_openai_shape() -> None:

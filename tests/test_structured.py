@@ -60,6 +60,18 @@ def test_a_forced_tool_call_in_both_engines(model) -> None:
     jsonschema.validate(json.loads(call.arguments), params)
 
 
+def test_forced_parallel_calls_end_at_a_repeat_and_survive_a_token_limit(model) -> None:
+    ask = [{"role": "user", "content": "What is the weather like in Paris?"}]
+    kw = {"temperature": 0, "tools": [WEATHER, TIME], "tool_choice": "required"}
+    r = model.chat(ask, max_tokens=400, **kw)
+    assert r.finish_reason == "tool_calls" and r.text == "" and r.tool_calls
+    assert r.usage.completion_tokens < 400  # a repeated call ended the turn
+    assert len({(c.name, c.arguments) for c in r.tool_calls}) == len(r.tool_calls)
+    cut = model.chat(ask, max_tokens=r.usage.completion_tokens - 5, **kw)  # inside the last call
+    assert cut.finish_reason == "tool_calls" and cut.text == ""
+    assert [c.name for c in cut.tool_calls] == [c.name for c in r.tool_calls][: len(cut.tool_calls)]
+
+
 def test_grammars() -> None:
     assert grammar_for(Request(prompt="x")) is None
     assert grammar_for(Request(prompt="x", response_format={"type": "text"})) is None

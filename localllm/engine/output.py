@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from localllm.chat import parse_tool_calls
+from localllm.chat import parse_tool_calls, repeats_call
 from localllm.engine.reasoning import Splitter
 from localllm.types import (
     Chunk,
@@ -105,6 +105,7 @@ class Assembler:
         self.cached = self.shifts = self.discarded = 0
         self.finish_reason: FinishReason | None = None
         self.stop_hit = False
+        self._tools = bool(request.tools) and request.tool_choice != "none"  # calls parsed at the end
         # speculative decoding: what the decode passes did (`SpeculativeStats`' fields)
         self.spec = dict.fromkeys(
             ("drafted", "accepted", "passes", "rounds", "rejections", "tokens"), 0
@@ -166,6 +167,8 @@ class Assembler:
             self.pending = []
         if hit:
             self.finish_reason, self.stop_hit = "stop", True
+        elif self._tools and ">" in text and repeats_call("".join(self.texts)):
+            self.finish_reason = "stop"  # the same call again: the turn is over (finish drops it)
         elif s.max_tokens and len(self.out) >= s.max_tokens:
             self.finish_reason = "length"
         elif not self.request.context.enabled and self.n_prompt + len(self.out) >= b.n_ctx:
@@ -186,8 +189,9 @@ class Assembler:
         self.thoughts.append(thought)
         text = "".join(self.texts)
         tool_calls: tuple = ()
-        if self.request.tools and self.request.tool_choice != "none" and finish == "stop":
-            content, calls = parse_tool_calls(text)
+        # complete calls are calls whatever ended the output; a call cut short is dropped
+        if self._tools and finish in ("stop", "length"):
+            content, calls = parse_tool_calls(text, cut=finish == "length")
             if calls:
                 text, tool_calls, finish = content, tuple(calls), "tool_calls"
         now = time.perf_counter()

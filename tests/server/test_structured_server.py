@@ -103,6 +103,27 @@ def test_parallel_tool_calls(client: openai.OpenAI) -> None:
     assert len({c.id for c in r.choices[0].message.tool_calls}) == len(calls)  # ids are distinct
 
 
+def test_a_forced_call_is_never_cut_into_content(client: openai.OpenAI) -> None:
+    # issue 39: with parallel_tool_calls at its default the model repeated its calls until the
+    # token limit, and the complete calls came back as raw markup in content with "length"
+    kw: dict[str, Any] = {"model": "smollm2", "messages": ASK, "tools": [WEATHER, TIME],
+                          "tool_choice": "required", "temperature": 0}  # fmt: skip
+    r = client.chat.completions.create(max_tokens=1000, **kw)
+    calls = _valid_calls(r.choices[0].message, {"get_weather", "get_time"})
+    assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+    assert len({json.dumps(c, sort_keys=True) for c in calls}) == len(calls)  # a repeat ended the turn
+    assert r.usage.completion_tokens < 1000
+    cut = r.usage.completion_tokens - 5  # inside the last call
+    r = client.chat.completions.create(max_tokens=cut, **kw)
+    assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+    assert 1 <= len(_valid_calls(r.choices[0].message, {"get_weather", "get_time"})) < len(calls) + 1
+    chunks = list(client.chat.completions.create(max_tokens=cut, stream=True, **kw))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not any((d.content or "").strip() for d in deltas)
+    assert any(d.tool_calls for d in deltas)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
 def test_tool_choice_none_and_auto(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], tool_choice="none",
                                        temperature=0, max_tokens=40)  # fmt: skip
