@@ -392,6 +392,7 @@ class Result:
     logprobs: tuple[TokenLogprob, ...] | None = None
     error: str | None = None
     reasoning: str | None = None  # a thinking model's reasoning, apart from `text` (the answer)
+    stop_sequence: str | None = None  # the stop string that ended the output (finish "stop")
 
     def to_dict(self) -> dict[str, Any]:
         n = self.usage.completion_tokens

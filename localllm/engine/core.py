@@ -114,8 +114,7 @@ def prompt_ids(backend: Runner, request: Request,
         raise Unsupported(f"{model} cannot read images here: that needs its vision projector "
                           "(`localllm import --mmproj`) and the llama.cpp backend")  # fmt: skip
     if messages is not None:
-        extra = template_args(thinking, request.think, model)
-        text = template.render(messages, tools=request.tools, **extra)
+        text = render_chat(backend, request, model, messages)
         bos = backend.bos_text()
         add_special = not (bos and text.startswith(bos))  # the template wrote BOS itself
     else:
@@ -129,6 +128,18 @@ def prompt_ids(backend: Runner, request: Request,
     if not ids:
         raise LocalLLMError("the prompt is empty")
     return ids, Splitter.for_prompt(thinking, text) if thinking is not None else None
+
+
+def render_chat(backend: Runner, request: Request, model: str = "the model",
+                messages: tuple[Message, ...] | None = None) -> str:  # fmt: skip
+    """A chat request's messages and tools through the model's template (`messages`: them with
+    their images placed, as `placed_images` gives)."""
+    if messages is None:
+        messages, _ = placed_images(request)
+        if messages is None:
+            raise LocalLLMError("the request has a raw prompt, not messages: no template applies")
+    extra = template_args(thinking_of(backend.chat_template), request.think, model)
+    return backend.chat_template.render(messages, tools=request.tools, **extra)
 
 
 def placed_images(request: Request) -> tuple[tuple[Message, ...] | None, list[bytes]]:
@@ -876,6 +887,14 @@ class Model:
 
     def chat(self, messages: Sequence[Message], **kw: Any) -> Result:
         return self.submit(self._request(list(messages), **kw)).wait()
+
+    def prompt_tokens(self, request: Request) -> list[int]:
+        """The tokens `request`'s prompt becomes, as `submit` makes them (template, tokenizer)."""
+        return prompt_ids(self.runner, request, self.name)[0]
+
+    def render(self, request: Request) -> str:
+        """The text a chat request's messages and tools become through the model's template."""
+        return render_chat(self.runner, request, self.name)
 
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
         return self.runner.tokenize(text, add_special=add_special)

@@ -54,14 +54,16 @@ class StopMatcher:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(stops)
         self.pending = ""
+        self.hit: str | None = None  # the stop string found, once one is
 
     def feed(self, piece: str) -> tuple[str, bool]:
         """(text safe to emit, whether a stop string was hit)."""
         buf = self.pending + piece
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
+            at, self.hit = min(hits, key=lambda h: h[0])
             self.pending = ""
-            return buf[: min(hits)], True
+            return buf[:at], True
         hold = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(buf)), hold, -1):
@@ -209,7 +211,7 @@ class Assembler:
         result = Result(
             text=text, token_ids=tuple(self.out), finish_reason=finish, usage=usage,
             timings=timings, tool_calls=tool_calls, context_shifts=self.shifts,
-            discarded_tokens=self.discarded, error=error,
+            discarded_tokens=self.discarded, error=error, stop_sequence=self.stops.hit if self.stop_hit else None,
             reasoning=(self._shown("".join(self.thoughts)) or None) if self.splitter else None,
             logprobs=tuple(self.logprobs) if self.request.sampling.logprobs is not None else None,
             speculative=(SpeculativeStats(mode=self.request.speculative or "", **self.spec,

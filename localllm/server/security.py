@@ -30,9 +30,14 @@ PUBLIC = ("/health", "/")  # Ollama clients ask `/` whether a server is up
 def error_shape(path: str, message: str, kind: str, code: str | None = None,
                 param: str | None = None) -> dict[str, Any]:  # fmt: skip
     """An error as the route's API words it: Ollama's `{"error": "text"}` on `/api/*` (its official
-    client reads `error` as the text), else OpenAI's nested object."""
+    client reads `error` as the text), Anthropic's typed error on `/v1/messages*`, else OpenAI's
+    nested object."""
     if path == "/api" or path.startswith("/api/"):
         return {"error": message}
+    if path.startswith("/v1/messages"):
+        kind = {"model_not_found": "not_found_error", "request_too_large": "request_too_large"}.get(
+            code or "", {"server_error": "api_error", "server_busy": "overloaded_error"}.get(kind, kind))
+        return {"type": "error", "error": {"type": kind, "message": message}}
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
