@@ -265,6 +265,10 @@ class Request:
     # a raw prompt's images (encoded PNG/JPEG/GIF/BMP bytes); a chat's go in its messages'
     # `images` (engine.core.placed_images)
     images: tuple[bytes, ...] = ()
+    # fill in the middle (editors' completion): (prefix, suffix) around the gap, and files shown
+    # before them as (name, text); `prompt` is what follows the middle marker (engine.core.fim_ids)
+    fim: tuple[str, str] | None = None
+    fim_files: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.speculative is not None:
@@ -281,6 +285,8 @@ class Request:
         elif self.images and not all(isinstance(i, bytes) for i in self.images):
             raise LocalLLMError("images are the bytes of image files")
         object.__setattr__(self, "images", tuple(self.images))
+        if self.fim is not None and (self.messages is not None or self.images):
+            raise LocalLLMError("fill in the middle takes a prefix and suffix, not messages or images")
         object.__setattr__(self, "tools", tuple(self.tools))
 
     def with_sampling(self, **kw: Any) -> Request:

@@ -19,6 +19,7 @@ import contextlib
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -107,6 +108,8 @@ def prompt_ids(backend: Runner, request: Request,
     model thinks, what separates its reasoning: a chat's template says whether the model thinks
     and takes `think` (`reasoning`); a raw prompt's output is split only when the request asks
     for thinking."""
+    if request.fim is not None:
+        return fim_ids(backend, request, model), None
     template = backend.chat_template
     thinking = thinking_of(template)
     messages, images = placed_images(request)
@@ -128,6 +131,62 @@ def prompt_ids(backend: Runner, request: Request,
     if not ids:
         raise LocalLLMError("the prompt is empty")
     return ids, Splitter.for_prompt(thinking, text) if thinking is not None else None
+
+
+# fill-in-the-middle markers by their text in the vocabulary, as llama.cpp finds them when a GGUF
+# does not name them: (prefix, suffix, middle) of Qwen2.5-Coder, StarCoder, Santacoder, CodeLlama,
+# DeepSeek-Coder; and the file separators repository-level FIM puts between files
+FIM_MARKERS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+               ("<fim-prefix>", "<fim-suffix>", "<fim-middle>"), ("<PRE>", "<SUF>", "<MID>"),
+               ("▁<PRE>", "▁<SUF>", "▁<MID>"), ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"))  # fmt: skip
+FILE_SEPARATORS = ("<|file_sep|>", "<file_sep>")
+_fim: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
+
+
+def fim_tokens(backend: Runner) -> dict[str, int]:
+    """The runner's FIM marker ids by role (pre, suf, mid; sep where it has one); {} when its
+    vocabulary has no complete set. A marker is a text the tokenizer makes one token of (control
+    tokens have no text of their own to search for). Found once per runner."""
+    found = _fim.get(backend)
+    if found is None:
+
+        def one(text: str) -> int | None:
+            ids = backend.tokenize(text, add_special=False)
+            return ids[0] if len(ids) == 1 else None
+
+        found = {}
+        for set_ in FIM_MARKERS:
+            ids = [one(t) for t in set_]
+            if None not in ids:
+                found = dict(zip(("pre", "suf", "mid"), ids, strict=True))
+                break
+        sep = next((i for i in map(one, FILE_SEPARATORS) if i is not None), None)
+        if found and sep is not None:
+            found["sep"] = sep
+        _fim[backend] = found
+    return found
+
+
+def fim_ids(backend: Runner, request: Request, model: str = "the model") -> list[int]:
+    """A fill-in-the-middle prompt (prefix-suffix-middle order): [SEP file]... PRE prefix SUF suffix
+    MID prompt, the markers by id and each text tokenized apart."""
+    marks = fim_tokens(backend)
+    if not marks:
+        raise Unsupported(f"{model} has no fill-in-the-middle tokens (<|fim_prefix|>, <fim_prefix>, <PRE> or "
+                          "the like): infill needs a code model trained for it, such as Qwen2.5-Coder")  # fmt: skip
+    if request.fim_files and "sep" not in marks:
+        raise Unsupported(f"{model} has no file separator token, so other files cannot be shown to it")
+    assert request.fim is not None
+    prefix, suffix = request.fim
+
+    def tok(text: str) -> list[int]:
+        return backend.tokenize(text, add_special=False) if text else []
+
+    ids = backend.tokenize("", add_special=True)  # BOS where the model starts with one
+    for name, text in request.fim_files:
+        ids += [marks["sep"], *tok(f"{name}\n{text}")]
+    ids += [marks["pre"], *tok(prefix), marks["suf"], *tok(suffix), marks["mid"], *tok(request.prompt or "")]
+    return ids
 
 
 def render_chat(backend: Runner, request: Request, model: str = "the model",
@@ -891,6 +950,10 @@ class Model:
     def prompt_tokens(self, request: Request) -> list[int]:
         """The tokens `request`'s prompt becomes, as `submit` makes them (template, tokenizer)."""
         return prompt_ids(self.runner, request, self.name)[0]
+
+    def fim_tokens(self) -> dict[str, int]:
+        """The model's fill-in-the-middle marker ids (pre, suf, mid, sep); {} when it has none."""
+        return fim_tokens(self.runner)
 
     def render(self, request: Request) -> str:
         """The text a chat request's messages and tools become through the model's template."""

@@ -157,7 +157,7 @@ class Server:
 def create_app(config: ServerConfig, served: Served | None = None) -> FastAPI:
     """The server's ASGI app. `served` holds the models (started by the caller; made here if
     None, with nothing preloaded)."""
-    from localllm.server import anthropic_api, ollama_api, responses_api
+    from localllm.server import anthropic_api, ollama_api, responses_api, utility_api
 
     served = served or Served(config)
     server = Server(config, served)
@@ -264,6 +264,7 @@ def create_app(config: ServerConfig, served: Served | None = None) -> FastAPI:
     ollama_api.add_routes(app, server)
     anthropic_api.add_routes(app, server)
     responses_api.add_routes(app, server)
+    utility_api.add_routes(app, server)
     return _wrap(app, config, server)
 
 
@@ -301,7 +302,8 @@ def _encode(vector: list[float], fmt: str) -> Any:
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health",
            "/metrics", "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/version",
            "/api/ps", "/api/embed", "/api/embeddings", "/v1/messages", "/v1/messages/count_tokens",
-           "/v1/responses")  # fmt: skip
+           "/v1/responses", "/tokenize", "/detokenize", "/apply-template", "/infill", "/props",
+           "/v1/rerank")  # fmt: skip
 
 
 def _wrap(app: FastAPI, config: ServerConfig, server: Server) -> Any:

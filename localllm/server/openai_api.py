@@ -120,6 +120,8 @@ class Parsed:
     think: bool | str | None = None
     keep_alive: float | None = None  # Ollama's: seconds the model stays loaded after this request
     images: list[bytes] = field(default_factory=list)  # a raw prompt's (Ollama's generate)
+    fim: tuple[str, str] | None = None  # fill in the middle (/infill): prefix, suffix
+    fim_files: tuple[tuple[str, str], ...] = ()
 
     def request(self, model: Any) -> Request:
         sampling = model.sampling(**self.sampling)
@@ -130,7 +132,8 @@ class Parsed:
                            response_format=self.response_format, sampling=sampling,
                            speculative=self.speculative, think=self.think)  # fmt: skip
         return Request(prompt=self.prompt, response_format=self.response_format, sampling=sampling,
-                       speculative=self.speculative, think=self.think, images=tuple(self.images))  # fmt: skip
+                       speculative=self.speculative, think=self.think, images=tuple(self.images),
+                       fim=self.fim, fim_files=self.fim_files)  # fmt: skip
 
 
 def _common(b: Body) -> Parsed:
