@@ -346,6 +346,42 @@ _MISTRAL = "[TOOL_CALLS]"
 _PYTHON_TAG = "<|python_tag|>"
 
 
+TOOL_MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{")  # how a call's markup starts
+
+
+class ToolHold:
+    """Holds streamed text back while it may be the start of a tool call, so a reader sees either
+    the answer or the calls, never the raw markup of a call. Text that is clearly an answer flows."""
+
+    def __init__(self, active: bool) -> None:
+        self.active = active
+        self.held = ""
+        self.sent = ""
+
+    def feed(self, text: str) -> str:
+        if not self.active:
+            self.sent += text
+            return text
+        self.held += text
+        head = self.held.lstrip()
+        if not head:
+            return ""
+        if any(head.startswith(m) or m.startswith(head) for m in TOOL_MARKERS):
+            return ""  # may be a call: decide at the end
+        out, self.held, self.active = self.held, "", False
+        self.sent += out
+        return out
+
+    def rest(self, text: str, calls: bool) -> str:
+        """At the end, what is still to show of the answer `text` (the result's, calls parsed
+        out): with calls, the text beside them if it was held; else what was held back."""
+        if calls:
+            return text if self.held.strip() and text else ""
+        if not self.held:
+            return ""
+        return text[len(self.sent) :] if text.startswith(self.sent) else self.held
+
+
 def _call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 

@@ -665,6 +665,8 @@ def _generate(llm: Any, request: Any, *, stream_out: bool, thinking: bool = True
     import signal
     import threading
 
+    from localllm.chat import ToolHold
+
     stopped = threading.Event()
     stream: Any = None
 
@@ -680,14 +682,18 @@ def _generate(llm: Any, request: Any, *, stream_out: bool, thinking: bool = True
         if stopped.is_set():  # pressed while the request was being prepared
             stream.cancel()
         shown = _Thoughts(thinking and stream_out)
+        hold = ToolHold(bool(request.messages) and bool(request.tools) and request.tool_choice != "none")
         for chunk in stream:
             if stream_out and not stopped.is_set():
-                out = shown.feed(chunk.reasoning) + shown.end(chunk.text) + chunk.text
+                text = hold.feed(chunk.text)  # a tool call's markup is never printed
+                out = shown.feed(chunk.reasoning) + shown.end(text) + text
                 if out:
                     sys.stdout.write(out)
                     sys.stdout.flush()
         if stream_out and shown.open:
             sys.stdout.write(shown.end("."))
+        if stream_out and stream.result is not None and not stopped.is_set():
+            sys.stdout.write(hold.rest(stream.result.text, bool(stream.result.tool_calls)))
     finally:
         if handled:
             signal.signal(signal.SIGINT, previous)
@@ -801,6 +807,12 @@ def run(
         typer.Option("--local", help="Load the model in this process even while `localllm serve` "
                      "runs (by default a running server's copy answers when it suits the options)."),
     ] = False,
+    mcp: Annotated[
+        Path | None,
+        typer.Option("--mcp", help="An mcp.json (Claude Desktop / LM Studio format) whose servers' tools "
+                     "the REPL offers the model, asking before each call (default: mcp.json in "
+                     "LOCALLLM_HOME, when there is one)."),
+    ] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Chat with a model: the prompt is a user message rendered with the model's chat template.
@@ -826,6 +838,9 @@ def run(
         check_supported(Request(prompt="", response_format=response_format),
                         spec.capabilities, spec.name)  # fmt: skip
     interactive = prompt is None and sys.stdin.isatty()
+    if mcp is not None and not interactive:
+        raise LocalLLMError("--mcp needs the interactive REPL (each tool call is asked for): run without a "
+                            "prompt on a terminal")  # fmt: skip
     if prompt is None and not interactive:
         prompt = sys.stdin.read()
     from localllm.home import default_home
@@ -856,12 +871,30 @@ def run(
             if json_out:
                 _emit_json(result.to_dict() | {"model": chat.llm.name})
             return
+        chat.toolbox = _toolbox(mcp if mcp is not None else default_home() / "mcp.json", mcp is not None)
         where = f", served by {chat.llm.url}" if hasattr(chat.llm, "url") else ""
         print(f"{chat.llm.name} (context {chat.llm.n_ctx}{where}). /? for help, /bye or Ctrl-D to leave, "
               'Ctrl-C stops an answer, """ begins and ends a multi-line message.', file=sys.stderr)  # fmt: skip
         chat.loop(Lines.terminal(default_home() / "repl_history.jsonl"))
     finally:
+        if chat.toolbox is not None:
+            chat.toolbox.close()
         chat.llm.close()
+
+
+def _toolbox(path: Path, named: bool) -> Any:
+    """The MCP tools of `path` for the REPL (None when there is no such file and none was named);
+    a server that does not start is one line, the others' tools are offered."""
+    if not named and not path.is_file():
+        return None
+    from localllm.mcp_tools import Toolbox
+
+    box = Toolbox.from_file(path)
+    for line in box.errors:
+        print(f"note: {line}", file=sys.stderr)
+    names = [t["function"]["name"] for t in box.tools()]
+    print(f"MCP tools from {path.name}: {', '.join(names) or 'none'} (each call is asked for)", file=sys.stderr)
+    return box
 
 
 @app.command()

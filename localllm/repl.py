@@ -146,6 +146,9 @@ class Chat:
     images: list[bytes] = field(default_factory=list)  # `run --image`: for the next message
     # user and assistant turns; an answer's "meta" (its reasoning) is kept for /save, not sent
     history: list[dict[str, Any]] = field(default_factory=list)
+    toolbox: Any = None  # mcp_tools.Toolbox: MCP servers' tools, offered to the model
+    ask_tool: Callable[[Any], str] = field(default=lambda call: ask_permission(call))
+    permissions: Any = None  # mcp_tools.Permissions: the tools allowed always this session
 
     def say(self, text: str) -> None:
         print(text, flush=True)
@@ -181,14 +184,36 @@ class Chat:
         if self.raw:
             return Request(prompt=(self.system or "") + text, sampling=sampling, images=tuple(self.images),
                            response_format=self.response_format, think=self.think)  # fmt: skip
-        return Request(messages=self.messages(text), sampling=sampling,
+        tools = tuple(self.toolbox.tools()) if self.toolbox is not None else ()
+        return Request(messages=self.messages(text), sampling=sampling, tools=tools,
                        response_format=self.response_format, think=self.think)  # fmt: skip
 
     def ask(self, text: str) -> Any:
-        """Send a message and keep the exchange; an error is one line, Ctrl-C stops the answer."""
+        """Send a message and keep the exchange; an error is one line, Ctrl-C stops the answer.
+        With MCP tools, each call the model makes is asked for, run, and its result sent back,
+        up to `mcp_tools.MAX_ROUNDS` rounds; the calls and results stay in the conversation."""
+        from dataclasses import replace
+
+        from localllm.mcp_tools import MAX_ROUNDS, Permissions, run_calls
+
+        turn: list[dict[str, Any]] = []
         try:
             request = self.request(text)
             result = self.generate(self.llm, request)
+            rounds = 0
+            while result.tool_calls and self.toolbox is not None and not self.raw:
+                if rounds == MAX_ROUNDS:
+                    self.say(f"(stopped after {MAX_ROUNDS} rounds of tool calls)")
+                    break
+                rounds += 1
+                self.permissions = self.permissions or Permissions()
+                calls = {"role": "assistant", "content": result.text,
+                         "tool_calls": [c.to_openai() for c in result.tool_calls]}  # fmt: skip
+                results = run_calls(self.toolbox, result.tool_calls, self.ask_tool, self.permissions,
+                                    shown=lambda call, out: self.say(f"[{call.name}] {out[:500]}"))  # fmt: skip
+                turn += [calls, *results]
+                request = replace(request, messages=(*(request.messages or ()), calls, *results))
+                result = self.generate(self.llm, request)
         except KeyboardInterrupt:
             return None  # the answer was stopped and its line ended
         except LocalLLMError as e:
@@ -197,7 +222,7 @@ class Chat:
         if not self.raw:
             thought = {"meta": {"reasoning": result.reasoning,
                                 "reasoning_tokens": result.usage.reasoning_tokens}} if result.reasoning else {}  # fmt: skip
-            self.history += [self.user(text), {"role": "assistant", "content": result.text} | thought]
+            self.history += [self.user(text), *turn, {"role": "assistant", "content": result.text} | thought]
         self.images = []  # they went with this message
         return result
 
@@ -358,6 +383,23 @@ class Chat:
                     return
             except KeyboardInterrupt:
                 print(file=sys.stderr)
+
+
+def ask_permission(call: Any, read: Callable[[str], str] = input) -> str:
+    """Ask on the terminal whether a tool call may run: "once", "always" (this tool, this
+    session) or "deny" (also at end of input)."""
+    print(f"The model calls {call.name} {call.arguments}", file=sys.stderr, flush=True)
+    while True:
+        try:
+            answer = read("Allow? [y]es once, [a]lways for this tool, [n]o: ").strip().lower()
+        except EOFError:
+            return "deny"
+        if answer in ("y", "yes", ""):
+            return "once"
+        if answer in ("a", "always"):
+            return "always"
+        if answer in ("n", "no"):
+            return "deny"
 
 
 def _unquote(text: str) -> str:

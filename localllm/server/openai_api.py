@@ -21,11 +21,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from localllm.chat import ToolHold
 from localllm.errors import LocalLLMError
 from localllm.types import Chunk, Request, Result, TokenLogprob
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-TOOL_MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{")
 
 
 class BadRequest(LocalLLMError):
@@ -439,30 +439,6 @@ def sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {body}\n\n".encode()
 
 
-class ToolHold:
-    """Holds streamed text back while it may be the start of a tool call, so a client sees either
-    content or `tool_calls`, never the raw markup of a call. Text that is clearly an answer streams."""
-
-    def __init__(self, active: bool) -> None:
-        self.active = active
-        self.held = ""
-        self.sent = ""
-
-    def feed(self, text: str) -> str:
-        if not self.active:
-            self.sent += text
-            return text
-        self.held += text
-        head = self.held.lstrip()
-        if not head:
-            return ""
-        if any(head.startswith(m) or m.startswith(head) for m in TOOL_MARKERS):
-            return ""  # may be a call: decide at the end
-        out, self.held, self.active = self.held, "", False
-        self.sent += out
-        return out
-
-
 class _Stream:
     """The SSE events of one streamed response: `object` names its chunks; with `include_usage`,
     every chunk says `usage: null` and one last event carries the usage (OpenAI's shape)."""
@@ -511,16 +487,11 @@ class ChatStream(_Stream):
         return out + self._chunk({"content": text}, logprobs=lp)
 
     def last(self, result: Result) -> bytes:
-        out = b""
+        rest = self.hold.rest(result.text, bool(result.tool_calls))
+        out = self._chunk({"content": rest}) if rest else b""
         if result.tool_calls:
             calls = [dict(t.to_openai(), index=i) for i, t in enumerate(result.tool_calls)]
-            if self.hold.held.strip() and result.text:
-                out += self._chunk({"content": result.text})
             out += self._chunk({"tool_calls": calls})
-        elif self.hold.held:
-            rest = result.text[len(self.hold.sent):] if result.text.startswith(self.hold.sent) else self.hold.held
-            if rest:
-                out += self._chunk({"content": rest})
         return out + self._chunk({}, finish_reason(result)) + self._usage(result)
 
 

@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from localllm.chat import ToolHold
 from localllm.server.http import LiveResponse, read_json, scrub
 from localllm.server.openai_api import (
     BadRequest,
     Body,
     Parsed,
-    ToolHold,
     _common,
     image_bytes,
     new_id,
@@ -365,11 +365,7 @@ class ResponseStream:
 
     def last(self, result: Result) -> bytes:
         out = b""
-        rest = ""
-        if not result.tool_calls and self.hold.held:
-            rest = result.text[len(self.hold.sent):] if result.text.startswith(self.hold.sent) else self.hold.held
-        elif result.tool_calls and self.hold.held.strip() and result.text:
-            rest = result.text
+        rest = self.hold.rest(result.text, bool(result.tool_calls))
         if rest or (not result.tool_calls and not self.text):
             out += self._text(rest)
         out += self._close()
