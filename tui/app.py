@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,10 @@ class LocalLLMApp(App):
         self._conversations: Any = None
         self.server: Any = None  # the in-app server (localllm.server.runner.BackgroundServer)
         self._said: set[str] = set()  # notes already shown this session (template, ignored keys)
+        self._toolbox: Any = None  # MCP tools (mcp_tools.Toolbox), started on the first answer
+        self._tools_tried = False
+        self._tools_lock = threading.Lock()
+        self.tool_permissions: Any = None  # mcp_tools.Permissions: tools allowed always this session
         self.theme = self.settings.get("theme", "textual-dark")
 
     def _server_first(self) -> tuple[Loader, Any]:
@@ -182,7 +187,31 @@ class LocalLLMApp(App):
         else:
             self.switch_screen(ModelsScreen())
 
+    def tools(self) -> Any:
+        """(Worker thread.) The tools of the MCP servers in `mcp.json` beside the store (the
+        settings' `mcp_config` names another file), started once: None without such a file. A
+        server that does not start is one note; the others' tools are offered."""
+        with self._tools_lock:
+            if not self._tools_tried:
+                self._tools_tried = True
+                path = Path(self.settings.get("mcp_config") or self.store.home / "mcp.json")
+                if path.is_file():
+                    from localllm.mcp_tools import Permissions, Toolbox
+
+                    try:
+                        self._toolbox = Toolbox.from_file(path)
+                    except LocalLLMError as e:
+                        self.call_from_thread(self.fail, str(e))
+                        return None
+                    self.tool_permissions = Permissions()
+                    for line in self._toolbox.errors:
+                        self.call_from_thread(self.say_once, f"mcp:{line}", line)
+            return self._toolbox
+
     def on_unmount(self) -> None:
+        if self._toolbox is not None:
+            with contextlib.suppress(Exception):
+                self._toolbox.close()
         if self.server is not None:
             with contextlib.suppress(Exception):
                 self.server.stop()

@@ -179,7 +179,13 @@ class ChatScreen(Screen):
         """The current branch as chat messages (the system prompt first)."""
         msgs: list[dict[str, Any]] = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         if self.conv_id is not None:
-            msgs += [m.chat() for m in self.db.branch(self.conv_id) if m.status != "error"]
+            for m in self.db.branch(self.conv_id):
+                if m.status == "error":
+                    continue
+                for r in m.meta.get("tool_rounds") or ():  # the calls an answer made, and their results
+                    msgs.append({"role": "assistant", "content": r["content"], "tool_calls": r["calls"]})
+                    msgs += [{"role": "tool", **x} for x in r["results"]]
+                msgs.append(m.chat())
         return msgs
 
     def compose(self) -> ComposeResult:
@@ -394,7 +400,7 @@ class ChatScreen(Screen):
 
     # -- the worker ----------------------------------------------------------------------------
 
-    def _request(self, llm: Any, messages: list[dict[str, str]]) -> Any:
+    def _request(self, llm: Any, messages: list[dict[str, str]], tools: Any = None) -> Any:
         from localllm.types import Request, SamplingParams
 
         # over the model's own defaults (its GGUF, else the catalog) when it has them
@@ -403,7 +409,27 @@ class ChatScreen(Screen):
         sampling = sampling_for(**given) if callable(sampling_for) else \
             SamplingParams.from_kwargs(**given)  # fmt: skip
         return Request(messages=tuple(messages), sampling=sampling, context=self.options.context,
-                       think=self.think)  # fmt: skip
+                       think=self.think, tools=tuple(tools.tools()) if tools is not None else ())  # fmt: skip
+
+    def _ask_tool(self, call: Any) -> str:
+        """(Worker thread.) The user's answer to one tool call: the dialog waits; a chat closed or
+        stopped meanwhile denies it."""
+        from localllm.tui.dialogs import ToolPermission
+
+        answer: list[str] = []
+        done = threading.Event()
+        box = self.app.tools()
+        server = box.server_of(call.name) if box is not None else None
+
+        def show() -> None:
+            self.app.push_screen(ToolPermission(call.name, call.arguments, server),
+                                 lambda value: (answer.append(value or "deny"), done.set()))  # fmt: skip
+
+        self.app.call_from_thread(show)
+        while not done.wait(0.1):
+            if self._gone or self._stop:
+                return "deny"
+        return answer[0]
 
     def _model(self) -> Any:
         """(Worker thread.) The model for this conversation's options, from the app's pool."""
@@ -442,36 +468,65 @@ class ChatScreen(Screen):
         call = self.app.call_from_thread
         text, status, meta = "", "error", {}
         thinking: dict[str, Any] = {}  # a thinking model's reasoning, saved apart from the answer
+        rounds: list[dict[str, Any]] = []  # tool calls this answer made and their results
         try:
+            from dataclasses import replace
+
+            from localllm.chat import ToolHold
+            from localllm.mcp_tools import MAX_ROUNDS, run_calls
+
             llm = self._model()
-            request = self._request(llm, messages)
-            self.stream = llm.submit(request)
-            if self._stop:
-                self.stream.cancel()
-            pending: list[str] = []
-            pending_thought: list[str] = []
-            last_ui = last_save = time.monotonic()
-            t_think = 0.0
-            for chunk in self.stream:
-                if chunk.reasoning:
-                    t_think = t_think or time.monotonic()
-                    pending_thought.append(chunk.reasoning)
-                    thinking["reasoning"] = thinking.get("reasoning", "") + chunk.reasoning
-                    thinking["thinking_s"] = time.monotonic() - t_think
-                if not chunk.text and not chunk.reasoning:
-                    continue
-                pending.append(chunk.text)
-                text += chunk.text
-                now = time.monotonic()
-                if now - last_ui >= self.ui_interval:  # batches, not one hand-over per token
+            tools = self.app.tools()
+            request = self._request(llm, messages, tools)
+            while True:
+                self.stream = llm.submit(request)
+                if self._stop:
+                    self.stream.cancel()
+                hold = ToolHold(tools is not None)  # a call's markup is never shown
+                pending: list[str] = []
+                pending_thought: list[str] = []
+                last_ui = last_save = time.monotonic()
+                t_think = 0.0
+                for chunk in self.stream:
+                    if chunk.reasoning:
+                        t_think = t_think or time.monotonic()
+                        pending_thought.append(chunk.reasoning)
+                        thinking["reasoning"] = thinking.get("reasoning", "") + chunk.reasoning
+                        thinking["thinking_s"] = time.monotonic() - t_think
+                    shown = hold.feed(chunk.text)
+                    if not shown and not chunk.reasoning:
+                        continue
+                    pending.append(shown)
+                    text += shown
+                    now = time.monotonic()
+                    if now - last_ui >= self.ui_interval:  # batches, not one hand-over per token
+                        call(self._append, "".join(pending), "".join(pending_thought))
+                        pending, pending_thought, last_ui = [], [], now
+                    if now - last_save >= SAVE_EVERY_S:
+                        self.db.update_message(msg_id, content=text, meta=thinking or None)
+                        last_save = now
+                result = self.stream.result
+                rest = hold.rest(result.text, bool(result.tool_calls))
+                pending.append(rest)
+                text += rest
+                if any(pending) or pending_thought:
                     call(self._append, "".join(pending), "".join(pending_thought))
-                    pending, pending_thought, last_ui = [], [], now
-                if now - last_save >= SAVE_EVERY_S:
-                    self.db.update_message(msg_id, content=text, meta=thinking or None)
-                    last_save = now
-            if pending or pending_thought:
-                call(self._append, "".join(pending), "".join(pending_thought))
-            result = self.stream.result
+                if not (result.tool_calls and tools is not None) or self._stop or self._gone:
+                    break
+                if len(rounds) == MAX_ROUNDS:
+                    call(self._append, f"\n\n*(stopped after {MAX_ROUNDS} rounds of tool calls)*\n")
+                    break
+                asked = {"role": "assistant", "content": result.text,
+                         "tool_calls": [c.to_openai() for c in result.tool_calls]}  # fmt: skip
+
+                def said(c: Any, out: str) -> None:
+                    call(self._append, f"\n\n`{c.name}` → {out[:300]}\n\n")
+
+                results = run_calls(tools, result.tool_calls, self._ask_tool, self.app.tool_permissions, said)
+                rounds.append({"content": result.text, "calls": asked["tool_calls"],
+                               "results": [{k: r[k] for k in ("tool_call_id", "name", "content")} for r in results]})  # fmt: skip
+                text = ""  # the answer is what follows the last round (the rounds are in meta)
+                request = replace(request, messages=(*request.messages, asked, *results))
             status = "cancelled" if result.finish_reason == "cancelled" else "complete"
             if thinking:
                 thinking["reasoning_tokens"] = result.usage.reasoning_tokens
@@ -480,7 +535,7 @@ class ChatScreen(Screen):
                 "completion_tokens": result.usage.completion_tokens},
                 "ttft_s": result.timings.ttft_s,
                 "tokens_per_s": result.timings.tokens_per_s(result.usage.completion_tokens),
-                **thinking}  # fmt: skip
+                **thinking, **({"tool_rounds": rounds} if rounds else {})}  # fmt: skip
             self.db.update_message(msg_id, content=text, status=status, meta=meta)
             if thinking and not self._gone:
                 call(self._thought, _summary(meta))
