@@ -98,7 +98,7 @@ def add_routes(app: FastAPI, server: Server) -> None:
                 return ids
             out = []
             for t in ids:
-                raw = model.backend.token_bytes(t) if hasattr(model, "backend") else b""
+                raw = model.backend.token_bytes(t)
                 try:
                     piece: Any = raw.decode("utf-8")
                 except UnicodeDecodeError:
