@@ -61,7 +61,14 @@ def crash() -> str:
     os._exit(3)
 
 
-app.run()
+if len(sys.argv) > 2 and sys.argv[1] == "--http":  # streamable HTTP on a port
+    try:
+        app.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
+    except TypeError:  # mcp 1: host and port are settings
+        app.settings.host, app.settings.port = "127.0.0.1", int(sys.argv[2])
+        app.run("streamable-http")
+else:
+    app.run()
 '''
 
 
@@ -191,3 +198,33 @@ def test_run_offers_tools_only_where_it_can_ask(config: Path, default_model_path
     r = run_process(["run", "smollm2", "hi", "--mcp", str(config), "--max-tokens", "2"])
     assert r.returncode == 1 and r.stderr.strip() == (
         "error: --mcp needs the interactive REPL (each tool call is asked for): run without a prompt on a terminal")
+
+
+def test_a_streamable_http_server(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+
+    (tmp_path / "server.py").write_text(SERVER)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "server.py"), "--http", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        end = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < end and proc.poll() is None, "the HTTP MCP server did not start"
+                time.sleep(0.1)
+        config = tmp_path / "mcp.json"
+        config.write_text(json.dumps({"mcpServers": {"web": {"url": f"http://127.0.0.1:{port}/mcp",
+                                                             "headers": {"X-Client": "localllm-test"}}}}))  # fmt: skip
+        with Toolbox.from_file(config, timeout_s=5) as box:
+            assert box.errors == [] and "add" in [t["function"]["name"] for t in box.tools()]
+            assert box.call("add", {"a": 20, "b": 22}) == "42"
+    finally:
+        proc.kill()
+        proc.wait()
