@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 
 from localllm.chat import ToolHold
 from localllm.server.http import LiveResponse, read_json, scrub
-from localllm.server.openai_api import BadRequest, Body, Parsed, image_bytes, new_id
+from localllm.server.openai_api import BadRequest, Body, Parsed, image_bytes, new_id, part_text
 from localllm.types import Chunk, Result
 
 if TYPE_CHECKING:
@@ -75,12 +75,7 @@ def _blocks(m: Body, i: int, role: str) -> list[dict[str, Any]]:
         b, at = Body(raw, f"{where}[{j}]"), f"{where}[{j}]"
         kind = b.get("type")
         if kind == "text":
-            text = b.text("text")
-            if text is None:
-                raise BadRequest(f"{at}: a text block needs its text", at)
-            if MEDIA_MARKER in text:
-                raise BadRequest(f"{at}: the text may not contain {MEDIA_MARKER} (it places images)", at)
-            texts.append(text)
+            texts.append(part_text(b.data, "text", at))
         elif kind == "image" and role == "user":
             src = b.obj("source")
             if src is None or src.get("type") != "base64":

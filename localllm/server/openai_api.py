@@ -209,6 +209,18 @@ def image_bytes(data: Any, where: str) -> bytes:
         raise BadRequest(f"{where} is not valid base64", where) from None
 
 
+def part_text(part: Any, key: str, where: str) -> str:
+    """A content part's text (`part[key]`), which may not hold the marker that places images."""
+    from localllm.backends.base import MEDIA_MARKER
+
+    text = part.get(key) if isinstance(part, dict) else None
+    if not isinstance(text, str):
+        raise BadRequest(f"{where}: a text part needs its text", where)
+    if MEDIA_MARKER in text:
+        raise BadRequest(f"{where}: the text may not contain {MEDIA_MARKER} (it places images)", where)
+    return text
+
+
 def _content(m: Body, i: int) -> tuple[str | None, list[bytes]]:
     """A message's text, with MEDIA_MARKER where each of its image parts was, and the images."""
     from localllm.backends.base import MEDIA_MARKER
@@ -229,11 +241,7 @@ def _content(m: Body, i: int) -> tuple[str | None, list[bytes]]:
                 continue
             if kind not in ("text", "input_text"):
                 raise BadRequest(f"{where}: {kind!r} parts are not supported (text and image_url are)", where)
-            if not isinstance(part.get("text"), str):
-                raise BadRequest(f"{where}: a text part needs its text", where)
-            if MEDIA_MARKER in part["text"]:
-                raise BadRequest(f"{where}: the text may not contain {MEDIA_MARKER} (it places images)", where)
-            parts.append(part["text"])
+            parts.append(part_text(part, "text", where))
         return "".join(parts), images
     raise BadRequest(f"{where} must be a string or a list of parts", where)
 

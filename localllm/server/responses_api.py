@@ -39,6 +39,7 @@ from localllm.server.openai_api import (
     _common,
     image_bytes,
     new_id,
+    part_text,
 )
 from localllm.types import Chunk, Result
 
@@ -95,12 +96,7 @@ def _parts(content: Any, where: str, role: str) -> tuple[str, list[bytes]]:
         part, at = Body(raw, f"{where}[{j}]"), f"{where}[{j}]"
         kind = part.get("type")
         if kind in ("input_text", "output_text", "text", "refusal"):
-            text = part.text("refusal" if kind == "refusal" else "text")
-            if text is None:
-                raise BadRequest(f"{at}: a {kind} part needs its text", at)
-            if MEDIA_MARKER in text:
-                raise BadRequest(f"{at}: the text may not contain {MEDIA_MARKER} (it places images)", at)
-            texts.append(text)
+            texts.append(part_text(part.data, "refusal" if kind == "refusal" else "text", at))
         elif kind == "input_image" and role == "user":
             images.append(image_bytes(part.get("image_url"), f"{at}.image_url"))
             texts.append(MEDIA_MARKER)
