@@ -239,6 +239,9 @@ class ChatScreen(Screen):
             note = []
             if len(siblings) > 1:
                 note.append(f"branch {[s.id for s in siblings].index(m.id) + 1}/{len(siblings)}")
+            used = [c["function"]["name"] for r in m.meta.get("tool_rounds") or () for c in r["calls"]]
+            if used:  # the answer's tool calls (their results are sent with the conversation)
+                note.append(f"tools: {', '.join(dict.fromkeys(used))}")
             if m.status in ("partial", "cancelled", "error"):
                 note.append({"partial": "(interrupted)", "cancelled": "(stopped)",
                              "error": "(error)"}[m.status])  # fmt: skip

@@ -24,7 +24,7 @@ from localllm.engine import Model  # noqa: E402
 from localllm.mcp_tools import MAX_ROUNDS  # noqa: E402
 from localllm.models_registry.store import Store  # noqa: E402
 from localllm.tui.app import LocalLLMApp  # noqa: E402
-from localllm.tui.chat_screen import ChatScreen, PromptArea  # noqa: E402
+from localllm.tui.chat_screen import ChatScreen, MessageView, PromptArea  # noqa: E402
 from localllm.tui.dialogs import ToolPermission  # noqa: E402
 
 
@@ -93,6 +93,10 @@ def test_tool_calls_are_asked_for_run_fed_back_and_bounded(tmp_path: Path, tiny_
             await send(pilot, screen, "say:still here")
             await wait_for(pilot, lambda: not screen.generating)
             assert screen.history[-1] == {"role": "assistant", "content": "still here"}
+            await screen._render_branch()  # reopened: an answer that used tools says which
+            await pilot.pause()
+            notes = [v.note for v in screen.query(MessageView)]
+            assert "tools: lookup" in notes and "tools: crash" in notes
         for m in models:
             m.close()
 
