@@ -135,8 +135,23 @@ def corpus_dir() -> Path:
     return path
 
 
+SLOW_CASES = Path(__file__).with_name("slow_cases.txt")
+
+
+def _slow_cases() -> set[str]:
+    """Node ids (below tests/) that `slow_cases.txt` marks slow: the costliest cases of
+    capabilities whose cheaper cases stay in the default suite."""
+    lines = SLOW_CASES.read_text(encoding="utf-8").splitlines() if SLOW_CASES.is_file() else []
+    return {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`slow` tests (exhaustive runs) are deselected unless `-m` names them (`-m slow`)."""
+    """`slow` tests (exhaustive runs: marked in the test, or listed in slow_cases.txt) are
+    deselected unless `-m` names them (`-m slow`)."""
+    listed = _slow_cases()
+    for item in items:
+        if item.nodeid.removeprefix("tests/") in listed:
+            item.add_marker(pytest.mark.slow)
     if "slow" in (config.getoption("markexpr") or ""):
         return
     slow = [item for item in items if item.get_closest_marker("slow") is not None]
