@@ -201,7 +201,7 @@ class Chat:
             request = self.request(text)
             result = self.generate(self.llm, request)
             rounds = 0
-            while result.tool_calls and self.toolbox is not None and not self.raw:
+            while self.toolbox is not None and not self.raw and result.tool_calls:
                 if rounds == MAX_ROUNDS:
                     self.say(f"(stopped after {MAX_ROUNDS} rounds of tool calls)")
                     break
