@@ -29,7 +29,15 @@ from fastapi.responses import JSONResponse, Response
 
 from localllm.chat import ToolHold
 from localllm.server.http import LiveResponse, read_json, scrub
-from localllm.server.openai_api import BadRequest, Body, Parsed, image_bytes, new_id, part_text
+from localllm.server.openai_api import (
+    BadRequest,
+    Body,
+    Parsed,
+    check_choice,
+    image_bytes,
+    new_id,
+    part_text,
+)
 from localllm.types import Chunk, Result
 
 if TYPE_CHECKING:
@@ -162,14 +170,10 @@ def _tools(b: Body) -> tuple[list[dict[str, Any]], Any, bool]:
         elif kind == "any":
             choice = "required"
         elif kind == "tool":
-            name = tc.text("name")
-            if name not in [t["function"]["name"] for t in tools]:
-                raise BadRequest(f"tool_choice names {name!r}, which is not among the tools", "tool_choice.name")
-            choice = {"type": "function", "function": {"name": name}}
+            choice = {"type": "function", "function": {"name": tc.text("name")}}
         else:
             raise BadRequest("tool_choice.type must be auto, any, tool or none", "tool_choice.type")
-        if choice not in ("auto", "none") and not tools:
-            raise BadRequest("tool_choice asks for a tool call but tools is empty", "tool_choice")
+        check_choice(choice, [t["function"]["name"] for t in tools], "tool_choice.name")
     return tools, choice, parallel
 
 
@@ -329,7 +333,7 @@ def add_routes(app: FastAPI, server: Server) -> None:
     async def messages(request: Request) -> Response:
         parsed = parse_messages(await read_json(request))
         started = await server.start(parsed)
-        rid = "msg_" + new_id("m").removeprefix("m-")
+        rid = new_id("msg", "_")
         if not parsed.stream:
             result = await server.to_end(started, request, ROUTE)
             if isinstance(result, Response):

@@ -304,15 +304,22 @@ def _tools(b: Body) -> tuple[list[dict[str, Any]], Any]:
             if choice.get("type") != "function" or not isinstance(name, str):
                 raise BadRequest("tool_choice must be {'type': 'function', 'function': {'name': ...}}",
                                  "tool_choice")  # fmt: skip
-            if name not in names:
-                raise BadRequest(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
         else:
             raise BadRequest("tool_choice must be a string or an object", "tool_choice")
-        if (choice in ("required",) or isinstance(choice, dict)) and not tools:
-            raise BadRequest("tool_choice asks for a tool call but tools is empty", "tool_choice")
+        check_choice(choice, names)
     if b.get("functions"):
         raise BadRequest("functions is the deprecated form: send tools", "functions")
     return tools, choice
+
+
+def check_choice(choice: Any, names: list[str], param: str = "tool_choice") -> Any:
+    """A tool choice in our form (auto, none, required, or {"function": {"name": ...}}) against
+    the names of the tools it may force; returns it."""
+    if isinstance(choice, dict) and choice["function"]["name"] not in names:
+        raise BadRequest(f"tool_choice names {choice['function']['name']!r}, which is not among the tools", param)
+    if (choice == "required" or isinstance(choice, dict)) and not names:
+        raise BadRequest("tool_choice asks for a tool call but tools is empty", "tool_choice")
+    return choice
 
 
 def parse_chat(data: Any) -> Parsed:
@@ -384,8 +391,8 @@ def parse_completion(data: Any) -> Parsed:
 # -- responses -----------------------------------------------------------------------------------
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+def new_id(prefix: str, sep: str = "-") -> str:
+    return f"{prefix}{sep}{uuid.uuid4().hex[:24]}"
 
 
 def usage(result: Result) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from localllm.server.openai_api import (
     Body,
     Parsed,
     _common,
+    check_choice,
     image_bytes,
     new_id,
     part_text,
@@ -171,14 +172,10 @@ def _tools(b: Body) -> tuple[list[dict[str, Any]], Any]:
         name = choice.get("name")
         if choice.get("type") != "function" or not isinstance(name, str):
             raise BadRequest("tool_choice must be auto, none, required or {type: function, name}", "tool_choice")
-        if name not in [t["function"]["name"] for t in tools]:
-            raise BadRequest(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
         choice = {"type": "function", "function": {"name": name}}
     elif choice not in (None, "auto", "none", "required"):
         raise BadRequest("tool_choice must be auto, none, required or {type: function, name}", "tool_choice")
-    if (choice == "required" or isinstance(choice, dict)) and not tools:
-        raise BadRequest("tool_choice asks for a tool call but tools is empty", "tool_choice")
-    return tools, choice
+    return tools, check_choice(choice, [t["function"]["name"] for t in tools])
 
 
 def _format(b: Body) -> dict[str, Any] | None:
@@ -239,8 +236,8 @@ class Items:
     """The output items of one response, with the ids the stream and the final object share."""
 
     def __init__(self) -> None:
-        self.reasoning_id = "rs_" + new_id("r")[2:]
-        self.message_id = "msg_" + new_id("m")[2:]
+        self.reasoning_id = new_id("rs", "_")
+        self.message_id = new_id("msg", "_")
 
     def of(self, result: Result) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -390,7 +387,7 @@ def add_routes(app: FastAPI, server: Server) -> None:
     async def create(request: Request) -> Response:
         parsed, conversation, echo = parse_response_request(await read_json(request), memory)
         started = await server.start(parsed)
-        rid, created = "resp_" + new_id("r")[2:], time.time()
+        rid, created = new_id("resp", "_"), time.time()
         keep = echo.pop("store")
 
         def remember(result: Result, body: dict[str, Any]) -> None:
