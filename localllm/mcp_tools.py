@@ -13,7 +13,7 @@ plain code and the app's own loop call tools alike. A server that fails to start
 the others go on; a call that fails, or takes longer than `timeout_s`, is one line the model reads
 as the tool's result — the chat goes on.
 
-`run_calls` is the permission step both front doors share: each call is shown with its arguments and
+`run_round` is the permission step both front doors share: each call is shown with its arguments and
 `ask(call)` answers "once", "always" (this tool, for the session) or "deny" (the model is told so).
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 
 from localllm.errors import LocalLLMError
 
-__all__ = ["MAX_ROUNDS", "Permissions", "ServerSpec", "Toolbox", "read_config", "run_calls"]
+__all__ = ["MAX_ROUNDS", "Permissions", "ServerSpec", "Toolbox", "read_config", "run_round"]
 
 MAX_ROUNDS = 8  # model turns with tool calls in one answer, at most
 TIMEOUT_S = 30.0
@@ -254,13 +254,13 @@ class Permissions:
         self.always: set[str] = set()
 
 
-def run_calls(toolbox: Toolbox, calls: Any, ask: Callable[[Any], str], permissions: Permissions,
+def run_round(toolbox: Toolbox, result: Any, ask: Callable[[Any], str], permissions: Permissions,
               shown: Callable[[Any, str], None] | None = None) -> list[dict[str, Any]]:  # fmt: skip
-    """Each call asked for (unless its tool is allowed always), run or refused; the `tool`
-    messages that carry the results back. `ask(call)` → "once", "always" or "deny"; `shown(call,
-    result)` sees each result."""
-    out = []
-    for call in calls:
+    """One round of a result's tool calls: the assistant message that made them, then a `tool`
+    message for each — run, or refused — to send back. Each call is asked for unless its tool is
+    allowed always: `ask(call)` → "once", "always" or "deny"; `shown(call, text)` sees each result."""
+    out = [{"role": "assistant", "content": result.text, "tool_calls": [c.to_openai() for c in result.tool_calls]}]
+    for call in result.tool_calls:
         if call.name in permissions.always:
             answer = "once"
         else:

@@ -194,7 +194,7 @@ class Chat:
         up to `mcp_tools.MAX_ROUNDS` rounds; the calls and results stay in the conversation."""
         from dataclasses import replace
 
-        from localllm.mcp_tools import MAX_ROUNDS, Permissions, run_calls
+        from localllm.mcp_tools import MAX_ROUNDS, Permissions, run_round
 
         turn: list[dict[str, Any]] = []
         try:
@@ -207,12 +207,10 @@ class Chat:
                     break
                 rounds += 1
                 self.permissions = self.permissions or Permissions()
-                calls = {"role": "assistant", "content": result.text,
-                         "tool_calls": [c.to_openai() for c in result.tool_calls]}  # fmt: skip
-                results = run_calls(self.toolbox, result.tool_calls, self.ask_tool, self.permissions,
-                                    shown=lambda call, out: self.say(f"[{call.name}] {out[:500]}"))  # fmt: skip
-                turn += [calls, *results]
-                request = replace(request, messages=(*(request.messages or ()), calls, *results))
+                sent = run_round(self.toolbox, result, self.ask_tool, self.permissions,
+                                 shown=lambda call, out: self.say(f"[{call.name}] {out[:500]}"))  # fmt: skip
+                turn += sent
+                request = replace(request, messages=(*(request.messages or ()), *sent))
                 result = self.generate(self.llm, request)
         except KeyboardInterrupt:
             return None  # the answer was stopped and its line ended

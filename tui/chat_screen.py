@@ -182,9 +182,8 @@ class ChatScreen(Screen):
             for m in self.db.branch(self.conv_id):
                 if m.status == "error":
                     continue
-                for r in m.meta.get("tool_rounds") or ():  # the calls an answer made, and their results
-                    msgs.append({"role": "assistant", "content": r["content"], "tool_calls": r["calls"]})
-                    msgs += [{"role": "tool", **x} for x in r["results"]]
+                for sent in m.meta.get("tool_rounds") or ():  # the calls an answer made, and their results
+                    msgs += sent
                 msgs.append(m.chat())
         return msgs
 
@@ -239,7 +238,7 @@ class ChatScreen(Screen):
             note = []
             if len(siblings) > 1:
                 note.append(f"branch {[s.id for s in siblings].index(m.id) + 1}/{len(siblings)}")
-            used = [c["function"]["name"] for r in m.meta.get("tool_rounds") or () for c in r["calls"]]
+            used = [c["function"]["name"] for sent in m.meta.get("tool_rounds") or () for c in sent[0]["tool_calls"]]
             if used:  # the answer's tool calls (their results are sent with the conversation)
                 note.append(f"tools: {', '.join(dict.fromkeys(used))}")
             if m.status in ("partial", "cancelled", "error"):
@@ -471,12 +470,12 @@ class ChatScreen(Screen):
         call = self.app.call_from_thread
         text, status, meta = "", "error", {}
         thinking: dict[str, Any] = {}  # a thinking model's reasoning, saved apart from the answer
-        rounds: list[dict[str, Any]] = []  # tool calls this answer made and their results
+        rounds: list[list[dict[str, Any]]] = []  # each round: the calls message and their results
         try:
             from dataclasses import replace
 
             from localllm.chat import ToolHold
-            from localllm.mcp_tools import MAX_ROUNDS, run_calls
+            from localllm.mcp_tools import MAX_ROUNDS, run_round
 
             llm = self._model()
             tools = self.app.tools()
@@ -519,17 +518,13 @@ class ChatScreen(Screen):
                 if len(rounds) == MAX_ROUNDS:
                     call(self._append, f"\n\n*(stopped after {MAX_ROUNDS} rounds of tool calls)*\n")
                     break
-                asked = {"role": "assistant", "content": result.text,
-                         "tool_calls": [c.to_openai() for c in result.tool_calls]}  # fmt: skip
 
                 def said(c: Any, out: str) -> None:
                     call(self._append, f"\n\n`{c.name}` → {out[:300]}\n\n")
 
-                results = run_calls(tools, result.tool_calls, self._ask_tool, self.app.tool_permissions, said)
-                rounds.append({"content": result.text, "calls": asked["tool_calls"],
-                               "results": [{k: r[k] for k in ("tool_call_id", "name", "content")} for r in results]})  # fmt: skip
+                rounds.append(run_round(tools, result, self._ask_tool, self.app.tool_permissions, said))
                 text = ""  # the answer is what follows the last round (the rounds are in meta)
-                request = replace(request, messages=(*request.messages, asked, *results))
+                request = replace(request, messages=(*request.messages, *rounds[-1]))
             status = "cancelled" if result.finish_reason == "cancelled" else "complete"
             if thinking:
                 thinking["reasoning_tokens"] = result.usage.reasoning_tokens
