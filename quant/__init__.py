@@ -58,7 +58,11 @@ def quantize(values: np.ndarray, type_name: str, imatrix: np.ndarray | None = No
             raise ValueError(f"the importance matrix has {imatrix.size} columns, the rows {n}")
         out = _weighted(x.reshape(-1, n), type_name, imatrix)
     else:
-        out = _in_pieces(x.reshape(-1, n), type_name)
+        from localllm.quant import native
+
+        out = native.quantize_rows(x.reshape(-1, n), type_name, WORKERS)
+        if out is None:  # no compiled quantizer for this type here: the numpy port, same bytes
+            out = _in_pieces(x.reshape(-1, n), type_name)
     return np.ascontiguousarray(out).reshape(*shape, width)
 
 

@@ -73,7 +73,7 @@ def _values(f: GGUFFile, name: str) -> np.ndarray:
     n0 = t.shape[0] if t.shape else 1
     kind = t.ggml_type.name
     if kind == "F32":
-        x = raw.view("<f4").astype(np.float32)
+        x = raw.view("<f4").astype(np.float32, copy=False)  # the map itself (read-only): no copy
     elif kind == "F16":
         x = raw.view("<f2").astype(np.float32)
     else:
@@ -358,16 +358,21 @@ def _tensors_out(f: GGUFFile, plan: dict[str, tuple[tuple[int, ...], str]],
                  cancel: Callable[[], bool] | None, imatrix: Mapping[str, np.ndarray],
                  hessians: Mapping[str, np.ndarray] | None = None,
                  replaced: Mapping[str, np.ndarray] | None = None) -> Iterator[tuple[str, bytes | memoryview]]:  # fmt: skip
-    """Each planned tensor's output bytes, in plan order: in this process for small models, GPTQ
-    (its matrix products take every core already) and `replaced` values, else by worker
-    processes, tensor i by worker i mod N."""
+    """Each planned tensor's output bytes, in plan order: in this process for small models, the
+    compiled quantizer's types (`native`: C on a thread per core), GPTQ (its matrix products take
+    every core already) and `replaced` values, else by worker processes, tensor i by worker i mod N."""
 
     def stop() -> None:
         if cancel is not None and cancel():
             raise Cancelled("quantization cancelled: nothing was written at the output name")
 
+    from localllm.quant import native
+
     work = [(n, t) for n, (_, t) in plan.items()]
-    values = sum(f.tensors[n].n_elements for n, t in work if f.tensors[n].ggml_type.name != t)
+    # the values numpy would quantize: the compiled quantizer's types run on threads in this process
+    compiled = native.TYPES if native.available() else {}
+    values = sum(f.tensors[n].n_elements for n, t in work
+                 if f.tensors[n].ggml_type.name != t and (t not in compiled or n in imatrix))  # fmt: skip
     n = min(os.cpu_count() or 1, len(work))
     if n <= 1 or values < PROCESS_VALUES or hessians or replaced:
         for name, type_name in work:

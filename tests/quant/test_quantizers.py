@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from localllm.quant import BLOCK, quantize, row_bytes
+from localllm.quant import BLOCK, native, quantize, row_bytes
 
 from conftest import need
 from ggml_oracle import ggml_quantize
@@ -41,8 +41,26 @@ def inputs() -> dict[str, np.ndarray]:
     }
 
 
-@pytest.mark.parametrize("type_name", TYPES)
-def test_byte_identical_to_llamacpp(type_name: str) -> None:
+def both(types: list[str]) -> list[tuple[str, str]]:
+    """Each type with the numpy port, and again with the compiled quantizer where it has the type
+    (`quantize` takes the compiled one when it can: both must give llama.cpp's bytes)."""
+    return [(t, "numpy") for t in types] + [(t, "compiled") for t in types if t in native.TYPES]
+
+
+@pytest.fixture
+def quantizer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """`quantize` through the numpy ports only, or through the compiled quantizer (which must build)."""
+    kind = request.node.callspec.params["path"]
+    if kind == "numpy":
+        monkeypatch.setattr(native, "_state", {"dll": None, "why": "the numpy ports for this test"})
+    elif not native.available():
+        pytest.fail(f"the compiled quantizer did not build ({native.why_not()}): install a C compiler "
+                    "(apt install gcc)", pytrace=False)  # fmt: skip
+    return kind
+
+
+@pytest.mark.parametrize(("type_name", "path"), both(TYPES))
+def test_byte_identical_to_llamacpp(type_name: str, path: str, quantizer: str) -> None:
     for name, x in inputs().items():
         ours = quantize(x, type_name)
         theirs = ggml_quantize(x, type_name, row_bytes(type_name, x.shape[1]))
@@ -68,8 +86,8 @@ def real_weights(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
-def test_byte_identical_on_real_weights(type_name: str, default_model_path: Path) -> None:
+@pytest.mark.parametrize(("type_name", "path"), both(["Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0"]))
+def test_byte_identical_on_real_weights(type_name: str, path: str, quantizer: str, default_model_path: Path) -> None:
     for name, x in real_weights(default_model_path).items():
         theirs = ggml_quantize(x, type_name, row_bytes(type_name, x.shape[1]))
         assert np.array_equal(quantize(x, type_name), theirs), f"{type_name} {name}"

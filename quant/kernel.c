@@ -1,0 +1,356 @@
+/* localllm's compiled quantizer: the block types without an importance matrix, byte-identical to
+ * ggml's reference quantization (what `llama_model_quantize` runs for them).
+ *
+ * The numpy ports in kquants.py / legacy.py are the readable specification and the fallback where
+ * no C compiler exists; this file does the same float32 operations in the same order, one block at
+ * a time, so a tensor is quantized at C speed on threads that do not hold the GIL. Build flags
+ * matter for exactness: -ffp-contract=off (ggml-base rounds `a*b + c` twice, no FMA) and no
+ * -ffast-math. The build is in native.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define QK_K 256
+#define EPS 1e-15f
+#define MAXI(a, b) ((a) > (b) ? (a) : (b))
+#define MINI(a, b) ((a) < (b) ? (a) : (b))
+
+static inline uint32_t bits_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float float_of(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* float32 → IEEE half, round to nearest even (as F16C's vcvtps2ph and numpy's astype). */
+static uint16_t to_f16(float f) {
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    const uint32_t w = bits_of(f), shl1 = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1 & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = float_of((bias >> 1) + 0x07800000u) + base;
+    const uint32_t b = bits_of(base);
+    const uint32_t nonsign = ((b >> 13) & 0x00007C00u) + (b & 0x00000FFFu);
+    return (uint16_t)((sign >> 16) | (shl1 > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+static float from_f16(uint16_t h) {
+    const uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u, two_w = w + w;
+    const float normalized = float_of((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    const float denormalized = float_of((two_w >> 17) | (126u << 23)) - 0.5f;
+    return float_of(sign | (two_w < (1u << 27) ? bits_of(denormalized) : bits_of(normalized)));
+}
+
+static void put_f16(uint8_t *p, float f) { uint16_t h = to_f16(f); p[0] = h & 0xFF; p[1] = h >> 8; }
+static float get_f16(const uint8_t *p) { return from_f16((uint16_t)(p[0] | (p[1] << 8))); }
+
+/* round half to even for |v| < 2^22: add 1.5·2^23 and read the low bits */
+static inline int nearest(float v) {
+    float t = v + 12582912.f;
+    int32_t i; memcpy(&i, &t, 4);
+    return (i & 0x007fffff) - 0x00400000;
+}
+
+/* -- legacy blocks of 32 ------------------------------------------------------------------- */
+
+static void q4_0(const float *x, uint8_t *y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, x += 32, y += 18) {
+        float amax = 0.f, max = 0.f;
+        for (int j = 0; j < 32; j++) if (amax < fabsf(x[j])) { amax = fabsf(x[j]); max = x[j]; }
+        const float d = max / -8, id = d ? 1.0f / d : 0.0f;
+        put_f16(y, d);
+        for (int j = 0; j < 16; j++) {
+            const uint8_t a = MINI(15, (int8_t)(x[j] * id + 8.5f)), b = MINI(15, (int8_t)(x[j + 16] * id + 8.5f));
+            y[2 + j] = a | (b << 4);
+        }
+    }
+}
+
+static void q5_0(const float *x, uint8_t *y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, x += 32, y += 22) {
+        float amax = 0.f, max = 0.f;
+        for (int j = 0; j < 32; j++) if (amax < fabsf(x[j])) { amax = fabsf(x[j]); max = x[j]; }
+        const float d = max / -16, id = d ? 1.0f / d : 0.0f;
+        put_f16(y, d);
+        uint32_t qh = 0;
+        for (int j = 0; j < 16; j++) {
+            const uint8_t a = MINI(31, (int8_t)(x[j] * id + 16.5f)), b = MINI(31, (int8_t)(x[j + 16] * id + 16.5f));
+            y[6 + j] = (a & 0x0F) | ((b & 0x0F) << 4);
+            qh |= ((a & 0x10u) >> 4) << j;
+            qh |= ((b & 0x10u) >> 4) << (j + 16);
+        }
+        for (int k = 0; k < 4; k++) y[2 + k] = (qh >> (8 * k)) & 0xFF;
+    }
+}
+
+/* Q4_1 (bits 4) and Q5_1 (bits 5): a scale and the minimum */
+static void qx_1(const float *x, uint8_t *y, int64_t nb, int bits) {
+    const int size = bits == 4 ? 20 : 24;
+    for (int64_t i = 0; i < nb; i++, x += 32, y += size) {
+        float min = 3.402823466e+38f, max = -3.402823466e+38f;
+        for (int j = 0; j < 32; j++) { if (x[j] < min) min = x[j]; if (x[j] > max) max = x[j]; }
+        const float d = (max - min) / ((1 << bits) - 1), id = d ? 1.0f / d : 0.0f;
+        put_f16(y, d);
+        put_f16(y + 2, min);
+        uint32_t qh = 0;
+        uint8_t *qs = y + (bits == 4 ? 4 : 8);
+        for (int j = 0; j < 16; j++) {
+            const float v0 = (x[j] - min) * id + 0.5f, v1 = (x[j + 16] - min) * id + 0.5f;
+            /* as the reference: Q4_1 clamps an int8 cast to 15, Q5_1 casts to uint8 */
+            const uint8_t a = bits == 4 ? MINI(15, (int8_t)v0) : (uint8_t)v0;
+            const uint8_t b = bits == 4 ? MINI(15, (int8_t)v1) : (uint8_t)v1;
+            qs[j] = (a & 0x0F) | ((b & 0x0F) << 4);
+            qh |= ((a & 0x10u) >> 4) << j;
+            qh |= ((b & 0x10u) >> 4) << (j + 16);
+        }
+        if (bits == 5) for (int k = 0; k < 4; k++) y[4 + k] = (qh >> (8 * k)) & 0xFF;
+    }
+}
+
+static void q8_0(const float *x, uint8_t *y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, x += 32, y += 34) {
+        float amax = 0.f;
+        for (int j = 0; j < 32; j++) amax = MAXI(amax, fabsf(x[j]));
+        const float d = amax / 127, id = d ? 1.0f / d : 0.0f;
+        put_f16(y, d);
+        for (int j = 0; j < 32; j++) y[2 + j] = (uint8_t)(int8_t)roundf(x[j] * id);
+    }
+}
+
+/* -- K-quants: super-blocks of 256 --------------------------------------------------------- */
+
+/* the scale and minimum of one group: the weighted least-squares search over nstep+1 scales */
+static float qkx2(int n, int nmax, const float *x, const float *w, uint8_t *L, float *the_min,
+                  float rmin, float rdelta, int nstep) {
+    uint8_t aux[32];
+    float min = x[0], max = x[0], sum_w = w[0], sum_x = sum_w * x[0];
+    for (int i = 1; i < n; ++i) {
+        if (x[i] < min) min = x[i];
+        if (x[i] > max) max = x[i];
+        sum_w += w[i];
+        sum_x += w[i] * x[i];
+    }
+    if (min > 0) min = 0;
+    if (max == min) {
+        memset(L, 0, n);
+        *the_min = -min;
+        return 0.f;
+    }
+    float iscale = nmax / (max - min), scale = 1 / iscale, best = 0;
+    for (int i = 0; i < n; ++i) {
+        const int l = nearest(iscale * (x[i] - min));
+        L[i] = MAXI(0, MINI(nmax, l));
+        const float diff = scale * L[i] + min - x[i];
+        best += w[i] * (diff * diff);
+    }
+    for (int is = 0; is <= nstep; ++is) {
+        iscale = (rmin + rdelta * is + nmax) / (max - min);
+        float sum_l = 0, sum_l2 = 0, sum_xl = 0;
+        for (int i = 0; i < n; ++i) {
+            int l = nearest(iscale * (x[i] - min));
+            l = MAXI(0, MINI(nmax, l));
+            aux[i] = l;
+            sum_l += w[i] * l;
+            sum_l2 += w[i] * l * l;
+            sum_xl += w[i] * l * x[i];
+        }
+        const float D = sum_w * sum_l2 - sum_l * sum_l;
+        if (D > 0) {
+            float this_scale = (sum_w * sum_xl - sum_x * sum_l) / D;
+            float this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D;
+            if (this_min > 0) {
+                this_min = 0;
+                this_scale = sum_xl / sum_l2;
+            }
+            float err = 0;
+            for (int i = 0; i < n; ++i) {
+                const float diff = this_scale * aux[i] + this_min - x[i];
+                err += w[i] * (diff * diff);
+            }
+            if (err < best) {
+                memcpy(L, aux, n);
+                best = err;
+                scale = this_scale;
+                min = this_min;
+            }
+        }
+    }
+    *the_min = -min;
+    return scale;
+}
+
+/* Q6_K's symmetric scale of 16 values (rmse_type 1: weights x²), L in [0, 2·nmax) */
+static float qx(int n, int nmax, const float *x, int8_t *L) {
+    float max = 0, amax = 0;
+    for (int i = 0; i < n; ++i) {
+        const float ax = fabsf(x[i]);
+        if (ax > amax) { amax = ax; max = x[i]; }
+    }
+    if (amax < EPS) {
+        memset(L, 0, n);
+        return 0.f;
+    }
+    float iscale = -nmax / max, sumlx = 0, suml2 = 0;
+    for (int i = 0; i < n; ++i) {
+        int l = nearest(iscale * x[i]);
+        l = MAXI(-nmax, MINI(nmax - 1, l));
+        L[i] = l + nmax;
+        const float w = x[i] * x[i];
+        sumlx += w * x[i] * l;
+        suml2 += w * l * l;
+    }
+    float scale = suml2 ? sumlx / suml2 : 0.0f, best = scale * sumlx;
+    for (int is = -9; is <= 9; ++is) {
+        if (is == 0) continue;
+        iscale = -(nmax + 0.1f * is) / max;
+        sumlx = suml2 = 0;
+        for (int i = 0; i < n; ++i) {
+            int l = nearest(iscale * x[i]);
+            l = MAXI(-nmax, MINI(nmax - 1, l));
+            const float w = x[i] * x[i];
+            sumlx += w * x[i] * l;
+            suml2 += w * l * l;
+        }
+        if (suml2 > 0 && sumlx * sumlx > best * suml2) {
+            for (int i = 0; i < n; ++i) {
+                const int l = nearest(iscale * x[i]);
+                L[i] = nmax + MAXI(-nmax, MINI(nmax - 1, l));
+            }
+            scale = sumlx / suml2;
+            best = scale * sumlx;
+        }
+    }
+    return scale;
+}
+
+static void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
+    if (j < 4) {
+        *d = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4);
+    }
+}
+
+/* Q4_K (nmax 15) and Q5_K (nmax 31): eight groups of 32, 6-bit scales and minimums */
+static void qk_45(const float *x, uint8_t *y, int64_t nb, int nmax) {
+    const int size = nmax == 15 ? 144 : 176;
+    uint8_t L[QK_K];
+    float mins[8], scales[8], w[32];
+    for (int64_t i = 0; i < nb; i++, x += QK_K, y += size) {
+        uint8_t *sc = y + 4;
+        float max_scale = 0, max_min = 0;
+        for (int j = 0; j < 8; ++j) {
+            float sum_x2 = 0;
+            for (int l = 0; l < 32; ++l) sum_x2 += x[32 * j + l] * x[32 * j + l];
+            const float av_x = sqrtf(sum_x2 / 32);
+            for (int l = 0; l < 32; ++l) w[l] = av_x + fabsf(x[32 * j + l]);
+            scales[j] = nmax == 15 ? qkx2(32, 15, x + 32 * j, w, L + 32 * j, &mins[j], -1.f, 0.1f, 20)
+                                   : qkx2(32, 31, x + 32 * j, w, L + 32 * j, &mins[j], -0.5f, 0.1f, 15);
+            if (scales[j] > max_scale) max_scale = scales[j];
+            if (mins[j] > max_min) max_min = mins[j];
+        }
+        const float inv_scale = max_scale > 0 ? 63.f / max_scale : 0.f;
+        const float inv_min = max_min > 0 ? 63.f / max_min : 0.f;
+        memset(sc, 0, 12);
+        for (int j = 0; j < 8; ++j) {
+            uint8_t ls = nearest(inv_scale * scales[j]), lm = nearest(inv_min * mins[j]);
+            ls = MINI(63, ls);
+            lm = MINI(63, lm);
+            if (j < 4) {
+                sc[j] = ls;
+                sc[j + 4] = lm;
+            } else {
+                sc[j + 4] = (ls & 0xF) | ((lm & 0xF) << 4);
+                sc[j - 4] |= ((ls >> 4) << 6);
+                sc[j - 0] |= ((lm >> 4) << 6);
+            }
+        }
+        put_f16(y, max_scale / 63.f);
+        put_f16(y + 2, max_min / 63.f);
+        for (int j = 0; j < 8; ++j) {
+            uint8_t s, m;
+            scale_min_k4(j, sc, &s, &m);
+            const float d = get_f16(y) * s;
+            if (!d) continue;
+            const float dm = get_f16(y + 2) * m;
+            for (int ii = 0; ii < 32; ++ii) {
+                const int l = nearest((x[32 * j + ii] + dm) / d);
+                L[32 * j + ii] = MAXI(0, MINI(nmax, l));
+            }
+        }
+        if (nmax == 15) {
+            uint8_t *q = y + 16;
+            for (int j = 0; j < QK_K; j += 64, q += 32)
+                for (int l = 0; l < 32; ++l) q[l] = L[j + l] | (L[j + l + 32] << 4);
+        } else {
+            uint8_t *qh = y + 16, *ql = y + 48, m1 = 1, m2 = 2;
+            memset(qh, 0, 32);
+            for (int n = 0; n < QK_K; n += 64, ql += 32, m1 <<= 2, m2 <<= 2) {
+                for (int j = 0; j < 32; ++j) {
+                    int l1 = L[n + j], l2 = L[n + j + 32];
+                    if (l1 > 15) { l1 -= 16; qh[j] |= m1; }
+                    if (l2 > 15) { l2 -= 16; qh[j] |= m2; }
+                    ql[j] = l1 | (l2 << 4);
+                }
+            }
+        }
+    }
+}
+
+static void q6_k(const float *x, uint8_t *y, int64_t nb) {
+    int8_t L[QK_K];
+    float scales[16];
+    for (int64_t i = 0; i < nb; i++, x += QK_K, y += 210) {
+        uint8_t *ql = y, *qh = y + 128;
+        int8_t *sc = (int8_t *)(y + 192);
+        float max_scale = 0, max_abs = 0;
+        for (int ib = 0; ib < 16; ++ib) {
+            scales[ib] = qx(16, 32, x + 16 * ib, L + 16 * ib);
+            if (fabsf(scales[ib]) > max_abs) {
+                max_abs = fabsf(scales[ib]);
+                max_scale = scales[ib];
+            }
+        }
+        if (max_abs < EPS) {
+            memset(y, 0, 210);
+            put_f16(y + 208, 0.f);
+            continue;
+        }
+        const float iscale = -128.f / max_scale;
+        put_f16(y + 208, 1 / iscale);
+        for (int ib = 0; ib < 16; ++ib) sc[ib] = MINI(127, nearest(iscale * scales[ib]));
+        for (int j = 0; j < 16; ++j) {
+            const float d = get_f16(y + 208) * sc[j];
+            if (!d) continue;
+            for (int ii = 0; ii < 16; ++ii) {
+                const int l = nearest(x[16 * j + ii] / d);
+                L[16 * j + ii] = MAXI(-32, MINI(31, l)) + 32;
+            }
+        }
+        for (int j = 0; j < QK_K; j += 128, ql += 64, qh += 32) {
+            for (int l = 0; l < 32; ++l) {
+                const uint8_t q1 = L[j + l] & 0xF, q2 = L[j + l + 32] & 0xF;
+                const uint8_t q3 = L[j + l + 64] & 0xF, q4 = L[j + l + 96] & 0xF;
+                ql[l] = q1 | (q3 << 4);
+                ql[l + 32] = q2 | (q4 << 4);
+                qh[l] = (L[j + l] >> 4) | ((L[j + l + 32] >> 4) << 2) | ((L[j + l + 64] >> 4) << 4) |
+                        ((L[j + l + 96] >> 4) << 6);
+            }
+        }
+    }
+}
+
+/* The entry point: `n` float32 values (whole blocks) of `type` into y. Returns 0, or -1 for a type
+ * this file does not have. Types: 0 Q4_0, 1 Q4_1, 2 Q5_0, 3 Q5_1, 4 Q8_0, 5 Q4_K, 6 Q5_K, 7 Q6_K. */
+int localllm_quantize(int type, const float *x, uint8_t *y, int64_t n) {
+    switch (type) {
+        case 0: q4_0(x, y, n / 32); return 0;
+        case 1: qx_1(x, y, n / 32, 4); return 0;
+        case 2: q5_0(x, y, n / 32); return 0;
+        case 3: qx_1(x, y, n / 32, 5); return 0;
+        case 4: q8_0(x, y, n / 32); return 0;
+        case 5: qk_45(x, y, n / QK_K, 15); return 0;
+        case 6: qk_45(x, y, n / QK_K, 31); return 0;
+        case 7: q6_k(x, y, n / QK_K); return 0;
+        default: return -1;
+    }
+}
