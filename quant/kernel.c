@@ -339,8 +339,20 @@ static void q6_k(const float *x, uint8_t *y, int64_t nb) {
     }
 }
 
+/* bfloat16, round to nearest even; a NaN stays a (quiet) NaN, as ggml's GGML_FP32_TO_BF16 */
+static void bf16(const float *x, uint8_t *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++, y += 2) {
+        const uint32_t u = bits_of(x[i]);
+        const uint16_t h = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 64)
+                                                           : (uint16_t)((u + (0x7fffu + ((u >> 16) & 1))) >> 16);
+        y[0] = h & 0xFF;
+        y[1] = h >> 8;
+    }
+}
+
 /* The entry point: `n` float32 values (whole blocks) of `type` into y. Returns 0, or -1 for a type
- * this file does not have. Types: 0 Q4_0, 1 Q4_1, 2 Q5_0, 3 Q5_1, 4 Q8_0, 5 Q4_K, 6 Q5_K, 7 Q6_K. */
+ * this file does not have. Types: 0 Q4_0, 1 Q4_1, 2 Q5_0, 3 Q5_1, 4 Q8_0, 5 Q4_K, 6 Q5_K, 7 Q6_K,
+ * 8 BF16. */
 int localllm_quantize(int type, const float *x, uint8_t *y, int64_t n) {
     switch (type) {
         case 0: q4_0(x, y, n / 32); return 0;
@@ -351,6 +363,7 @@ int localllm_quantize(int type, const float *x, uint8_t *y, int64_t n) {
         case 5: qk_45(x, y, n / QK_K, 15); return 0;
         case 6: qk_45(x, y, n / QK_K, 31); return 0;
         case 7: q6_k(x, y, n / QK_K); return 0;
+        case 8: bf16(x, y, n); return 0;
         default: return -1;
     }
 }

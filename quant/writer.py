@@ -322,10 +322,11 @@ def _write(f: GGUFFile, tmp: Path, plan: dict[str, tuple[tuple[int, ...], str]],
         os.fsync(fh.fileno())
 
 
-# values above which tensors are quantized in worker processes (`worker`), one per core: numpy
-# spends most of a K-quant in short calls that keep the GIL (threads gained 0-20% here), and a
-# worker costs ~0.5 s to start
-PROCESS_VALUES = 32 * 2**20
+# values for numpy to quantize (types the compiled quantizer lacks) above which tensors are
+# quantized in worker processes (`worker`), one per core: numpy spends most of a K-quant in short
+# calls that keep the GIL (threads gained 0-20% here), ~100 ns a value, and a worker costs ~0.5 s
+# to start
+PROCESS_VALUES = 8 * 2**20
 
 
 def quantized_bytes(f: GGUFFile, name: str, type_name: str, importance: np.ndarray | None = None,
