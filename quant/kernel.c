@@ -116,9 +116,10 @@ static void q8_0(const float *x, uint8_t *y, int64_t nb) {
 
 /* -- K-quants: super-blocks of 256 --------------------------------------------------------- */
 
-/* the scale and minimum of one group: the weighted least-squares search over nstep+1 scales */
+/* the scale and minimum of one group: the weighted search over nstep+1 scales (squared errors, or
+ * absolute ones with use_mad) */
 static float qkx2(int n, int nmax, const float *x, const float *w, uint8_t *L, float *the_min,
-                  float rmin, float rdelta, int nstep) {
+                  float rmin, float rdelta, int nstep, int use_mad) {
     uint8_t aux[32];
     float min = x[0], max = x[0], sum_w = w[0], sum_x = sum_w * x[0];
     for (int i = 1; i < n; ++i) {
@@ -138,7 +139,7 @@ static float qkx2(int n, int nmax, const float *x, const float *w, uint8_t *L, f
         const int l = nearest(iscale * (x[i] - min));
         L[i] = MAXI(0, MINI(nmax, l));
         const float diff = scale * L[i] + min - x[i];
-        best += w[i] * (diff * diff);
+        best += w[i] * (use_mad ? fabsf(diff) : diff * diff);
     }
     for (int is = 0; is <= nstep; ++is) {
         iscale = (rmin + rdelta * is + nmax) / (max - min);
@@ -162,7 +163,7 @@ static float qkx2(int n, int nmax, const float *x, const float *w, uint8_t *L, f
             float err = 0;
             for (int i = 0; i < n; ++i) {
                 const float diff = this_scale * aux[i] + this_min - x[i];
-                err += w[i] * (diff * diff);
+                err += w[i] * (use_mad ? fabsf(diff) : diff * diff);
             }
             if (err < best) {
                 memcpy(L, aux, n);
@@ -220,6 +221,156 @@ static float qx(int n, int nmax, const float *x, int8_t *L) {
     return scale;
 }
 
+/* Q3_K's symmetric scale of 16 values with five rounds of coordinate descent; L in [0, 2·nmax) */
+static float q3(int n, int nmax, const float *x, int8_t *L) {
+    float max = 0, amax = 0;
+    for (int i = 0; i < n; ++i) {
+        const float ax = fabsf(x[i]);
+        if (ax > amax) { amax = ax; max = x[i]; }
+    }
+    if (amax < EPS) {
+        memset(L, 0, n);
+        return 0.f;
+    }
+    const float iscale = -nmax / max;
+    float sumlx = 0, suml2 = 0;
+    for (int i = 0; i < n; ++i) {
+        int l = nearest(iscale * x[i]);
+        l = MAXI(-nmax, MINI(nmax - 1, l));
+        L[i] = l;
+        const float w = x[i] * x[i];
+        sumlx += w * x[i] * l;
+        suml2 += w * l * l;
+    }
+    for (int itry = 0; itry < 5; ++itry) {
+        int changed = 0;
+        for (int i = 0; i < n; ++i) {
+            const float w = x[i] * x[i];
+            float slx = sumlx - w * x[i] * L[i];
+            if (slx > 0) {
+                float sl2 = suml2 - w * L[i] * L[i];
+                int l = nearest(x[i] * sl2 / slx);
+                l = MAXI(-nmax, MINI(nmax - 1, l));
+                if (l != L[i]) {
+                    slx += w * x[i] * l;
+                    sl2 += w * l * l;
+                    if (sl2 > 0 && slx * slx * suml2 > sumlx * sumlx * sl2) {
+                        L[i] = l;
+                        sumlx = slx;
+                        suml2 = sl2;
+                        ++changed;
+                    }
+                }
+            }
+        }
+        if (!changed) break;
+    }
+    for (int i = 0; i < n; ++i) L[i] += nmax;
+    return suml2 > 0.0f ? sumlx / suml2 : 0.0f;
+}
+
+/* the 2-bit levels of 256 values, four to a byte, as Q2_K and Q3_K store them */
+static void pack2(const uint8_t *L, uint8_t *qs) {
+    for (int j = 0; j < QK_K; j += 128)
+        for (int l = 0; l < 32; ++l)
+            qs[j / 4 + l] = L[j + l] | (L[j + l + 32] << 2) | (L[j + l + 64] << 4) | (L[j + l + 96] << 6);
+}
+
+static void q2_k(const float *x, uint8_t *y, int64_t nb) {
+    uint8_t L[QK_K];
+    float w[16], mins[16], scales[16];
+    for (int64_t i = 0; i < nb; i++, x += QK_K, y += 84) {
+        uint8_t *sc = y, *qs = y + 16;
+        float max_scale = 0, max_min = 0;
+        for (int j = 0; j < 16; ++j) {
+            for (int l = 0; l < 16; ++l) w[l] = fabsf(x[16 * j + l]);
+            scales[j] = qkx2(16, 3, x + 16 * j, w, L + 16 * j, &mins[j], -0.5f, 0.1f, 15, 1);
+            if (scales[j] > max_scale) max_scale = scales[j];
+            if (mins[j] > max_min) max_min = mins[j];
+        }
+        if (max_scale > 0) {
+            const float iscale = 15.f / max_scale;
+            for (int j = 0; j < 16; ++j) sc[j] = (uint8_t)nearest(iscale * scales[j]);
+            put_f16(y + 80, max_scale / 15.f);
+        } else {
+            memset(sc, 0, 16);
+            put_f16(y + 80, 0.f);
+        }
+        if (max_min > 0) {
+            const float iscale = 15.f / max_min;
+            for (int j = 0; j < 16; ++j) sc[j] |= (uint8_t)(nearest(iscale * mins[j]) << 4);
+            put_f16(y + 82, max_min / 15.f);
+        } else {
+            put_f16(y + 82, 0.f);
+        }
+        for (int j = 0; j < 16; ++j) {
+            const float d = get_f16(y + 80) * (sc[j] & 0xF);
+            if (!d) continue;
+            const float dm = get_f16(y + 82) * (sc[j] >> 4);
+            for (int ii = 0; ii < 16; ++ii) {
+                const int l = nearest((x[16 * j + ii] + dm) / d);
+                L[16 * j + ii] = MAXI(0, MINI(3, l));
+            }
+        }
+        pack2(L, qs);
+    }
+}
+
+static void q3_k(const float *x, uint8_t *y, int64_t nb) {
+    int8_t L[QK_K];
+    float scales[16];
+    for (int64_t i = 0; i < nb; i++, x += QK_K, y += 110) {
+        uint8_t *hmask = y, *qs = y + 32, *sc = y + 96;
+        float max_scale = 0, amax = 0;
+        for (int j = 0; j < 16; ++j) {
+            scales[j] = q3(16, 4, x + 16 * j, L + 16 * j);
+            if (fabsf(scales[j]) > amax) {
+                amax = fabsf(scales[j]);
+                max_scale = scales[j];
+            }
+        }
+        memset(sc, 0, 12);
+        if (max_scale) {
+            const float iscale = -32.f / max_scale;
+            for (int j = 0; j < 16; ++j) {
+                int8_t l = nearest(iscale * scales[j]);
+                l = MAXI(-32, MINI(31, l)) + 32;
+                if (j < 8) sc[j] = l & 0xF;
+                else sc[j - 8] |= ((l & 0xF) << 4);
+                l >>= 4;
+                sc[j % 4 + 8] |= (l << (2 * (j / 4)));
+            }
+            put_f16(y + 108, 1 / iscale);
+        } else {
+            put_f16(y + 108, 0.f);
+        }
+        for (int j = 0; j < 16; ++j) {
+            int8_t s = j < 8 ? sc[j] & 0xF : sc[j - 8] >> 4;
+            s = (s | (((sc[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
+            const float d = get_f16(y + 108) * s;
+            if (!d) continue;
+            for (int ii = 0; ii < 16; ++ii) {
+                const int l = nearest(x[16 * j + ii] / d);
+                L[16 * j + ii] = MAXI(-4, MINI(3, l)) + 4;
+            }
+        }
+        memset(hmask, 0, 32);
+        int m = 0;
+        uint8_t hm = 1;
+        for (int j = 0; j < QK_K; ++j) {
+            if (L[j] > 3) {
+                hmask[m] |= hm;
+                L[j] -= 4;
+            }
+            if (++m == QK_K / 8) {
+                m = 0;
+                hm <<= 1;
+            }
+        }
+        pack2((const uint8_t *)L, qs);
+    }
+}
+
 static void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
     if (j < 4) {
         *d = q[j] & 63;
@@ -243,8 +394,8 @@ static void qk_45(const float *x, uint8_t *y, int64_t nb, int nmax) {
             for (int l = 0; l < 32; ++l) sum_x2 += x[32 * j + l] * x[32 * j + l];
             const float av_x = sqrtf(sum_x2 / 32);
             for (int l = 0; l < 32; ++l) w[l] = av_x + fabsf(x[32 * j + l]);
-            scales[j] = nmax == 15 ? qkx2(32, 15, x + 32 * j, w, L + 32 * j, &mins[j], -1.f, 0.1f, 20)
-                                   : qkx2(32, 31, x + 32 * j, w, L + 32 * j, &mins[j], -0.5f, 0.1f, 15);
+            scales[j] = nmax == 15 ? qkx2(32, 15, x + 32 * j, w, L + 32 * j, &mins[j], -1.f, 0.1f, 20, 0)
+                                   : qkx2(32, 31, x + 32 * j, w, L + 32 * j, &mins[j], -0.5f, 0.1f, 15, 0);
             if (scales[j] > max_scale) max_scale = scales[j];
             if (mins[j] > max_min) max_min = mins[j];
         }
@@ -352,7 +503,7 @@ static void bf16(const float *x, uint8_t *y, int64_t n) {
 
 /* The entry point: `n` float32 values (whole blocks) of `type` into y. Returns 0, or -1 for a type
  * this file does not have. Types: 0 Q4_0, 1 Q4_1, 2 Q5_0, 3 Q5_1, 4 Q8_0, 5 Q4_K, 6 Q5_K, 7 Q6_K,
- * 8 BF16. */
+ * 8 BF16, 9 Q2_K, 10 Q3_K. */
 int localllm_quantize(int type, const float *x, uint8_t *y, int64_t n) {
     switch (type) {
         case 0: q4_0(x, y, n / 32); return 0;
@@ -364,6 +515,8 @@ int localllm_quantize(int type, const float *x, uint8_t *y, int64_t n) {
         case 6: qk_45(x, y, n / QK_K, 31); return 0;
         case 7: q6_k(x, y, n / QK_K); return 0;
         case 8: bf16(x, y, n); return 0;
+        case 9: q2_k(x, y, n / QK_K); return 0;
+        case 10: q3_k(x, y, n / QK_K); return 0;
         default: return -1;
     }
 }
