@@ -50,8 +50,6 @@ def quantize(values: np.ndarray, type_name: str, imatrix: np.ndarray | None = No
     width = row_bytes(type_name, n)
     if type_name == "F32":
         out = x.view(np.uint8)
-    elif type_name == "F16":
-        out = x.astype("<f2").view(np.uint8)
     elif imatrix is not None and type_name in WEIGHTED:
         imatrix = np.asarray(imatrix, dtype=np.float32).reshape(-1)
         if imatrix.shape != (n,):

@@ -501,9 +501,13 @@ static void bf16(const float *x, uint8_t *y, int64_t n) {
     }
 }
 
+static void f16(const float *x, uint8_t *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++, y += 2) put_f16(y, x[i]);
+}
+
 /* The entry point: `n` float32 values (whole blocks) of `type` into y. Returns 0, or -1 for a type
  * this file does not have. Types: 0 Q4_0, 1 Q4_1, 2 Q5_0, 3 Q5_1, 4 Q8_0, 5 Q4_K, 6 Q5_K, 7 Q6_K,
- * 8 BF16, 9 Q2_K, 10 Q3_K. */
+ * 8 BF16, 9 Q2_K, 10 Q3_K, 11 F16. */
 int localllm_quantize(int type, const float *x, uint8_t *y, int64_t n) {
     switch (type) {
         case 0: q4_0(x, y, n / 32); return 0;
@@ -517,6 +521,7 @@ int localllm_quantize(int type, const float *x, uint8_t *y, int64_t n) {
         case 8: bf16(x, y, n); return 0;
         case 9: q2_k(x, y, n / QK_K); return 0;
         case 10: q3_k(x, y, n / QK_K); return 0;
+        case 11: f16(x, y, n); return 0;
         default: return -1;
     }
 }

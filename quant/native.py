@@ -1,7 +1,7 @@
 """The compiled quantizer (`kernel.c`): built with the system's C compiler on first use, cached,
 loaded with ctypes, run on every core.
 
-Only the types and the case it has: BF16, and Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K ... Q6_K
+Only the types and the case it has: F16, BF16, and Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K ... Q6_K
 without an importance matrix (ggml's reference quantization, byte for byte). Everything else, and
 everything where no compiler is found or the build fails, goes through the numpy ports, which give
 the same bytes more slowly: `quantize_rows` then returns None and `why_not()` says why.
@@ -33,7 +33,8 @@ __all__ = ["TYPES", "available", "quantize_rows", "why_not"]
 
 TYPES = {"Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q5_0": (2, 32, 22), "Q5_1": (3, 32, 24),
          "Q8_0": (4, 32, 34), "Q4_K": (5, 256, 144), "Q5_K": (6, 256, 176), "Q6_K": (7, 256, 210),
-         "BF16": (8, 1, 2), "Q2_K": (9, 256, 84), "Q3_K": (10, 256, 110)}  # fmt: skip
+         "BF16": (8, 1, 2), "Q2_K": (9, 256, 84), "Q3_K": (10, 256, 110),
+         "F16": (11, 1, 2)}  # fmt: skip
 # no FMA contraction, no fast-math: the float32 operations of ggml's reference, each rounded
 FLAGS = ["-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=c99"]
 SOURCE = Path(__file__).with_name("kernel.c")
