@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # folder on disk → the package it installs as
 FOLDERS = {"localllm": "localllm", "tui": "localllm.tui", "quant": "localllm.quant",
            "models_registry": "localllm.models_registry"}  # fmt: skip
-DATA_SUFFIXES = (".py", ".toml", ".tcss", ".json", ".txt")
+DATA_SUFFIXES = (".py", ".toml", ".tcss", ".json", ".txt", ".c")
 
 
 def expected_files(root: Path = ROOT) -> set[str]:
