@@ -44,9 +44,8 @@ def _read_until(fd: int, needle: bytes, timeout: float = 60) -> bytes:
             try:
                 chunk = os.read(fd, 4096)
             except OSError:
-                break
-            if not chunk:
-                break
+                chunk = b""
+            assert chunk, f"the REPL ended before {needle!r}; got {buf[-500:]!r}"
             buf += chunk
     return buf
 
@@ -88,7 +87,10 @@ def test_ctrl_c_right_after_enter_stops_the_answer(default_model_path: Path) -> 
             _read_until(fd, b"rain.", timeout=10)  # the echo
             time.sleep(delay)
             os.write(fd, b"\x03")
-            _read_until(fd, b">>> ", timeout=60)
+            try:
+                _read_until(fd, b">>> ", timeout=60)
+            except AssertionError as e:  # which moment lost the Ctrl-C
+                raise AssertionError(f"Ctrl-C {delay * 1000:g} ms after Enter: {e}") from None
         os.write(fd, b"/bye\n")
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
