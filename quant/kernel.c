@@ -48,12 +48,23 @@ static inline int nearest(float v) {
     return (i & 0x007fffff) - 0x00400000;
 }
 
+/* the value of largest magnitude (the first such), and that magnitude */
+static float signed_max(int n, const float *x, float *amax) {
+    float max = 0;
+    *amax = 0;
+    for (int i = 0; i < n; ++i) {
+        const float ax = fabsf(x[i]);
+        if (ax > *amax) { *amax = ax; max = x[i]; }
+    }
+    return max;
+}
+
 /* -- legacy blocks of 32 ------------------------------------------------------------------- */
 
 static void q4_0(const float *x, uint8_t *y, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, x += 32, y += 18) {
-        float amax = 0.f, max = 0.f;
-        for (int j = 0; j < 32; j++) if (amax < fabsf(x[j])) { amax = fabsf(x[j]); max = x[j]; }
+        float amax;
+        const float max = signed_max(32, x, &amax);
         const float d = max / -8, id = d ? 1.0f / d : 0.0f;
         put_f16(y, d);
         for (int j = 0; j < 16; j++) {
@@ -65,8 +76,8 @@ static void q4_0(const float *x, uint8_t *y, int64_t nb) {
 
 static void q5_0(const float *x, uint8_t *y, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, x += 32, y += 22) {
-        float amax = 0.f, max = 0.f;
-        for (int j = 0; j < 32; j++) if (amax < fabsf(x[j])) { amax = fabsf(x[j]); max = x[j]; }
+        float amax;
+        const float max = signed_max(32, x, &amax);
         const float d = max / -16, id = d ? 1.0f / d : 0.0f;
         put_f16(y, d);
         uint32_t qh = 0;
@@ -177,38 +188,38 @@ static float qkx2(int n, int nmax, const float *x, const float *w, uint8_t *L, f
     return scale;
 }
 
+/* levels round(iscale·x) in [-nmax, nmax) (stored + offset in L, unless L is NULL) and the sums
+ * Σw·x·l, Σw·l² with weights w = x² */
+static void symmetric(int n, int nmax, float iscale, const float *x, int8_t *L, int offset, float *sumlx,
+                      float *suml2) {
+    float slx = 0, sl2 = 0;
+    for (int i = 0; i < n; ++i) {
+        int l = nearest(iscale * x[i]);
+        l = MAXI(-nmax, MINI(nmax - 1, l));
+        if (L) L[i] = l + offset;
+        const float w = x[i] * x[i];
+        slx += w * x[i] * l;
+        sl2 += w * l * l;
+    }
+    *sumlx = slx;
+    *suml2 = sl2;
+}
+
 /* Q6_K's symmetric scale of 16 values (rmse_type 1: weights x²), L in [0, 2·nmax) */
 static float qx(int n, int nmax, const float *x, int8_t *L) {
-    float max = 0, amax = 0;
-    for (int i = 0; i < n; ++i) {
-        const float ax = fabsf(x[i]);
-        if (ax > amax) { amax = ax; max = x[i]; }
-    }
+    float amax;
+    const float max = signed_max(n, x, &amax);
     if (amax < EPS) {
         memset(L, 0, n);
         return 0.f;
     }
-    float iscale = -nmax / max, sumlx = 0, suml2 = 0;
-    for (int i = 0; i < n; ++i) {
-        int l = nearest(iscale * x[i]);
-        l = MAXI(-nmax, MINI(nmax - 1, l));
-        L[i] = l + nmax;
-        const float w = x[i] * x[i];
-        sumlx += w * x[i] * l;
-        suml2 += w * l * l;
-    }
+    float iscale = -nmax / max, sumlx, suml2;
+    symmetric(n, nmax, iscale, x, L, nmax, &sumlx, &suml2);
     float scale = suml2 ? sumlx / suml2 : 0.0f, best = scale * sumlx;
     for (int is = -9; is <= 9; ++is) {
         if (is == 0) continue;
         iscale = -(nmax + 0.1f * is) / max;
-        sumlx = suml2 = 0;
-        for (int i = 0; i < n; ++i) {
-            int l = nearest(iscale * x[i]);
-            l = MAXI(-nmax, MINI(nmax - 1, l));
-            const float w = x[i] * x[i];
-            sumlx += w * x[i] * l;
-            suml2 += w * l * l;
-        }
+        symmetric(n, nmax, iscale, x, NULL, 0, &sumlx, &suml2);
         if (suml2 > 0 && sumlx * sumlx > best * suml2) {
             for (int i = 0; i < n; ++i) {
                 const int l = nearest(iscale * x[i]);
@@ -223,25 +234,14 @@ static float qx(int n, int nmax, const float *x, int8_t *L) {
 
 /* Q3_K's symmetric scale of 16 values with five rounds of coordinate descent; L in [0, 2·nmax) */
 static float q3(int n, int nmax, const float *x, int8_t *L) {
-    float max = 0, amax = 0;
-    for (int i = 0; i < n; ++i) {
-        const float ax = fabsf(x[i]);
-        if (ax > amax) { amax = ax; max = x[i]; }
-    }
+    float amax;
+    const float max = signed_max(n, x, &amax);
     if (amax < EPS) {
         memset(L, 0, n);
         return 0.f;
     }
-    const float iscale = -nmax / max;
-    float sumlx = 0, suml2 = 0;
-    for (int i = 0; i < n; ++i) {
-        int l = nearest(iscale * x[i]);
-        l = MAXI(-nmax, MINI(nmax - 1, l));
-        L[i] = l;
-        const float w = x[i] * x[i];
-        sumlx += w * x[i] * l;
-        suml2 += w * l * l;
-    }
+    float sumlx, suml2;
+    symmetric(n, nmax, -nmax / max, x, L, 0, &sumlx, &suml2);
     for (int itry = 0; itry < 5; ++itry) {
         int changed = 0;
         for (int i = 0; i < n; ++i) {
