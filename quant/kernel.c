@@ -61,33 +61,25 @@ static float signed_max(int n, const float *x, float *amax) {
 
 /* -- legacy blocks of 32 ------------------------------------------------------------------- */
 
-static void q4_0(const float *x, uint8_t *y, int64_t nb) {
-    for (int64_t i = 0; i < nb; i++, x += 32, y += 18) {
+/* Q4_0 (bits 4) and Q5_0 (bits 5): a scale from the value of largest magnitude */
+static void qx_0(const float *x, uint8_t *y, int64_t nb, int bits) {
+    const int size = bits == 4 ? 18 : 22, top = (1 << bits) - 1;
+    const float half = (float)(1 << (bits - 1));  /* 8 or 16: levels 0..top stand for -half..half-1 */
+    for (int64_t i = 0; i < nb; i++, x += 32, y += size) {
         float amax;
         const float max = signed_max(32, x, &amax);
-        const float d = max / -8, id = d ? 1.0f / d : 0.0f;
-        put_f16(y, d);
-        for (int j = 0; j < 16; j++) {
-            const uint8_t a = MINI(15, (int8_t)(x[j] * id + 8.5f)), b = MINI(15, (int8_t)(x[j + 16] * id + 8.5f));
-            y[2 + j] = a | (b << 4);
-        }
-    }
-}
-
-static void q5_0(const float *x, uint8_t *y, int64_t nb) {
-    for (int64_t i = 0; i < nb; i++, x += 32, y += 22) {
-        float amax;
-        const float max = signed_max(32, x, &amax);
-        const float d = max / -16, id = d ? 1.0f / d : 0.0f;
+        const float d = max / -half, id = d ? 1.0f / d : 0.0f;
         put_f16(y, d);
         uint32_t qh = 0;
+        uint8_t *qs = y + (bits == 4 ? 2 : 6);
         for (int j = 0; j < 16; j++) {
-            const uint8_t a = MINI(31, (int8_t)(x[j] * id + 16.5f)), b = MINI(31, (int8_t)(x[j + 16] * id + 16.5f));
-            y[6 + j] = (a & 0x0F) | ((b & 0x0F) << 4);
+            const uint8_t a = MINI(top, (int8_t)(x[j] * id + (half + 0.5f)));
+            const uint8_t b = MINI(top, (int8_t)(x[j + 16] * id + (half + 0.5f)));
+            qs[j] = (a & 0x0F) | ((b & 0x0F) << 4);
             qh |= ((a & 0x10u) >> 4) << j;
             qh |= ((b & 0x10u) >> 4) << (j + 16);
         }
-        for (int k = 0; k < 4; k++) y[2 + k] = (qh >> (8 * k)) & 0xFF;
+        if (bits == 5) for (int k = 0; k < 4; k++) y[2 + k] = (qh >> (8 * k)) & 0xFF;
     }
 }
 
@@ -510,9 +502,9 @@ static void f16(const float *x, uint8_t *y, int64_t n) {
  * 8 BF16, 9 Q2_K, 10 Q3_K, 11 F16. */
 int localllm_quantize(int type, const float *x, uint8_t *y, int64_t n) {
     switch (type) {
-        case 0: q4_0(x, y, n / 32); return 0;
+        case 0: qx_0(x, y, n / 32, 4); return 0;
         case 1: qx_1(x, y, n / 32, 4); return 0;
-        case 2: q5_0(x, y, n / 32); return 0;
+        case 2: qx_0(x, y, n / 32, 5); return 0;
         case 3: qx_1(x, y, n / 32, 5); return 0;
         case 4: q8_0(x, y, n / 32); return 0;
         case 5: qk_45(x, y, n / QK_K, 15); return 0;
