@@ -69,8 +69,11 @@ WEIGHTED = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q4_0", 
 
 
 def _weighted(rows: np.ndarray, type_name: str, imatrix: np.ndarray) -> np.ndarray:
-    from localllm.quant import legacy
+    from localllm.quant import legacy, native
 
+    compiled = native.quantize_rows(rows, type_name, WORKERS, importance=imatrix)
+    if compiled is not None:
+        return compiled
     step = max(1, PIECE // rows.shape[1])
     out = []
     for i in range(0, len(rows), step):

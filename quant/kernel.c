@@ -497,10 +497,102 @@ static void f16(const float *x, uint8_t *y, int64_t n) {
     for (int64_t i = 0; i < n; i++, y += 2) put_f16(y, x[i]);
 }
 
-/* The entry point: `n` float32 values (whole blocks) of `type` into y. Returns 0, or -1 for a type
- * this file does not have. Types: 0 Q4_0, 1 Q4_1, 2 Q5_0, 3 Q5_1, 4 Q8_0, 5 Q4_K, 6 Q5_K, 7 Q6_K,
- * 8 BF16, 9 Q2_K, 10 Q3_K, 11 F16. */
-int localllm_quantize(int type, const float *x, uint8_t *y, int64_t n) {
+/* -- IQ4_NL (blocks of 32) and IQ4_XS (super-blocks of 256): a non-uniform table of 16 levels ---- */
+
+static const int8_t IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* the index of the table value nearest to v (the lower one on a tie) */
+static inline int iq4_index(float v) {
+    if (v <= IQ4[0]) return 0;
+    if (v >= IQ4[15]) return 15;
+    int lo = 0, hi = 15;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (v < IQ4[mid]) hi = mid; else lo = mid;
+    }
+    return v - IQ4[hi - 1] < IQ4[hi] - v ? hi - 1 : hi;
+}
+
+/* One super-block of `super` values in groups of 32: each group's scale by a search over 15 table
+ * offsets (weights x², or qw·sqrt(σ² + x²) with an importance matrix); IQ4_XS then codes the
+ * scales in 6 bits under one f16. y: d, [scales_h (2), scales_l (4)], qs. */
+static void iq4_block(int super, const float *x, uint8_t *y, const float *qw) {
+    uint8_t L[QK_K];
+    float scales[QK_K / 32], w[32];
+    const int nb = super / 32, ntry = 7;
+    uint8_t *qs = y + (super == 32 ? 2 : 8);
+    float sigma2 = 0;
+    for (int j = 0; j < super; ++j) sigma2 += x[j] * x[j];
+    sigma2 *= 2.f / super;
+    memset(qs, 0, super / 2);
+    float max_scale = 0, amax_scale = 0;
+    for (int ib = 0; ib < nb; ++ib) {
+        const float *xb = x + 32 * ib;
+        uint8_t *Lb = L + 32 * ib;
+        for (int j = 0; j < 32; ++j) w[j] = qw ? qw[32 * ib + j] * sqrtf(sigma2 + xb[j] * xb[j]) : xb[j] * xb[j];
+        float amax;
+        const float max = signed_max(32, xb, &amax);
+        if (amax < EPS) {
+            scales[ib] = 0;
+            continue;
+        }
+        float d = -max / IQ4[0], id = 1 / d, sumqx = 0, sumq2 = 0;
+        for (int j = 0; j < 32; ++j) {
+            const int l = iq4_index(id * xb[j]);
+            Lb[j] = l;
+            const float q = IQ4[l];
+            sumqx += w[j] * q * xb[j];
+            sumq2 += w[j] * q * q;
+        }
+        d = sumq2 > 0 ? sumqx / sumq2 : 0.f;
+        float best = d * sumqx;
+        for (int itry = -ntry; itry <= ntry; ++itry) {
+            id = (itry + IQ4[0]) / max;
+            sumqx = sumq2 = 0;
+            for (int j = 0; j < 32; ++j) {
+                const float q = IQ4[iq4_index(id * xb[j])];
+                sumqx += w[j] * q * xb[j];
+                sumq2 += w[j] * q * q;
+            }
+            if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
+                d = sumqx / sumq2;
+                best = d * sumqx;
+            }
+        }
+        scales[ib] = d;
+        if (fabsf(d) > amax_scale) {
+            amax_scale = fabsf(d);
+            max_scale = d;
+        }
+    }
+    if (nb > 1) {
+        uint16_t scales_h = 0;
+        uint8_t *scales_l = y + 4;
+        const float d = -max_scale / 32, id = d ? 1 / d : 0.f;
+        put_f16(y, d);
+        for (int ib = 0; ib < nb; ++ib) {
+            int l = nearest(id * scales[ib]);
+            l = MAXI(-32, MINI(31, l));
+            const float dl = d * l, idl = dl ? 1 / dl : 0.f;
+            for (int j = 0; j < 32; ++j) L[32 * ib + j] = iq4_index(idl * x[32 * ib + j]);
+            l += 32;
+            if (ib % 2 == 0) scales_l[ib / 2] = l & 0xf;
+            else scales_l[ib / 2] |= (l & 0xf) << 4;
+            scales_h |= (uint16_t)((l >> 4) << 2 * (ib % 8));
+        }
+        y[2] = scales_h & 0xFF;
+        y[3] = scales_h >> 8;
+    } else {
+        put_f16(y, scales[0]);
+        const float id = scales[0] ? 1 / scales[0] : 0;
+        for (int j = 0; j < super; ++j) L[j] = iq4_index(id * x[j]);
+    }
+    for (int i = 0; i < super / 32; ++i)
+        for (int j = 0; j < 16; ++j) qs[16 * i + j] = L[32 * i + j] | (L[32 * i + 16 + j] << 4);
+}
+
+/* `type` (below) of `n` float32 values, whole blocks, into y; 0, or -1 for a type this file lacks */
+static int quantize_values(int type, const float *x, uint8_t *y, int64_t n) {
     switch (type) {
         case 0: qx_0(x, y, n / 32, 4); return 0;
         case 1: qx_1(x, y, n / 32, 4); return 0;
@@ -516,4 +608,20 @@ int localllm_quantize(int type, const float *x, uint8_t *y, int64_t n) {
         case 11: f16(x, y, n); return 0;
         default: return -1;
     }
+}
+
+/* The entry point: `rows` rows of `n` float32 values of `type` into y, row after row. `qw`: the
+ * importance of each of the n columns (llama.cpp's quant_weights), or NULL; only the IQ4 types
+ * take one here. Returns 0, or -1 for a type (or a type with importance) this file does not have.
+ * Types: 0 Q4_0, 1 Q4_1, 2 Q5_0, 3 Q5_1, 4 Q8_0, 5 Q4_K, 6 Q5_K, 7 Q6_K, 8 BF16, 9 Q2_K, 10 Q3_K,
+ * 11 F16, 12 IQ4_NL, 13 IQ4_XS. */
+int localllm_quantize(int type, const float *x, uint8_t *y, int64_t rows, int64_t n, const float *qw) {
+    if (type == 12 || type == 13) {
+        const int super = type == 12 ? 32 : QK_K, size = type == 12 ? 18 : 136;
+        for (int64_t r = 0; r < rows; r++, x += n)
+            for (int64_t b = 0; b < n / super; b++, y += size) iq4_block(super, x + super * b, y, qw ? qw + super * b : NULL);
+        return 0;
+    }
+    if (qw) return -1;
+    return quantize_values(type, x, y, rows * n);
 }

@@ -1,8 +1,9 @@
 """The compiled quantizer (`kernel.c`): built with the system's C compiler on first use, cached,
 loaded with ctypes, run on every core.
 
-Only the types and the case it has: F16, BF16, and Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K ... Q6_K
-without an importance matrix (ggml's reference quantization, byte for byte). Everything else, and
+Only the types and the cases it has: F16, BF16, and Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K ... Q6_K
+without an importance matrix (ggml's reference quantization, byte for byte), IQ4_NL and IQ4_XS
+with or without one. Everything else, and
 everything where no compiler is found or the build fails, goes through the numpy ports, which give
 the same bytes more slowly: `quantize_rows` then returns None and `why_not()` says why.
 
@@ -29,12 +30,13 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["TYPES", "available", "quantize_rows", "why_not"]
+__all__ = ["TYPES", "WEIGHTED", "available", "has", "quantize_rows", "why_not"]
 
 TYPES = {"Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q5_0": (2, 32, 22), "Q5_1": (3, 32, 24),
          "Q8_0": (4, 32, 34), "Q4_K": (5, 256, 144), "Q5_K": (6, 256, 176), "Q6_K": (7, 256, 210),
          "BF16": (8, 1, 2), "Q2_K": (9, 256, 84), "Q3_K": (10, 256, 110),
-         "F16": (11, 1, 2)}  # fmt: skip
+         "F16": (11, 1, 2), "IQ4_NL": (12, 32, 18), "IQ4_XS": (13, 256, 136)}  # fmt: skip
+WEIGHTED = ("IQ4_NL", "IQ4_XS")  # the types it quantizes with an importance matrix too
 # no FMA contraction, no fast-math: the float32 operations of ggml's reference, each rounded
 FLAGS = ["-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=c99"]
 SOURCE = Path(__file__).with_name("kernel.c")
@@ -89,7 +91,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     except OSError as e:
         return None, f"cannot load {lib}: {e}"
     fn = dll.localllm_quantize
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return dll, ""
 
@@ -111,11 +113,18 @@ def why_not() -> str:
     return str(_state.get("why", ""))
 
 
-def quantize_rows(rows: np.ndarray, type_name: str, workers: int = 0) -> np.ndarray | None:
+def has(type_name: str, weighted: bool = False) -> bool:
+    """Whether the compiled quantizer is here and quantizes `type_name` (with an importance matrix
+    when `weighted`)."""
+    return type_name in (WEIGHTED if weighted else TYPES) and available()
+
+
+def quantize_rows(rows: np.ndarray, type_name: str, workers: int = 0,
+                  importance: np.ndarray | None = None) -> np.ndarray | None:  # fmt: skip
     """(R, n) float32 → (R, row bytes) uint8, or None where the compiled quantizer cannot do it
-    (the caller then uses the numpy port). `workers`: threads (0: one per core); ctypes lets go of
-    the GIL during each call."""
-    if type_name not in TYPES or rows.ndim != 2:
+    (the caller then uses the numpy port). `importance`: (n,) per column, for the `WEIGHTED`
+    types. `workers`: threads (0: one per core); ctypes lets go of the GIL during each call."""
+    if type_name not in (WEIGHTED if importance is not None else TYPES) or rows.ndim != 2:
         return None
     code, block, size = TYPES[type_name]
     n_rows, n = rows.shape
@@ -125,13 +134,17 @@ def quantize_rows(rows: np.ndarray, type_name: str, workers: int = 0) -> np.ndar
     if dll is None:
         return None
     x = np.ascontiguousarray(rows, dtype=np.float32)
+    qw = None if importance is None else np.ascontiguousarray(importance, dtype=np.float32).reshape(-1)
+    if qw is not None and qw.shape != (n,):
+        raise ValueError(f"the importance matrix has {qw.size} columns, the rows {n}")
     out = np.empty((n_rows, n // block * size), np.uint8)
     step = max(1, PIECE // n)  # rows per call
     starts = range(0, n_rows, step)
 
     def one(r: int) -> None:
         k = min(step, n_rows - r)
-        if dll.localllm_quantize(code, x[r].ctypes.data, out[r].ctypes.data, k * n) != 0:
+        if dll.localllm_quantize(code, x[r].ctypes.data, out[r].ctypes.data, k, n,
+                                 None if qw is None else qw.ctypes.data) != 0:  # fmt: skip
             raise RuntimeError(f"the compiled quantizer has no {type_name}")
 
     workers = min(len(starts), workers or os.cpu_count() or 1)

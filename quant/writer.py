@@ -370,10 +370,9 @@ def _tensors_out(f: GGUFFile, plan: dict[str, tuple[tuple[int, ...], str]],
     from localllm.quant import native
 
     work = [(n, t) for n, (_, t) in plan.items()]
-    # the values numpy would quantize: the compiled quantizer's types run on threads in this process
-    compiled = native.TYPES if native.available() else {}
+    # the values numpy would quantize: the compiled quantizer's run on threads in this process
     values = sum(f.tensors[n].n_elements for n, t in work
-                 if f.tensors[n].ggml_type.name != t and (t not in compiled or n in imatrix))  # fmt: skip
+                 if f.tensors[n].ggml_type.name != t and not native.has(t, weighted=n in imatrix))  # fmt: skip
     n = min(os.cpu_count() or 1, len(work))
     if n <= 1 or values < PROCESS_VALUES or hessians or replaced:
         for name, type_name in work:

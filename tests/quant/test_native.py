@@ -70,6 +70,7 @@ def test_a_failed_build_leaves_nothing_at_the_name(fresh: Path, monkeypatch: pyt
 
 def test_what_it_does_not_have_goes_to_numpy(fresh: Path) -> None:
     x = _sample()
-    assert native.quantize_rows(x, "IQ4_NL") is None  # not compiled: the numpy port
+    assert native.quantize_rows(x, "IQ2_XXS") is None  # not compiled: the numpy port
+    assert native.quantize_rows(x, "Q4_K", importance=np.ones(512, np.float32)) is None  # nor Q4_K's weighted search
     assert native.quantize_rows(x[:, :500], "Q8_0") is None  # rows that are not whole blocks
     assert native.quantize_rows(x[:0], "Q8_0").shape == (0, 16 * 34)

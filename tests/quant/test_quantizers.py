@@ -143,6 +143,21 @@ def test_k_quants_with_an_importance_matrix_are_byte_identical(type_name: str) -
         assert not np.array_equal(ours, quantize(x, type_name))  # the weights changed the result
 
 
+@pytest.mark.parametrize("type_name", native.WEIGHTED)
+def test_the_compiled_quantizer_with_an_importance_matrix_is_byte_identical(type_name: str) -> None:
+    if not native.available():
+        pytest.fail(f"the compiled quantizer did not build ({native.why_not()}): install a C compiler "
+                    "(apt install gcc)", pytrace=False)  # fmt: skip
+    rng = np.random.default_rng(13)
+    for name, x in inputs().items():
+        imatrix = (rng.uniform(0.01, 5, x.shape[1]) ** 2).astype(np.float32)
+        theirs = ggml_quantize(x, type_name, row_bytes(type_name, x.shape[1]), imatrix)
+        ours = native.quantize_rows(x, type_name, importance=imatrix)
+        bad = np.nonzero((ours != theirs).any(axis=1))[0]
+        assert not len(bad), f"{type_name} with imatrix, {name}: rows {bad[:8]} differ"
+        assert np.array_equal(quantize(x, type_name, imatrix), ours)  # quantize takes it
+
+
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_legacy_types_with_an_importance_matrix_are_byte_identical(type_name: str) -> None:
     from localllm.quant.legacy import quantize_weighted
