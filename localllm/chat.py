@@ -180,20 +180,32 @@ def render_limited(
     if not hasattr(os, "fork"):  # pragma: no cover - Windows: sandbox and output cap only
         return render_here(source, context, max_output)
     r, w = os.pipe()
+    # Ctrl-C is the parent's: held back over the fork (no handler runs inside fork's callbacks,
+    # and none in the child, which a terminal's Ctrl-C reaches too, being in its process group),
+    # ignored by the child, delivered to the parent once the fork is done.
+    sigint = {signal.SIGINT}
+    masked = hasattr(signal, "pthread_sigmask")
+    if masked:
+        signal.pthread_sigmask(signal.SIG_BLOCK, sigint)
     pid = os.fork()
     if pid == 0:  # the child: render, write, leave without running any parent cleanup
-        # No cyclic collection here: a full one walks every object the child inherited, each
-        # page it touches copied, and in a big process (a test suite's, a server's with torch
-        # loaded) that cost the child seconds of CPU: an honest template was stopped
-        gc.disable()
         code = 0
         try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a pending one is dropped
+            if masked:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, sigint)
+            # No cyclic collection here: a full one walks every object the child inherited, each
+            # page it touches copied, and in a big process (a test suite's, a server's with torch
+            # loaded) that cost the child seconds of CPU: an honest template was stopped
+            gc.disable()
             os.close(r)
             _child(source, context, max_output, w)
         except BaseException:  # noqa: BLE001
             code = 1
         finally:
             os._exit(code)
+    if masked:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, sigint)
     os.close(w)
     chunks: list[bytes] = []
     start = time.monotonic()

@@ -50,6 +50,20 @@ def _read_until(fd: int, needle: bytes, timeout: float = 60) -> bytes:
     return buf
 
 
+def _drain(fd: int, seconds: float) -> bytes:
+    """Whatever `fd` gives within `seconds` (until EOF)."""
+    buf, end = b"", time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0 and select.select([fd], [], [], left)[0]:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        buf += chunk
+    return buf
+
+
 def test_repl_on_a_terminal(default_model_path: Path) -> None:
     pid, fd = pty.fork()
     if pid == 0:
@@ -78,8 +92,9 @@ def test_ctrl_c_right_after_enter_stops_the_answer(default_model_path: Path) -> 
     pid, fd = pty.fork()
     if pid == 0:
         _default_sigint()
-        os.execv(sys.executable, [sys.executable, "-m", "localllm", "run", "smollm2", "--temperature", "0",
-                                  "--max-tokens", "4000"])  # fmt: skip
+        # faulthandler: on SIGABRT the REPL prints every thread's stack (below, when it hangs)
+        os.execve(sys.executable, [sys.executable, "-m", "localllm", "run", "smollm2", "--temperature", "0",
+                                   "--max-tokens", "4000"], {**os.environ, "PYTHONFAULTHANDLER": "1"})  # fmt: skip
     try:
         _read_until(fd, b">>> ")
         for delay in (0, 0, 0.001, 0.002, 0.003, 0.005, 0.005, 0.008, 0.01, 0.02, 0.05):
@@ -89,8 +104,10 @@ def test_ctrl_c_right_after_enter_stops_the_answer(default_model_path: Path) -> 
             os.write(fd, b"\x03")
             try:
                 _read_until(fd, b">>> ", timeout=60)
-            except AssertionError as e:  # which moment lost the Ctrl-C
-                raise AssertionError(f"Ctrl-C {delay * 1000:g} ms after Enter: {e}") from None
+            except AssertionError as e:  # which moment lost the Ctrl-C, and where the REPL is
+                os.kill(pid, signal.SIGABRT)
+                stacks = _drain(fd, 5).decode(errors="replace")[-8000:]
+                raise AssertionError(f"Ctrl-C {delay * 1000:g} ms after Enter: {e}\nthe REPL's threads:\n{stacks}") from None
         os.write(fd, b"/bye\n")
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
