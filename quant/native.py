@@ -3,12 +3,12 @@ loaded with ctypes, run on every core.
 
 Only the types and the cases it has: F16, BF16, and Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K ... Q6_K
 without an importance matrix (ggml's reference quantization, byte for byte), IQ4_NL and IQ4_XS
-with or without one. Everything else, and
-everything where no compiler is found or the build fails, goes through the numpy ports, which give
-the same bytes more slowly: `quantize_rows` then returns None and `why_not()` says why.
+with or without one. Everything else, and everything where no compiler is found or the build
+fails, goes through the numpy ports, which give the same bytes more slowly: `quantize_rows` then
+returns None and `why_not()` says why.
 
 The library is cached under `$XDG_CACHE_HOME/localllm` (else `~/.cache/localllm`), named by a hash
-of the source, the compiler and the machine, and written to a temporary name first, so a build
+of the source, the compiler, its flags and the machine, and written to a temporary name first, so a build
 that is killed, or two processes building at once, never leave a broken file at that name.
 `LOCALLLM_QUANT_KERNEL=0` turns it off (numpy only).
 """
