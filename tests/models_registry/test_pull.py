@@ -521,7 +521,7 @@ def test_cli_progress_bar_on_a_terminal(hub: FakeHub) -> None:
     """On a TTY, rich draws a bar with bytes, speed and ETA; the resume and done lines show."""
     import pty
 
-    from test_run_interactive import _read_until
+    from test_run_interactive import _drain, _read_until
 
     hub.faults[Q4] = Fault(rate=6e6, reset_after=3_000_000)
     pid, fd = pty.fork()
@@ -529,7 +529,7 @@ def test_cli_progress_bar_on_a_terminal(hub: FakeHub) -> None:
         os.execv(sys.executable, [sys.executable, "-m", "localllm", "pull", f"hf.co/{REPO}"])
     try:
         out = _read_until(fd, b"pulled hf.co/", timeout=60)
-        _read_until(fd, b"sha256:", timeout=10)
+        out += _drain(fd, 10)  # the rest, to the end
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
@@ -537,6 +537,7 @@ def test_cli_progress_bar_on_a_terminal(hub: FakeHub) -> None:
     text = out.decode(errors="replace")
     assert "MB/s" in text and "/8.2 MB" in text  # rich's DownloadColumn and TransferSpeedColumn
     assert "retrying in" in text and "Traceback" not in text
+    assert "sha256:" in text.split("pulled hf.co/")[-1]  # the done line names the digest
 
 
 VISION = Path(__file__).resolve().parents[1] / "data" / "vision"
